@@ -1,0 +1,1 @@
+"""vqpoold: the coordinator daemon that owns the block bookkeeping."""

@@ -1,0 +1,1 @@
+"""Admin commands of vqpoold, one module each (the module docstring is its help)."""

@@ -1,0 +1,47 @@
+"""What the daemon and the workers both need: the allocator, errors, protocol, config."""
+
+from vqpool.shared.allocator import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HISTORY_SIZE,
+    AllocationStats,
+    Block,
+    BlockPoolAllocator,
+    Owner,
+    PoolConfig,
+)
+from vqpool.shared.errors import (
+    BadRequestError,
+    BlockPoolExhaustedError,
+    ClaimConflictError,
+    DaemonRestartedError,
+    DaemonUnavailableError,
+    ErrorCode,
+    NoSessionError,
+    NotOwnerError,
+    OwnerAlreadyActiveError,
+    RetryLaterError,
+    UnauthorizedError,
+    VqpoolError,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_HISTORY_SIZE",
+    "AllocationStats",
+    "BadRequestError",
+    "Block",
+    "BlockPoolAllocator",
+    "BlockPoolExhaustedError",
+    "ClaimConflictError",
+    "DaemonRestartedError",
+    "DaemonUnavailableError",
+    "ErrorCode",
+    "NoSessionError",
+    "NotOwnerError",
+    "Owner",
+    "OwnerAlreadyActiveError",
+    "PoolConfig",
+    "RetryLaterError",
+    "UnauthorizedError",
+    "VqpoolError",
+]

@@ -1,0 +1,1 @@
+"""The worker side: PoolClient, MLX block storage, the pooled mlx-lm KV cache, serving."""
