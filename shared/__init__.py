@@ -23,13 +23,17 @@ from vqpool.shared.errors import (
     UnauthorizedError,
     VqpoolError,
 )
+from vqpool.shared.pool import AllocationRequest, AllocationResult, BlockPool
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_HISTORY_SIZE",
+    "AllocationRequest",
+    "AllocationResult",
     "AllocationStats",
     "BadRequestError",
     "Block",
+    "BlockPool",
     "BlockPoolAllocator",
     "BlockPoolExhaustedError",
     "ClaimConflictError",

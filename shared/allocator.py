@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vqpool.shared.errors import BlockPoolExhaustedError, OwnerAlreadyActiveError
+from vqpool.shared.errors import BlockPoolExhaustedError, OwnerAlreadyActiveError, VqpoolError
+
+if TYPE_CHECKING:
+    from vqpool.shared.pool import AllocationRequest, AllocationResult
 
 # Token slots per block. Amortizes per-allocation overhead (as in vLLM/PagedAttention) while
 # keeping the waste per sequence (at most block_size - 1 slots) small next to generation lengths.
@@ -82,7 +86,7 @@ class PoolConfig:
 
 @dataclass(slots=True)
 class Block:
-    """One allocated block of KV-cache storage, as handed out by :meth:`BlockPoolAllocator.allocate`.
+    """One allocated block of KV-cache storage, as :meth:`BlockPoolAllocator.allocate` gives it.
 
     The allocator keeps this object up to date while the block is allocated (``mark_used``,
     ``free``); once freed, it is a record of the past and the allocator forgets it.
@@ -322,7 +326,9 @@ class BlockPoolAllocator:
 
     # -- allocate --------------------------------------------------------------------------------
 
-    def allocate(self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16") -> list[Block]:
+    def allocate(
+        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16"
+    ) -> list[Block]:
         """Allocate ceil(n_tokens / block_size) blocks to ``owner``, all or nothing.
 
         Every block is full except possibly the last, which holds the remainder. A repeated call
@@ -372,6 +378,20 @@ class BlockPoolAllocator:
                 st.peak_blocks_in_use = in_use
             self._record_history()
             return blocks
+
+    def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
+        """Run several allocate() calls in order; each item succeeds or fails on its own.
+
+        Returns, per item, its blocks or the exception allocate() raised for it (nothing is
+        raised here), so one exhausted sequence does not undo the others of a decode step.
+        """
+        results: list[AllocationResult] = []
+        for request in requests:
+            try:
+                results.append(self.allocate(*request))
+            except (ValueError, VqpoolError) as exc:
+                results.append(exc)
+        return results
 
     def _pop_free_locked(self, free: _FreeList, n: int) -> tuple[list[int], int]:
         """Take ``n`` ids off the top of ``free``; also return how many had been used before."""
@@ -546,9 +566,7 @@ class BlockPoolAllocator:
         """
         block_size = self.config.block_size
         if not 0 <= n_used <= block_size:
-            raise ValueError(
-                f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
-            )
+            raise ValueError(f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}")
         with self._lock:
             live = self._allocated.get(block.block_id)
             if live is None:
@@ -560,6 +578,17 @@ class BlockPoolAllocator:
             is_partial = n_used < block_size
             if is_partial != was_partial:
                 self.stats._fragmented_count += 1 if is_partial else -1
+
+    def mark_used_many(self, updates: Sequence[tuple[Block, int]]) -> None:
+        """mark_used() for several blocks; all values are checked before any is applied."""
+        block_size = self.config.block_size
+        for _, n_used in updates:
+            if not 0 <= n_used <= block_size:
+                raise ValueError(
+                    f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
+                )
+        for block, n_used in updates:
+            self.mark_used(block, n_used)
 
     # -- audit -----------------------------------------------------------------------------------
 
