@@ -1,0 +1,339 @@
+"""Unit tests of BlockPoolAllocator's behaviour, one seed behaviour at a time."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from vqpool.shared import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HISTORY_SIZE,
+    AllocationRequest,
+    AllocationStats,
+    Block,
+    BlockPool,
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    OwnerAlreadyActiveError,
+    PoolConfig,
+)
+
+
+def pool_of(**kwargs: object) -> BlockPoolAllocator:
+    return BlockPoolAllocator(PoolConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def test_defaults() -> None:
+    assert DEFAULT_BLOCK_SIZE == 16
+    assert DEFAULT_HISTORY_SIZE == 256
+    config = PoolConfig()
+    assert (config.block_size, config.n_blocks, config.separate_kv) == (16, 1024, True)
+    assert (config.grow_on_exhaustion, config.max_blocks) == (False, None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size must be >= 1, got 0"),
+        ({"n_blocks": 0}, "n_blocks must be >= 1, got 0"),
+        ({"n_blocks": 8, "max_blocks": 4}, "max_blocks (4) must be >= n_blocks (8)"),
+    ],
+)
+def test_config_validation(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        PoolConfig(**kwargs)  # type: ignore[arg-type]
+    assert message in str(excinfo.value)
+
+
+def test_separate_kv_splits_blocks_between_streams() -> None:
+    pool = pool_of(n_blocks=9)
+    assert pool.streams == ("k", "v")
+    assert (pool.n_free("k"), pool.n_free("v")) == (4, 4)
+    assert pool.stats.n_blocks == 8  # n_blocks // 2 per stream, as the seed
+    shared = pool_of(n_blocks=9, separate_kv=False)
+    assert shared.streams == ("kv",)
+    assert shared.n_free("k") == shared.n_free("v") == shared.n_free("kv") == 9
+
+
+def test_stream_errors() -> None:
+    pool = pool_of(n_blocks=4)
+    with pytest.raises(ValueError, match="stream must be 'k' or 'v', got 'kv'"):
+        pool.allocate("kv", 1, owner=1)
+    with pytest.raises(ValueError, match="got 'q'"):
+        pool.n_free("q")
+    assert pool.active_owners() == []  # stream checked before the owner is registered
+    # A shared pool treats every stream name as "kv".
+    assert pool_of(n_blocks=4, separate_kv=False).allocate("q", 1, 1)[0].stream == "kv"
+
+
+def test_allocate_blocks_fill_and_order() -> None:
+    pool = pool_of(n_blocks=8, block_size=16)
+    blocks = pool.allocate("k", 40, owner=7, format="int2")
+    assert [b.block_id for b in blocks] == [3, 2, 1]  # top of the free list first, as the seed
+    assert [b.n_used for b in blocks] == [16, 16, 8]
+    assert {(b.stream, b.format, b.owner, b.ever_allocated) for b in blocks} == {
+        ("k", "int2", 7, True)
+    }
+    assert [b.block_id for b in pool.allocate("v", 1, owner=7)] == [7]
+    assert pool.blocks_for(7) == [*blocks, pool.blocks_for(7)[-1]]
+    assert pool.stats.n_allocations == 4
+    assert pool.stats.fragmentation() == 2 / 8
+
+
+def test_allocate_rejects_non_positive_tokens_without_change() -> None:
+    pool = pool_of(n_blocks=4)
+    for n in (0, -3):
+        with pytest.raises(ValueError, match=f"n_tokens must be > 0, got {n}"):
+            pool.allocate("k", n, owner=1)
+    assert pool.active_owners() == []
+    assert len(pool.history) == 0
+
+
+def test_exhaustion_is_all_or_nothing() -> None:
+    pool = pool_of(n_blocks=4)
+    pool.allocate("k", 16, owner=1)
+    with pytest.raises(BlockPoolExhaustedError, match=r"requested 2 block\(s\) .* only 1 free"):
+        pool.allocate("k", 17, owner=2)
+    assert pool.n_free("k") == 1
+    assert pool.blocks_for(2) == []
+    assert pool.stats.n_exhausted == 1
+    assert pool.stats.blocks_in_use() == 1
+    # As in the seed, the failed call left owner 2 registered.
+    with pytest.raises(OwnerAlreadyActiveError):
+        pool.register_owner(2)
+
+
+def test_lifo_reuse_counts_reused_blocks() -> None:
+    pool = pool_of(n_blocks=8)
+    a = pool.allocate("k", 32, owner=1)
+    pool.free([a[0]])
+    again = pool.allocate("k", 16, owner=2)
+    assert again[0].block_id == a[0].block_id
+    assert pool.stats.n_reused == 1
+    fresh = pool.allocate("k", 16, owner=2)
+    assert fresh[0].block_id == 1 and pool.stats.n_reused == 1
+
+
+def test_register_and_release_owner() -> None:
+    pool = pool_of(n_blocks=4)
+    pool.register_owner("req-1")
+    with pytest.raises(OwnerAlreadyActiveError, match="'req-1' is already active"):
+        pool.register_owner("req-1")
+    pool.allocate("k", 1, owner="req-1")  # an active owner grows, never collides
+    pool.allocate("k", 1, owner="req-1")
+    pool.release_owner("req-1")
+    assert not pool.is_active("req-1")
+    assert pool.n_blocks_for("req-1") == 2  # release_owner frees nothing
+    pool.register_owner("req-1")
+    pool.free_all("req-1")
+    assert pool.owners() == []
+
+
+def test_free_is_idempotent_and_releases_owner_with_last_block() -> None:
+    pool = pool_of(n_blocks=8)
+    blocks = pool.allocate("k", 48, owner=1)
+    pool.free([blocks[1]])
+    pool.free([blocks[1]])  # already free: nothing happens
+    assert pool.stats.n_frees == 1
+    assert blocks[1].owner is None and blocks[1].n_used == 0
+    assert pool.is_active(1)
+    pool.free([blocks[2], blocks[0]])
+    assert not pool.is_active(1)
+    assert pool.n_free("k") == 4
+
+
+def test_free_by_copy_frees_the_same_block() -> None:
+    pool = pool_of(n_blocks=4)
+    (block,) = pool.allocate("k", 5, owner=1)
+    pool.free([Block(block_id=block.block_id)])
+    assert block.owner is None
+    assert pool.n_free("k") == 2
+
+
+def test_free_all() -> None:
+    pool = pool_of(n_blocks=8)
+    pool.allocate("k", 40, owner=1)
+    pool.allocate("v", 20, owner=1)
+    pool.allocate("k", 1, owner=2)
+    pool.free_all(1)
+    assert pool.blocks_for(1) == [] and not pool.is_active(1)
+    assert (pool.n_free("k"), pool.n_free("v")) == (3, 4)
+    assert pool.stats.n_frees == 5
+    pool.free_all(99)  # unknown owner: no-op, still recorded
+    assert pool.stats.n_frees == 5
+    assert len(pool.history) == 5
+
+
+def test_shrink_retires_only_free_blocks() -> None:
+    pool = pool_of(n_blocks=8)
+    held = pool.allocate("k", 16, owner=1)
+    assert pool.shrink("k", target_free=1) == 2
+    assert pool.n_free("k") == 1 and pool.n_total("k") == 2
+    assert pool.shrink("k", target_free=5) == 0
+    assert pool.stats.n_retired == 2 and pool.stats.n_blocks == 6
+    assert held[0].owner == 1 and pool.blocks_for(1) == held
+    with pytest.raises(ValueError, match="target_free must be >= 0, got -1"):
+        pool.shrink("k", -1)
+    # Retired ids never come back.
+    pool.free_all(1)
+    ids = {b.block_id for b in pool.allocate("k", 32, owner=2)}
+    assert ids == {0, 3}  # 1 and 2 were retired
+
+
+def test_grow_on_exhaustion_respects_max_blocks() -> None:
+    pool = pool_of(n_blocks=4, grow_on_exhaustion=True, max_blocks=7)
+    blocks = pool.allocate("k", 16 * 4, owner=1)  # 2 free + 2 grown
+    assert [b.block_id for b in blocks] == [5, 4, 1, 0]
+    assert pool.stats.n_grown == 2 and pool.stats.n_blocks == 6
+    assert pool.stats.n_reused == 0
+    with pytest.raises(BlockPoolExhaustedError):
+        pool.allocate("k", 16 * 3, owner=2)  # only 1 more may be grown
+    assert pool.stats.n_blocks == 7 and pool.n_free("k") == 1
+    unbounded = pool_of(n_blocks=2, grow_on_exhaustion=True)
+    unbounded.allocate("v", 16 * 100, owner=1)
+    assert unbounded.stats.n_grown == 99
+
+
+def test_mark_used_keeps_fragmentation_exact() -> None:
+    pool = pool_of(n_blocks=4, block_size=4)
+    (block,) = pool.allocate("k", 4, owner=1)
+    assert pool.stats.fragmentation() == 0.0
+    pool.mark_used(block, 2)
+    assert block.n_used == 2 and pool.stats.fragmentation() == 0.25
+    pool.mark_used(block, 3)
+    assert pool.stats.fragmentation() == 0.25
+    pool.mark_used(block, 4)
+    assert pool.stats.fragmentation() == 0.0
+    with pytest.raises(ValueError, match=r"n_used must be in 0..4, got 5"):
+        pool.mark_used(block, 5)
+    assert block.n_used == 4
+    pool.free([block])
+    pool.mark_used(block, 1)  # a free block: the object changes, the stats do not
+    assert pool.stats._fragmented_count == 0
+    with pytest.raises(ValueError):
+        pool.mark_used_many([(block, 1), (block, 9)])
+    assert block.n_used == 1
+
+
+def test_allocate_many_reports_per_item() -> None:
+    pool = pool_of(n_blocks=4)
+    results = pool.allocate_many(
+        [
+            AllocationRequest("k", 16, 1),
+            AllocationRequest("k", 64, 2),
+            AllocationRequest("x", 1, 3),
+            AllocationRequest("v", 1, 3, "int4"),
+        ]
+    )
+    assert isinstance(results[0], list) and results[0][0].block_id == 1
+    assert isinstance(results[1], BlockPoolExhaustedError)
+    assert isinstance(results[2], ValueError)
+    assert isinstance(results[3], list) and results[3][0].format == "int4"
+
+
+def test_stats_snapshot_repr_and_prometheus() -> None:
+    pool = pool_of(n_blocks=4)
+    pool.allocate("k", 17, owner=1)
+    snap = pool.stats.snapshot()
+    pool.free_all(1)
+    assert snap.blocks_in_use() == 2 and pool.stats.blocks_in_use() == 0
+    assert repr(snap) == (
+        "AllocationStats(in_use=2/4, allocations=2, frees=0, reused=0, exhausted=0, "
+        "grown=0, retired=0, peak=2, fragmentation=0.250)"
+    )
+    assert repr(pool).startswith("BlockPoolAllocator(AllocationStats(in_use=0/4")
+    text = snap.to_prometheus()
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    assert lines[:6] == [
+        "# TYPE veloxquant_block_pool_blocks_in_use gauge",
+        "veloxquant_block_pool_blocks_in_use 2",
+        "# TYPE veloxquant_block_pool_blocks_total gauge",
+        "veloxquant_block_pool_blocks_total 4",
+        "# TYPE veloxquant_block_pool_fragmentation gauge",
+        "veloxquant_block_pool_fragmentation 0.250000",
+    ]
+    names = [line.split()[2] for line in lines if line.startswith("# TYPE")]
+    assert names == [
+        f"veloxquant_block_pool_{n}"
+        for n in (
+            "blocks_in_use",
+            "blocks_total",
+            "fragmentation",
+            "peak_blocks_in_use",
+            "allocations_total",
+            "frees_total",
+            "reused_total",
+            "exhausted_total",
+            "grown_total",
+            "retired_total",
+        )
+    ]
+    assert "vq_allocations_total 2" in snap.to_prometheus(prefix="vq")
+    assert AllocationStats(n_blocks=0).fragmentation() == 0.0
+
+
+def test_history_is_bounded_and_one_per_mutating_call() -> None:
+    pool = pool_of(n_blocks=4)
+    pool.register_owner(1)  # not a recorded call
+    pool.allocate("k", 1, owner=1)
+    block = pool.blocks_for(1)[0]
+    pool.mark_used(block, 3)  # not recorded either
+    pool.free([block])
+    pool.shrink("k", 5)
+    assert [h.n_allocations for h in pool.history] == [1, 1, 1]
+    assert [h.n_frees for h in pool.history] == [0, 1, 1]
+    for _ in range(DEFAULT_HISTORY_SIZE + 10):
+        pool.free_all(1)
+    assert len(pool.history) == DEFAULT_HISTORY_SIZE
+    first = pool.history[0]
+    first.n_frees = 999  # readers get copies
+    assert pool.history[0].n_frees == 1
+
+
+def test_local_allocator_is_a_block_pool() -> None:
+    assert isinstance(pool_of(), BlockPool)
+
+
+def test_million_block_pool_is_cheap_and_ends_exact() -> None:
+    pool = pool_of(n_blocks=1 << 20)
+    blocks = pool.allocate("v", 16 * 3, owner=1)
+    assert [b.block_id for b in blocks] == [(1 << 20) - 1, (1 << 20) - 2, (1 << 20) - 3]
+    pool.free(reversed(blocks))
+    assert pool.n_free("v") == 1 << 19
+
+
+def test_threads_share_one_pool() -> None:
+    pool = pool_of(n_blocks=512, block_size=4)
+    errors: list[BaseException] = []
+
+    def worker(worker_id: int) -> None:
+        rng = random.Random(worker_id)
+        try:
+            for step in range(300):
+                owner = (worker_id, step % 5)
+                try:
+                    blocks = pool.allocate(rng.choice("kv"), rng.randint(1, 12), owner)
+                except BlockPoolExhaustedError:
+                    pool.free_all(owner)
+                    continue
+                assert all(b.owner == owner for b in blocks)
+                if rng.random() < 0.5:
+                    pool.free(blocks[:1])
+                if rng.random() < 0.3:
+                    pool.free_all(owner)
+        except BaseException as exc:  # re-raised in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    pool.check_invariants()
+    for owner in pool.owners():
+        pool.free_all(owner)
+    assert pool.stats.blocks_in_use() == 0
+    assert pool.n_free("k") + pool.n_free("v") == 512
