@@ -1,0 +1,45 @@
+"""Pool and daemon state: allocator counters, free and total blocks per stream, pool config,
+boot id, pid, version, uptime, sessions and owners, request and error counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vqpool.daemon.coordinator import Coordinator
+from vqpool.daemon.worker_ops import DAEMON_VERSION
+from vqpool.shared.protocol import PROTOCOL_VERSION, Field, config_to_wire, stats_to_wire
+
+PARAMS: tuple[Field, ...] = ()
+
+
+def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+    allocator = coord.allocator
+    stats = allocator.stats
+    return {
+        "boot_id": coord.boot_id,
+        "pid": coord.pid,
+        "version": DAEMON_VERSION,
+        "protocol": PROTOCOL_VERSION,
+        "run_dir": str(coord.run_dir),
+        "started": coord.started,
+        "uptime_s": coord.uptime(),
+        "config": config_to_wire(allocator.config),
+        "lease_s": coord.lease,
+        "stats": {
+            **stats_to_wire(stats),
+            "blocks_in_use": stats.blocks_in_use(),
+            "fragmentation": stats.fragmentation(),
+        },
+        "streams": {
+            s: {"free": allocator.n_free(s), "total": allocator.n_total(s)}
+            for s in allocator.streams
+        },
+        "sessions": len(coord.sessions),
+        "owners": len(allocator.active_owners()),
+        "requests": coord.n_requests,
+        "bad_requests": coord.n_bad_requests,
+        "replies_dropped": coord.n_replies_dropped,
+        "sessions_opened": coord.n_sessions_opened,
+        "sessions_reaped": coord.n_sessions_reaped,
+        "sessions_evicted": coord.n_sessions_evicted,
+    }

@@ -1,0 +1,273 @@
+"""The daemon's state and its ownership rules: one allocator shared by every worker session.
+
+The allocator knows owners; this layer knows which session each owner belongs to, and enforces
+what the allocator alone cannot: an owner id is held by one session at a time, and a session may
+only touch the blocks and owners it holds. Every check of a request runs before any change, so a
+refused request leaves no trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vqpool.daemon.sessions import Session, SessionTable
+from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
+from vqpool.shared.errors import (
+    NotOwnerError,
+    OwnerAlreadyActiveError,
+    VqpoolError,
+    error_code_for,
+)
+from vqpool.shared.protocol import MAX_BLOCKS_PER_ALLOCATE
+
+log = logging.getLogger("vqpoold")
+
+
+class Coordinator:
+    """The allocator, the sessions, and who holds what.
+
+    Attributes:
+        allocator: The one pool every worker draws from.
+        sessions: Live worker sessions.
+        boot_id: Random id of this daemon lifetime, stamped on every reply; a client that sees
+            it change knows its blocks belong to a previous lifetime.
+        lease: Seconds a stopped worker keeps its blocks after it was last heard from.
+        run_dir: Where the sockets live (for the admin's eyes).
+    """
+
+    def __init__(self, config: PoolConfig, *, lease: float, run_dir: Path) -> None:
+        self.allocator = BlockPoolAllocator(config)
+        self.sessions = SessionTable()
+        self.boot_id = secrets.token_hex(8)
+        self.lease = lease
+        self.run_dir = run_dir
+        self.pid = os.getpid()
+        self.started = time.time()
+        self.started_monotonic = time.monotonic()
+        self._holder: dict[Owner, Session] = {}
+        # Counters for the admin's stats; plain ints so the hot path pays one add.
+        self.n_requests = 0
+        self.n_bad_requests = 0
+        self.n_replies_dropped = 0
+        self.n_sessions_opened = 0
+        self.n_sessions_reaped = 0
+        self.n_sessions_evicted = 0
+
+    # -- owners ------------------------------------------------------------------------------------
+
+    def holder_of(self, owner: Owner) -> Session | None:
+        """The session holding ``owner``, or None if no session does."""
+        return self._holder.get(owner)
+
+    def _bind(self, owner: Owner, session: Session) -> None:
+        self._holder[owner] = session
+        session.owners.add(owner)
+
+    def _unbind(self, owner: Owner) -> None:
+        session = self._holder.pop(owner, None)
+        if session is not None:
+            session.owners.discard(owner)
+
+    def _claim(self, session: Session, owner: Owner) -> Session | None:
+        """The current holder of ``owner`` if it is ``session`` or nobody; else raise."""
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise OwnerAlreadyActiveError(
+                f"owner {owner!r} is active in another worker session (pid {holder.pid}, "
+                f"model {holder.model!r}); owner ids are global across workers: use another id"
+            )
+        return holder
+
+    def _require_held(self, session: Session, owner: Owner, what: str) -> Session | None:
+        """The holder of ``owner`` if it is ``session`` or nobody; NotOwnerError otherwise."""
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise NotOwnerError(
+                f"{what}: owner {owner!r} belongs to another worker session (pid {holder.pid}); "
+                "nothing was changed"
+            )
+        return holder
+
+    # -- worker ops --------------------------------------------------------------------------------
+
+    def allocate(
+        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
+    ) -> list[int]:
+        """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
+        holder = self._claim(session, owner)
+        if n_tokens > MAX_BLOCKS_PER_ALLOCATE * self.allocator.config.block_size:
+            raise ValueError(
+                f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
+                "allocate in steps"
+            )
+        allocator = self.allocator
+        try:
+            blocks = allocator.allocate(stream, n_tokens, owner, fmt)
+        except (ValueError, VqpoolError):
+            # An exhausted allocate leaves the owner registered (seed behaviour): it is ours now.
+            if holder is None and allocator.is_active(owner):
+                self._bind(owner, session)
+            raise
+        if holder is None:
+            self._bind(owner, session)
+        return [block.block_id for block in blocks]
+
+    def allocate_many(
+        self, session: Session, items: Sequence[tuple[str, int, Owner, str]]
+    ) -> list[list[int] | dict[str, Any]]:
+        """allocate() per item; each result is the block ids or an ``{code, message}`` error."""
+        results: list[list[int] | dict[str, Any]] = []
+        for stream, n_tokens, owner, fmt in items:
+            try:
+                results.append(self.allocate(session, stream, n_tokens, owner, fmt))
+            except (ValueError, VqpoolError) as exc:
+                results.append({"code": int(error_code_for(exc)), "message": str(exc)})
+        return results
+
+    def free(self, session: Session, block_ids: Sequence[int]) -> None:
+        """Free blocks by id. Free ids are skipped (as the allocator does); one id held by
+        another session refuses the whole request."""
+        allocator = self.allocator
+        owner_of = allocator.owner_of
+        holder = self._holder
+        touched: set[Owner] = set()
+        for block_id in block_ids:
+            owner = owner_of(block_id)
+            if owner is None:
+                continue
+            if holder.get(owner) is not session:
+                raise NotOwnerError(
+                    f"free: block {block_id} is held by another worker session; nothing was freed"
+                )
+            touched.add(owner)
+        allocator.free([Block(block_id) for block_id in block_ids])
+        for owner in touched:
+            if not allocator.is_active(owner):
+                self._unbind(owner)
+
+    def free_all(self, session: Session, owner: Owner) -> None:
+        """free_all() of an owner this session holds (an unknown owner is a no-op)."""
+        self._require_held(session, owner, "free_all")
+        self.allocator.free_all(owner)
+        self._unbind(owner)
+
+    def register_owner(self, session: Session, owner: Owner) -> None:
+        """register_owner(): the owner becomes this session's."""
+        self._claim(session, owner)
+        self.allocator.register_owner(owner)
+        self._bind(owner, session)
+
+    def release_owner(self, session: Session, owner: Owner) -> None:
+        """release_owner() of an owner this session holds that holds no block.
+
+        Unlike the local allocator, an owner that still holds blocks is refused: releasing it
+        would let another worker take an id whose blocks are still in use here.
+        """
+        if self._require_held(session, owner, "release_owner") is None:
+            return
+        n_held = self.allocator.n_blocks_for(owner)
+        if n_held:
+            raise ValueError(
+                f"release_owner: owner {owner!r} still holds {n_held} block(s); free them or "
+                "call free_all(owner)"
+            )
+        self.allocator.release_owner(owner)
+        self._unbind(owner)
+
+    def blocks_for(self, session: Session, owner: Owner) -> list[Block]:
+        """blocks_for() of an owner this session holds (an unknown owner has none)."""
+        if self._require_held(session, owner, "blocks_for") is None:
+            return []
+        return self.allocator.blocks_for(owner)
+
+    def mark_used(self, session: Session, updates: Sequence[tuple[int, int]]) -> None:
+        """mark_used() for several blocks, all checked before any is applied."""
+        allocator = self.allocator
+        block_size = allocator.config.block_size
+        for _, n_used in updates:
+            if not 0 <= n_used <= block_size:
+                raise ValueError(
+                    f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
+                )
+        holder = self._holder
+        for block_id, _ in updates:
+            owner = allocator.owner_of(block_id)
+            if owner is not None and holder.get(owner) is not session:
+                raise NotOwnerError(
+                    f"mark_used: block {block_id} is held by another worker session; "
+                    "nothing was changed"
+                )
+        allocator.mark_used_many([(Block(block_id), n_used) for block_id, n_used in updates])
+
+    # -- session lifecycle -------------------------------------------------------------------------
+
+    def end_session(self, session: Session) -> tuple[int, int]:
+        """Free everything ``session`` holds, release its owners and forget it.
+
+        Returns (owners released, blocks freed).
+        """
+        allocator = self.allocator
+        owners = list(session.owners)
+        n_blocks = 0
+        for owner in owners:
+            n_blocks += allocator.n_blocks_for(owner)
+            allocator.free_all(owner)
+            self._unbind(owner)
+        self.sessions.close(session)
+        return len(owners), n_blocks
+
+    def reap_dead_sessions(self, now: float) -> None:
+        """End every session whose worker exited or stayed stopped past its lease."""
+        for session in self.sessions:
+            reason = session.reap_reason(now, self.lease)
+            if reason is not None:
+                n_owners, n_blocks = self.end_session(session)
+                self.n_sessions_reaped += 1
+                log.info(
+                    "reaped session %x (pid %d, model %r): %s; freed %d block(s) of %d owner(s)",
+                    session.sid,
+                    session.pid,
+                    session.model,
+                    reason,
+                    n_blocks,
+                    n_owners,
+                )
+
+    # -- reads for the admin -----------------------------------------------------------------------
+
+    def held_by(self, session: Session) -> dict[Owner, list[Block]]:
+        """Each owner of ``session`` with its blocks (O(blocks held): admin use only)."""
+        return {owner: self.allocator.blocks_for(owner) for owner in session.owners}
+
+    def uptime(self) -> float:
+        """Seconds since the daemon started."""
+        return time.monotonic() - self.started_monotonic
+
+    def audit(self) -> list[str]:
+        """Every disagreement between the allocator, the owner map and the sessions (O(pool))."""
+        problems: list[str] = []
+        try:
+            self.allocator.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"allocator: {exc}")
+        active = set(self.allocator.active_owners())
+        held = set(self._holder)
+        problems += [f"owner {o!r} is active but held by no session" for o in active - held]
+        problems += [f"owner {o!r} is held by a session but inactive" for o in held - active]
+        live = {id(s) for s in self.sessions}
+        for owner, session in self._holder.items():
+            if id(session) not in live:
+                problems.append(f"owner {owner!r} is held by ended session {session.sid:x}")
+            elif owner not in session.owners:
+                problems.append(f"owner {owner!r} is missing from session {session.sid:x}")
+        for session in self.sessions:
+            for owner in session.owners:
+                if self._holder.get(owner) is not session:
+                    problems.append(f"session {session.sid:x} lists owner {owner!r} it lacks")
+        return problems

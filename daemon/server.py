@@ -1,0 +1,287 @@
+"""vqpoold's process: run directory, lock, sockets, the poll loop, and a clean stop.
+
+One thread serves everything. The loop sleeps in ``poll(2)`` on the two ROUTER sockets' ZeroMQ
+file descriptors and a self-pipe that signal handlers write to, so a SIGTERM wakes it at once
+although the handler itself only records the signal. Every reply is sent non-blocking: when a
+peer's queue is full (it does not read) its reply is dropped and counted, and nobody else waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import select
+import signal
+import stat
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+import zmq
+from vqpool.daemon.admin import AdminRequestHandler
+from vqpool.daemon.coordinator import Coordinator
+from vqpool.daemon.dispatch import PeerLogLimiter
+from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
+from vqpool.shared.allocator import PoolConfig
+from vqpool.shared.config import (
+    ADMIN_SOCKET_NAME,
+    LOCK_FILE_NAME,
+    WORKER_SOCKET_NAME,
+    DaemonSettings,
+    resolve_run_dir,
+    socket_path,
+)
+from vqpool.shared.protocol import MAX_MESSAGE_BYTES
+
+log = logging.getLogger("vqpoold")
+
+LIVENESS_INTERVAL = 0.25
+"""Seconds between two checks of every session's process (reaps a killed worker well inside
+the promised 2 s at the cost of one /proc read per session per tick)."""
+
+MAX_MESSAGES_PER_WAKE = 256
+"""Requests served from one socket before looking at the other and at the clock."""
+
+SHUTDOWN_LINGER_MS = 200
+"""How long closing a socket at shutdown may wait to flush the last replies."""
+
+Handle = Callable[[bytes, bytes, float], bytes]
+
+
+def _input_pending(sock: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+class StartupError(Exception):
+    """vqpoold cannot start; the message says why and what to do. Exit status in ``status``."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` 0700, or check that an existing one is ours and private.
+
+    Raises:
+        StartupError: It is not a directory, belongs to another user, or others can enter it.
+    """
+    try:
+        run_dir.mkdir(mode=0o700, parents=True)
+        os.chmod(run_dir, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StartupError(f"cannot create run directory {run_dir}: {exc}") from exc
+    info = os.lstat(run_dir)
+    if not stat.S_ISDIR(info.st_mode):
+        raise StartupError(f"run directory {run_dir} is not a directory (or is a symlink)")
+    if info.st_uid != os.getuid():
+        raise StartupError(
+            f"run directory {run_dir} belongs to uid {info.st_uid}, not to you "
+            f"(uid {os.getuid()}); choose another --run-dir"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise StartupError(
+            f"run directory {run_dir} has mode {mode:04o}: other users could reach the sockets. "
+            f"Run `chmod 700 {run_dir}` or choose another --run-dir"
+        )
+
+
+def take_lock(lock_path: Path, boot_id: str) -> int:
+    """Hold an exclusive flock on ``lock_path`` for the life of the process; return its fd.
+
+    The lock is taken before binding because libzmq deletes an existing ipc socket file when it
+    binds: without it a second daemon would silently steal the first one's endpoint.
+
+    Raises:
+        StartupError: Another vqpoold holds the lock (status 1); its lock file names it.
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip().replace("\n", ", ")
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise StartupError(f"cannot lock {lock_path}: {exc}") from exc
+        raise StartupError(
+            f"another vqpoold is already serving {lock_path.parent} "
+            f"({holder or 'it is starting'}); stop it first or use another --run-dir",
+            status=1,
+        ) from None
+    os.ftruncate(fd, 0)
+    started = datetime.now().isoformat(timespec="seconds")
+    os.pwrite(fd, f"pid {os.getpid()}\nboot {boot_id}\nstarted {started}\n".encode(), 0)
+    return fd
+
+
+def describe_pool(config: PoolConfig) -> str:
+    """One line on a pool's shape, for the start line."""
+    streams = config.streams
+    per_stream = config.n_blocks // len(streams)
+    split = f"streams {'+'.join(streams)} ({per_stream} each)" if len(streams) > 1 else "shared kv"
+    if not config.grow_on_exhaustion:
+        grow = "no growth"
+    elif config.max_blocks is None:
+        grow = "grows without cap"
+    else:
+        grow = f"grows up to {config.max_blocks}"
+    return f"{per_stream * len(streams)} blocks x {config.block_size} tokens, {split}, {grow}"
+
+
+class Server:
+    """One vqpoold: bind, serve until SIGTERM/SIGINT, stop cleanly."""
+
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.settings = settings
+        self.run_dir = resolve_run_dir(settings.run_dir)
+        self._stop_signal: int | None = None
+        self._bad_frames = PeerLogLimiter()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only record it: the self-pipe written by Python's C-level handler wakes the loop.
+        self._stop_signal = signum
+
+    def run(self) -> int:
+        """Serve until stopped by a signal; the process exit status.
+
+        Raises:
+            StartupError: Bad settings, an unusable run directory, or another daemon running.
+        """
+        run_dir = self.run_dir
+        try:
+            worker_path = socket_path(run_dir, WORKER_SOCKET_NAME)
+            admin_path = socket_path(run_dir, ADMIN_SOCKET_NAME)
+            pool_config = self.settings.pool_config()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
+        if self.settings.lease <= 0:
+            raise StartupError(f"lease must be > 0 seconds, got {self.settings.lease}")
+        prepare_run_dir(run_dir)
+        coord = Coordinator(pool_config, lease=self.settings.lease, run_dir=run_dir)
+        lock_fd = take_lock(run_dir / LOCK_FILE_NAME, coord.boot_id)
+        context: zmq.Context[Any] = zmq.Context()
+        try:
+            # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
+            for path in (worker_path, admin_path):
+                path.unlink(missing_ok=True)
+            worker = self._bind(context, worker_path)
+            admin = self._bind(context, admin_path)
+            log.info(
+                "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
+                "(admin); pool: %s; lease %gs",
+                DAEMON_VERSION,
+                coord.pid,
+                coord.boot_id,
+                worker_path,
+                admin_path,
+                describe_pool(pool_config),
+                coord.lease,
+            )
+            handle_worker = WorkerRequestHandler(coord).handle
+            handle_admin = AdminRequestHandler(coord).handle
+            self._loop(coord, (worker, handle_worker), (admin, handle_admin))
+            # Answer what was already queued before the signal, then let the replies flush.
+            self._serve(worker, handle_worker, coord, "worker")
+            self._serve(admin, handle_admin, coord, "admin")
+            worker.close(linger=SHUTDOWN_LINGER_MS)
+            admin.close(linger=SHUTDOWN_LINGER_MS)
+        finally:
+            context.term()
+            for path in (worker_path, admin_path):
+                path.unlink(missing_ok=True)
+            os.close(lock_fd)  # releases the flock, after the sockets are gone
+        signame = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
+        log.info("vqpoold stopped on %s after %.1fs", signame, coord.uptime())
+        return 0
+
+    @staticmethod
+    def _bind(context: zmq.Context[Any], path: Path) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Unroutable or queue-full sends fail (and are counted) instead of vanishing silently;
+        # the sends are non-blocking, so a full queue never stalls the loop.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+        return sock
+
+    def _loop(
+        self,
+        coord: Coordinator,
+        worker_side: tuple[zmq.Socket[bytes], Handle],
+        admin_side: tuple[zmq.Socket[bytes], Handle],
+    ) -> None:
+        worker, handle_worker = worker_side
+        admin, handle_admin = admin_side
+        wake_read, wake_write = os.pipe()
+        for fd in (wake_read, wake_write):
+            os.set_blocking(fd, False)
+        previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+        previous_handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        worker_fd = cast(int, worker.getsockopt(zmq.FD))
+        admin_fd = cast(int, admin.getsockopt(zmq.FD))
+        poller = select.poll()
+        for fd in (worker_fd, admin_fd, wake_read):
+            poller.register(fd, select.POLLIN)
+        next_check = time.monotonic() + LIVENESS_INTERVAL
+        try:
+            while self._stop_signal is None:
+                # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
+                if _input_pending(worker) or _input_pending(admin):
+                    timeout_ms = 0
+                else:
+                    timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
+                for fd, _ in poller.poll(timeout_ms):
+                    if fd == wake_read:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(wake_read, 512)
+                self._serve(worker, handle_worker, coord, "worker")
+                self._serve(admin, handle_admin, coord, "admin")
+                now = time.monotonic()
+                if now >= next_check:
+                    coord.reap_dead_sessions(now)
+                    next_check = now + LIVENESS_INTERVAL
+        finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+            os.close(wake_read)
+            os.close(wake_write)
+
+    def _serve(
+        self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str
+    ) -> None:
+        """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``."""
+        recv = sock.recv_multipart
+        send = sock.send_multipart
+        monotonic = time.monotonic
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2:  # DEALER: [peer, request]
+                envelope = frames[:1]
+            elif len(frames) == 3 and not frames[1]:  # REQ: [peer, "", request]
+                envelope = frames[:2]
+            else:  # cannot be a request: nothing sensible to answer
+                coord.n_bad_requests += 1
+                self._bad_frames.note(frames[0], name, f"message of {len(frames)} frames dropped")
+                continue
+            envelope.append(handle(frames[-1], frames[0], monotonic()))
+            try:
+                send(envelope, zmq.NOBLOCK)
+            except zmq.ZMQError:  # EAGAIN: peer's queue full; EHOSTUNREACH: peer gone
+                coord.n_replies_dropped += 1

@@ -1,0 +1,198 @@
+"""The worker socket's request handler: envelope, session, reply cache, then the op.
+
+Order of checks for one request (each refusal changes nothing):
+
+1. msgpack within limits, envelope fields, protocol version;
+2. the op is a worker op (admin ops here are UNAUTHORIZED);
+3. ``hello`` opens (or, for a repeated nonce, returns) a session; any other op needs the boot id
+   of this daemon lifetime (else DAEMON_RESTARTED) and a live session id (else NO_SESSION);
+4. a mutating op whose request id was seen gets the cached reply, not a second application;
+5. the op's arguments against its schema, then the op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from vqpool.daemon.coordinator import Coordinator
+from vqpool.daemon.dispatch import PeerLogLimiter, error_reply
+from vqpool.daemon.sessions import Session, verify_worker_process
+from vqpool.shared.errors import (
+    BadRequestError,
+    DaemonRestartedError,
+    NoSessionError,
+    UnauthorizedError,
+    UnknownOpError,
+    VqpoolError,
+)
+from vqpool.shared.protocol import (
+    ADMIN_OPS,
+    GOODBYE,
+    HELLO,
+    MUTATING_OPS,
+    PROTOCOL_VERSION,
+    WORKER_ARGS,
+    WORKER_OPS,
+    block_rows,
+    config_to_wire,
+    decode_request,
+    encode_result,
+    parse_args,
+    parse_envelope,
+    request_id_of,
+    stats_to_wire,
+)
+
+log = logging.getLogger("vqpoold")
+
+try:
+    DAEMON_VERSION = version("vqpool")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    DAEMON_VERSION = "unknown"
+
+HEARTBEATS_PER_LEASE = 4
+"""The client pings every lease / 4, so three lost heartbeats in a row still keep the lease."""
+
+Handler = Callable[[Coordinator, Session, dict[str, Any]], Any]
+
+
+def _goodbye(coord: Coordinator, session: Session, args: dict[str, Any]) -> Any:
+    n_owners, n_blocks = coord.end_session(session)
+    return {"ended": True, "owners_released": n_owners, "blocks_freed": n_blocks}
+
+
+HANDLERS: dict[str, Handler] = {
+    GOODBYE: _goodbye,
+    "ping": lambda coord, session, args: None,
+    "allocate": lambda coord, session, a: coord.allocate(
+        session, a["stream"], a["n_tokens"], a["owner"], a["format"]
+    ),
+    "allocate_many": lambda coord, session, a: coord.allocate_many(session, a["items"]),
+    "free": lambda coord, session, a: coord.free(session, a["block_ids"]),
+    "free_all": lambda coord, session, a: coord.free_all(session, a["owner"]),
+    "register_owner": lambda coord, session, a: coord.register_owner(session, a["owner"]),
+    "release_owner": lambda coord, session, a: coord.release_owner(session, a["owner"]),
+    "blocks_for": lambda coord, session, a: block_rows(coord.blocks_for(session, a["owner"])),
+    "n_free": lambda coord, session, a: coord.allocator.n_free(a["stream"]),
+    "mark_used": lambda coord, session, a: coord.mark_used(session, a["updates"]),
+    "stats": lambda coord, session, a: stats_to_wire(coord.allocator.stats),
+    "history": lambda coord, session, a: [stats_to_wire(s) for s in coord.allocator.history],
+    "metrics": lambda coord, session, a: coord.allocator.stats.to_prometheus(),
+}
+assert HANDLERS.keys() == WORKER_OPS - {HELLO}
+
+
+class WorkerRequestHandler:
+    """Turns one worker request frame into its reply frame."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self._coord = coord
+        self._bad_log = PeerLogLimiter()
+
+    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
+        """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``."""
+        coord = self._coord
+        coord.n_requests += 1
+        boot = coord.boot_id
+        message: Any = None
+        try:
+            message = decode_request(payload)
+            request = parse_envelope(message)
+            op = request.op
+            if op not in WORKER_OPS:
+                if op in ADMIN_OPS:
+                    raise UnauthorizedError(f"{op!r} is an admin op: use the admin socket")
+                raise UnknownOpError(f"unknown op {op!r}")
+            if op == HELLO:
+                return self._hello(request.id, request.args, now)
+            if request.boot != boot:
+                if request.boot is None:
+                    raise BadRequestError(f"{op}: boot id missing (send the one hello returned)")
+                raise DaemonRestartedError(
+                    f"{op}: this request is for daemon lifetime {request.boot}, but vqpoold "
+                    f"restarted (now {boot}); blocks of the old lifetime are gone: not applied"
+                )
+            session = coord.sessions.get(request.sid)
+            if session is None:
+                if op == GOODBYE:  # a retried goodbye whose first reply was lost
+                    return encode_result(request.id, boot, {"ended": False})
+                raise NoSessionError(
+                    f"{op}: no session {request.sid!r} (say hello first; sessions end on goodbye, "
+                    "eviction, or when the worker process is gone)"
+                )
+        except (VqpoolError, ValueError) as exc:
+            coord.n_bad_requests += 1
+            self._bad_log.note(peer, "worker", str(exc))
+            return error_reply(request_id_of(message), boot, exc)
+        session.last_heard = now
+        session.n_requests += 1
+        rid = request.id
+        mutating = op in MUTATING_OPS
+        try:
+            if mutating:
+                cached = session.cached_reply(rid)
+                if cached is not None:
+                    return cached
+            args = parse_args(op, request.args, WORKER_ARGS[op])
+            reply = encode_result(rid, boot, HANDLERS[op](coord, session, args))
+        except BadRequestError as exc:
+            coord.n_bad_requests += 1
+            self._bad_log.note(peer, "worker", str(exc))
+            reply = error_reply(rid, boot, exc)
+        except Exception as exc:
+            reply = error_reply(rid, boot, exc)
+        if mutating:
+            session.remember_reply(rid, reply)
+        return reply
+
+    def _hello(self, rid: int, raw_args: Any, now: float) -> bytes:
+        coord = self._coord
+        args = parse_args(HELLO, raw_args, WORKER_ARGS[HELLO])
+        session = coord.sessions.by_nonce(args["nonce"])
+        if session is None:
+            process = verify_worker_process(args["pid"])
+            bytes_per_block = args["bytes_per_block"]
+            if type(bytes_per_block) is int:
+                bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
+            session = coord.sessions.open(
+                process,
+                args["model"],
+                bytes_per_block,
+                args["client_version"],
+                args["nonce"],
+                now,
+            )
+            coord.n_sessions_opened += 1
+            log.info(
+                "session %x opened: pid %d, model %r, client %s",
+                session.sid,
+                session.pid,
+                session.model,
+                session.client_version or "?",
+            )
+        elif session.pid != args["pid"]:
+            raise BadRequestError("hello: this nonce belongs to another process's session")
+        session.last_heard = now
+        lease = coord.lease
+        return encode_result(
+            rid,
+            coord.boot_id,
+            {
+                "sid": session.sid,
+                "boot": coord.boot_id,
+                "protocol": PROTOCOL_VERSION,
+                "config": config_to_wire(coord.allocator.config),
+                "streams": list(coord.allocator.streams),
+                "lease": lease,
+                "heartbeat": lease / HEARTBEATS_PER_LEASE,
+                "daemon_pid": os.getpid(),
+                "daemon_version": DAEMON_VERSION,
+                "started": coord.started,
+                "time": time.time(),
+            },
+        )

@@ -1,0 +1,156 @@
+"""Where vqpoold lives and how it is configured: run directory, socket paths, TOML settings.
+
+The daemon, the worker client and ``vqpoolctl`` all resolve the run directory the same way, so
+a worker finds the daemon without being told where it is:
+
+1. an explicit ``run_dir`` (``--run-dir``),
+2. the ``VQPOOL_RUN_DIR`` environment variable,
+3. ``$XDG_RUNTIME_DIR/vqpool`` on Linux (the per-user runtime directory systemd provides),
+4. ``$TMPDIR/vqpool`` on macOS (launchd's ``$TMPDIR`` is already per user),
+5. ``<temp dir>/vqpool-<uid>`` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from vqpool.shared.allocator import DEFAULT_BLOCK_SIZE, PoolConfig
+
+RUN_DIR_ENV = "VQPOOL_RUN_DIR"
+WORKER_SOCKET_NAME = "worker.sock"
+ADMIN_SOCKET_NAME = "admin.sock"
+LOCK_FILE_NAME = "vqpoold.lock"
+
+# sockaddr_un.sun_path holds 108 bytes on Linux and 104 on macOS, including the trailing NUL.
+MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" else 107
+
+# A session whose process is stopped (SIGSTOP, a debugger) keeps its blocks for this long after
+# it was last heard from. Long enough for a Ctrl-Z/fg or a debugger breakpoint, short enough that
+# a frozen worker does not starve the others for minutes.
+DEFAULT_LEASE_SECONDS = 10.0
+DEFAULT_N_BLOCKS = 1024
+
+
+def default_run_dir() -> Path:
+    """The run directory to use when none is given (see the module docstring for the order)."""
+    from_env = os.environ.get(RUN_DIR_ENV)
+    if from_env:
+        return Path(from_env)
+    if sys.platform.startswith("linux"):
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        if xdg:
+            return Path(xdg) / "vqpool"
+    elif sys.platform == "darwin":
+        tmpdir = os.environ.get("TMPDIR")
+        if tmpdir:
+            return Path(tmpdir) / "vqpool"
+    return Path(tempfile.gettempdir()) / f"vqpool-{os.getuid()}"
+
+
+def resolve_run_dir(run_dir: str | os.PathLike[str] | None) -> Path:
+    """``run_dir`` made absolute, or the default run directory when it is None."""
+    return Path(run_dir).expanduser().absolute() if run_dir else default_run_dir().absolute()
+
+
+def socket_path(run_dir: Path, name: str) -> Path:
+    """The path of socket ``name`` in ``run_dir``, refused if the OS cannot bind that long a path.
+
+    Raises:
+        ValueError: The path is longer than a Unix socket address can hold.
+    """
+    path = run_dir / name
+    n_bytes = len(os.fsencode(path))
+    if n_bytes > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"socket path {str(path)!r} is {n_bytes} bytes; Unix sockets allow at most "
+            f"{MAX_SOCKET_PATH_BYTES} on this platform. Choose a shorter --run-dir "
+            f"(or {RUN_DIR_ENV})."
+        )
+    return path
+
+
+def endpoint(run_dir: Path, name: str) -> str:
+    """The ZeroMQ ipc endpoint of socket ``name`` in ``run_dir``."""
+    return f"ipc://{socket_path(run_dir, name)}"
+
+
+@dataclass
+class DaemonSettings:
+    """Everything vqpoold can be told, from defaults, a TOML file, the environment and the CLI.
+
+    Attributes:
+        run_dir: Directory holding the sockets and the lock file; None means the default.
+        n_blocks: Blocks in the pool at start (split between "k" and "v" unless ``shared_kv``).
+        block_size: Token slots per block.
+        shared_kv: One free list for keys and values (the seed's ``separate_kv=False``).
+        grow: Grow the pool on exhaustion instead of failing the allocation.
+        max_blocks: Cap on total blocks when growing; None means no cap.
+        lease: Seconds a stopped worker keeps its blocks after it was last heard from.
+        log_level: Python logging level name for the daemon's stderr log.
+    """
+
+    run_dir: str | None = None
+    n_blocks: int = DEFAULT_N_BLOCKS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    shared_kv: bool = False
+    grow: bool = False
+    max_blocks: int | None = None
+    lease: float = DEFAULT_LEASE_SECONDS
+    log_level: str = "INFO"
+
+    def pool_config(self) -> PoolConfig:
+        """The allocator configuration these settings describe (validated by PoolConfig)."""
+        return PoolConfig(
+            block_size=self.block_size,
+            n_blocks=self.n_blocks,
+            separate_kv=not self.shared_kv,
+            grow_on_exhaustion=self.grow,
+            max_blocks=self.max_blocks,
+        )
+
+
+_SETTING_TYPES: dict[str, tuple[type, ...]] = {
+    "run_dir": (str,),
+    "n_blocks": (int,),
+    "block_size": (int,),
+    "shared_kv": (bool,),
+    "grow": (bool,),
+    "max_blocks": (int,),
+    "lease": (int, float),
+    "log_level": (str,),
+}
+
+
+def load_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read daemon settings from a TOML file: top-level keys named like the CLI options
+    (``n_blocks`` or ``n-blocks``), optionally inside a ``[vqpoold]`` table.
+
+    Raises:
+        ValueError: The file is not valid TOML, or has an unknown key or a wrongly typed value.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+    table = data.get("vqpoold", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [vqpoold] must be a table")
+    known = {f.name for f in fields(DaemonSettings)}
+    settings: dict[str, Any] = {}
+    for raw_key, value in table.items():
+        key = raw_key.replace("-", "_")
+        if key not in known:
+            raise ValueError(f"{path}: unknown setting {raw_key!r} (known: {sorted(known)})")
+        types = _SETTING_TYPES[key]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ValueError(f"{path}: {raw_key} must be {names}, got {value!r}")
+        settings[key] = value
+    return settings
