@@ -1,5 +1,41 @@
 """The worker side: PoolClient, MLX block storage, the pooled mlx-lm KV cache, serving."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from vqpool.worker.client import PoolClient
 
-__all__ = ["PoolClient"]
+if TYPE_CHECKING:
+    from vqpool.worker.cache import PooledKVCache, PooledPromptCache, make_pooled_cache
+    from vqpool.worker.storage import KVLayout, MLXBlockStorage
+
+# Exports that import mlx (and mlx-lm, ~seconds), loaded on first use so that importing the pool
+# client does not pay for them.
+_MLX_EXPORTS: dict[str, str] = {
+    "KVLayout": "vqpool.worker.storage",
+    "MLXBlockStorage": "vqpool.worker.storage",
+    "PooledKVCache": "vqpool.worker.cache",
+    "PooledPromptCache": "vqpool.worker.cache",
+    "make_pooled_cache": "vqpool.worker.cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MLX_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "KVLayout",
+    "MLXBlockStorage",
+    "PoolClient",
+    "PooledKVCache",
+    "PooledPromptCache",
+    "make_pooled_cache",
+]
