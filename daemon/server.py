@@ -169,6 +169,8 @@ class Server:
         coord = Coordinator(pool_config, lease=self.settings.lease, run_dir=run_dir)
         lock_fd = take_lock(run_dir / LOCK_FILE_NAME, coord.boot_id)
         context: zmq.Context[Any] = zmq.Context()
+        # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
+        wake_fd = self._catch_stop_signals()
         try:
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
@@ -188,13 +190,14 @@ class Server:
             )
             handle_worker = WorkerRequestHandler(coord).handle
             handle_admin = AdminRequestHandler(coord).handle
-            self._loop(coord, (worker, handle_worker), (admin, handle_admin))
+            self._loop(coord, wake_fd, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
             worker.close(linger=SHUTDOWN_LINGER_MS)
             admin.close(linger=SHUTDOWN_LINGER_MS)
         finally:
+            self._release_stop_signals()
             context.term()
             for path in (worker_path, admin_path):
                 path.unlink(missing_ok=True)
@@ -215,50 +218,55 @@ class Server:
         os.chmod(path, 0o600)
         return sock
 
+    def _catch_stop_signals(self) -> int:
+        """Route SIGTERM/SIGINT to the flag-only handler; the fd that wakes the loop on them."""
+        wake_read, wake_write = os.pipe()
+        for fd in (wake_read, wake_write):
+            os.set_blocking(fd, False)
+        self._wake_fds = (wake_read, wake_write)
+        self._previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+        self._previous_handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        return wake_read
+
+    def _release_stop_signals(self) -> None:
+        signal.set_wakeup_fd(self._previous_wakeup)
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        for fd in self._wake_fds:
+            os.close(fd)
+
     def _loop(
         self,
         coord: Coordinator,
+        wake_fd: int,
         worker_side: tuple[zmq.Socket[bytes], Handle],
         admin_side: tuple[zmq.Socket[bytes], Handle],
     ) -> None:
         worker, handle_worker = worker_side
         admin, handle_admin = admin_side
-        wake_read, wake_write = os.pipe()
-        for fd in (wake_read, wake_write):
-            os.set_blocking(fd, False)
-        previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
-        previous_handlers = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
-        worker_fd = cast(int, worker.getsockopt(zmq.FD))
-        admin_fd = cast(int, admin.getsockopt(zmq.FD))
         poller = select.poll()
-        for fd in (worker_fd, admin_fd, wake_read):
+        for fd in (cast(int, worker.getsockopt(zmq.FD)), cast(int, admin.getsockopt(zmq.FD))):
             poller.register(fd, select.POLLIN)
+        poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
-        try:
-            while self._stop_signal is None:
-                # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
-                if _input_pending(worker) or _input_pending(admin):
-                    timeout_ms = 0
-                else:
-                    timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
-                for fd, _ in poller.poll(timeout_ms):
-                    if fd == wake_read:
-                        with contextlib.suppress(BlockingIOError):
-                            os.read(wake_read, 512)
-                self._serve(worker, handle_worker, coord, "worker")
-                self._serve(admin, handle_admin, coord, "admin")
-                now = time.monotonic()
-                if now >= next_check:
-                    coord.reap_dead_sessions(now)
-                    next_check = now + LIVENESS_INTERVAL
-        finally:
-            signal.set_wakeup_fd(previous_wakeup)
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
-            os.close(wake_read)
-            os.close(wake_write)
+        while self._stop_signal is None:
+            # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
+            if _input_pending(worker) or _input_pending(admin):
+                timeout_ms = 0
+            else:
+                timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
+            for fd, _ in poller.poll(timeout_ms):
+                if fd == wake_fd:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_fd, 512)
+            self._serve(worker, handle_worker, coord, "worker")
+            self._serve(admin, handle_admin, coord, "admin")
+            now = time.monotonic()
+            if now >= next_check:
+                coord.reap_dead_sessions(now)
+                next_check = now + LIVENESS_INTERVAL
 
     def _serve(
         self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str

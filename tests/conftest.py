@@ -1,0 +1,100 @@
+"""Fixtures shared by the test suite: a real vqpoold, worker processes, and pools of both kinds.
+
+* ``run_dir``: a fresh short run directory (removed afterwards).
+* ``daemon``: a vqpoold on ``run_dir`` with a 256-block pool and a 1 s lease.
+* ``start_daemon``: a factory for daemons with other options (stopped afterwards).
+* ``start_worker``: a factory for worker processes on a run directory (stopped afterwards).
+* ``make_pool``: parametrized over "local" and "remote": ``make_pool(PoolConfig(...))`` gives a
+  BlockPoolAllocator or a PoolClient on a fresh daemon with that configuration, so one test
+  checks that both behave the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import DaemonProcess, WorkerProcess, remove_tree, short_tmpdir
+from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
+
+DEFAULT_DAEMON_ARGS = ("--n-blocks", "256", "--lease", "1", "--log-level", "INFO")
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    base = short_tmpdir()
+    yield base / "run"
+    remove_tree(base)
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
+    started: list[tuple[DaemonProcess, Path | None]] = []
+
+    def start(*args: str, run_dir: Path | None = None, wait: bool = True) -> DaemonProcess:
+        base = None
+        if run_dir is None:
+            base = short_tmpdir()
+            run_dir = base / "run"
+        daemon = DaemonProcess(run_dir, *args).start(wait=wait)
+        started.append((daemon, base))
+        return daemon
+
+    yield start
+    for daemon, base in started:
+        daemon.stop()
+        if base is not None:
+            remove_tree(base)
+
+
+@pytest.fixture
+def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+    return start_daemon(*DEFAULT_DAEMON_ARGS)
+
+
+@pytest.fixture
+def start_worker() -> Iterator[Callable[[Path, str], WorkerProcess]]:
+    workers: list[WorkerProcess] = []
+
+    def start(run_dir: Path, name: str = "worker") -> WorkerProcess:
+        worker = WorkerProcess(run_dir, name)
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+def daemon_args_for(config: PoolConfig) -> list[str]:
+    """vqpoold options that build a pool with ``config``."""
+    args = ["--n-blocks", str(config.n_blocks), "--block-size", str(config.block_size)]
+    if not config.separate_kv:
+        args.append("--shared-kv")
+    if config.grow_on_exhaustion:
+        args.append("--grow")
+    if config.max_blocks is not None:
+        args += ["--max-blocks", str(config.max_blocks)]
+    return args
+
+
+@pytest.fixture(params=["local", "remote"])
+def make_pool(
+    request: pytest.FixtureRequest, start_daemon: Callable[..., DaemonProcess]
+) -> Iterator[Callable[[PoolConfig], BlockPool]]:
+    from vqpool.worker import PoolClient
+
+    clients: list[PoolClient] = []
+
+    def make(config: PoolConfig) -> BlockPool:
+        if request.param == "local":
+            return BlockPoolAllocator(config)
+        daemon = start_daemon(*daemon_args_for(config))
+        client = PoolClient(daemon.run_dir, name="test")
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()

@@ -1,0 +1,263 @@
+"""Real vqpoold and real worker processes for tests: no mocks anywhere.
+
+* :func:`short_tmpdir` makes a run directory short enough for a Unix socket path (pytest's
+  ``tmp_path`` is often longer than the 107-byte limit allows).
+* :class:`DaemonProcess` starts ``python -m vqpool.daemon`` on a run directory, waits until its
+  admin socket answers, calls admin ops, and stops it (SIGTERM, or SIGKILL for crash tests).
+* :class:`WorkerProcess` starts ``worker_agent.py``: a separate process holding one PoolClient,
+  driven over stdin/stdout, so ownership really crosses process boundaries.
+* :class:`RawClient` speaks protocol v1 by hand on a bare DEALER, for frame-level tests.
+
+Other test modules use these through the fixtures in ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
+from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.protocol import decode_reply, encode_request
+
+WORKER_AGENT = Path(__file__).with_name("worker_agent.py")
+READY_TIMEOUT = 15.0
+
+
+def short_tmpdir(prefix: str = "vq") -> Path:
+    """A new private directory under /tmp (short, for socket paths)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class DaemonProcess:
+    """One vqpoold subprocess on ``run_dir``; its stderr goes to ``log_path``."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.args = args
+        self.log_path = run_dir.parent / f"{run_dir.name}.vqpoold.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._admin: AdminClient | None = None
+
+    def start(self, wait: bool = True) -> DaemonProcess:
+        """Start the daemon; with ``wait``, return once its admin socket answers."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "vqpool.daemon", "--run-dir", str(self.run_dir), *self.args],
+                stdout=log,
+                stderr=log,
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log(self) -> str:
+        """Everything the daemon wrote to stderr so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Block until the admin socket answers ping (raises with the daemon's log if not)."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vqpoold exited with {self.process.returncode}:\n{self.log()}")
+            if (self.run_dir / ADMIN_SOCKET_NAME).exists() and (
+                self.run_dir / WORKER_SOCKET_NAME
+            ).exists():
+                try:
+                    with AdminClient(self.run_dir, timeout=0.5) as admin:
+                        admin.call("ping")
+                    return
+                except DaemonUnavailableError:
+                    pass
+            time.sleep(0.02)
+        raise RuntimeError(f"vqpoold not ready after {timeout}s:\n{self.log()}")
+
+    def admin(self, op: str, **args: Any) -> Any:
+        """Run an admin op and return its result."""
+        if self._admin is None:
+            self._admin = AdminClient(self.run_dir, timeout=5.0)
+        return self._admin.call(op, **args)
+
+    def audit(self) -> dict[str, Any]:
+        """Run the admin audit and fail the test on any problem."""
+        report: dict[str, Any] = self.admin("audit")
+        assert report["ok"], report["problems"]
+        return report
+
+    def rss(self) -> int:
+        """Resident memory of the daemon process, in bytes."""
+        return int(psutil.Process(self.pid).memory_info().rss)
+
+    def _close_admin(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+        """Send ``sig`` and wait for the exit status (SIGKILL after ``timeout``)."""
+        self._close_admin()
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class WorkerError(Exception):
+    """An exception raised inside a worker process; ``kind`` is its class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class WorkerProcess:
+    """A worker process with one PoolClient on ``run_dir``, driven op by op."""
+
+    def __init__(self, run_dir: Path, name: str) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER_AGENT), str(run_dir), name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = self._read()
+        self.session_id: int = hello["sid"]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self) -> Any:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} exited with {self.process.wait()}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise WorkerError(reply["error"], reply["message"])
+        return reply["result"]
+
+    def call(self, op: str, *args: Any) -> Any:
+        """Run ``op`` in the worker; its result, or WorkerError naming the exception raised."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, "args": list(args)}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL by default) without waiting."""
+        os.kill(self.pid, sig)
+
+    def stop(self) -> None:
+        """End the worker (closing stdin ends its loop; killed if it does not exit)."""
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+                self.process.wait(5)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
+def wait_until(condition: Any, timeout: float, interval: float = 0.02) -> float:
+    """Poll ``condition()`` until true; the seconds it took (AssertionError on timeout)."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+class RawClient:
+    """A bare DEALER speaking protocol v1 by hand, for tests that need control over every frame
+    (resends with the same id, stale boot ids, replies never read)."""
+
+    def __init__(self, run_dir: Path, socket_name: str = WORKER_SOCKET_NAME) -> None:
+        self.endpoint = f"ipc://{run_dir / socket_name}"
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.socket = self._open()
+        self.sid: int | None = None
+        self.boot: str | None = None
+        self.next_id = 1
+
+    def _open(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def reopen(self) -> None:
+        """Drop the socket (and anything queued on it) and connect a fresh one."""
+        self.socket.close(linger=0)
+        self.socket = self._open()
+
+    def encode(self, op: str, args: dict[str, Any] | None = None, rid: int | None = None) -> bytes:
+        if rid is None:
+            rid = self.next_id
+            self.next_id += 1
+        return encode_request(rid, op, args or {}, self.sid, self.boot)
+
+    def send(self, payload: bytes) -> None:
+        self.socket.send(payload)
+
+    def recv(self, timeout: float = 5.0) -> dict[str, Any]:
+        if not self.socket.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no reply in {timeout}s")
+        return decode_reply(self.socket.recv())
+
+    def call(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.send(self.encode(op, args))
+        return self.recv()
+
+    def hello(self, pid: int | None = None, model: str = "raw") -> dict[str, Any]:
+        """Open a session (as process ``pid``, this one by default)."""
+        reply = self.call(
+            "hello", {"pid": pid or os.getpid(), "model": model, "nonce": os.urandom(8).hex()}
+        )
+        assert reply["ok"], reply
+        self.sid = reply["result"]["sid"]
+        self.boot = reply["result"]["boot"]
+        return dict(reply["result"])
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()

@@ -1,0 +1,73 @@
+"""A worker process for the daemon tests: one PoolClient driven by JSON lines on stdin.
+
+Run as ``python worker_agent.py RUN_DIR NAME [LEASE_HINT]``. Each stdin line is
+``{"op": ..., "args": [...]}``; each stdout line is ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": <exception class name>, "message": ...}``. Blocks cross as ids, so the
+agent calls the client exactly as a worker would, with Block objects of those ids.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from vqpool.shared import AllocationRequest, Block
+from vqpool.shared.protocol import stats_to_wire
+from vqpool.worker import PoolClient
+
+
+def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
+    if op == "allocate":
+        return [b.block_id for b in pool.allocate(*args)]
+    if op == "allocate_many":
+        results = pool.allocate_many([AllocationRequest(*item) for item in args[0]])
+        return [
+            [b.block_id for b in r] if not isinstance(r, Exception) else type(r).__name__
+            for r in results
+        ]
+    if op == "free":
+        pool.free([Block(block_id) for block_id in args[0]])
+        return None
+    if op == "mark_used":
+        pool.mark_used_many([(Block(block_id), n_used) for block_id, n_used in args[0]])
+        return None
+    if op == "blocks_for":
+        return [[b.block_id, b.stream, b.format, b.n_used] for b in pool.blocks_for(*args)]
+    if op in ("free_all", "register_owner", "release_owner", "n_free", "ping"):
+        return getattr(pool, op)(*args)
+    if op == "stats":
+        return stats_to_wire(pool.stats)
+    if op == "session":
+        return {"sid": pool.session_id, "boot": pool.boot_id}
+    if op == "hog_gil":
+        # One C call that never releases the GIL for about args[0] seconds: the heartbeat thread
+        # cannot run meanwhile, as in a long native prefill step that holds the GIL.
+        started = time.perf_counter()
+        sum(range(1_000_000))
+        per_million = time.perf_counter() - started
+        started = time.perf_counter()
+        sum(range(int(args[0] / per_million * 1_000_000)))
+        return time.perf_counter() - started
+    if op == "close":
+        pool.close()
+        return None
+    raise ValueError(f"worker_agent: unknown op {op!r}")
+
+
+def main() -> None:
+    run_dir, name = sys.argv[1], sys.argv[2]
+    pool = PoolClient(run_dir, name=name, bytes_per_block=4096, timeout=5.0)
+    print(json.dumps({"ok": True, "result": {"sid": pool.session_id}}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            reply = {"ok": True, "result": run_op(pool, command["op"], command.get("args", []))}
+        except Exception as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
