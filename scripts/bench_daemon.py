@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Benchmark of vqpoold round trips against a bare pyzmq DEALER/ROUTER echo, in the same run.
+
+Every measurement runs twice per round, once against a real ``vqpoold`` and once against a bare
+ROUTER that echoes each frame back, with the same client code, the same messages and the same
+CPU placement (server on one vCPU, clients on another: where the two processes land moves
+latency 2x on this machine kind, see FACTS.md). Figures are medians over rounds; ratios compare
+medians of the same run.
+
+Measured:
+* allocate(1 block) + free round trip (two requests): p50 and p99; target p50 within 1.25x echo;
+* requests/s of allocate+free loops from 1, 2 and 4 client processes;
+* allocate_many of 64 one-block allocations in one message against 64 separate allocate calls:
+  blocks/s, target >= 20x;
+* the same round trip through PoolClient (the worker library), for its own overhead.
+
+    scripts/bench_daemon.py            # full run, about a minute
+    scripts/bench_daemon.py --quick    # a smoke run of every measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.protocol import encode_request
+
+SERVER_CPU = 0
+CLIENT_CPU = 1
+
+
+def can_pin() -> bool:
+    """Whether processes can be pinned to the two vCPUs this benchmark uses."""
+    return hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > CLIENT_CPU
+
+
+def pin(cpu: int) -> None:
+    """Pin this process to ``cpu`` where the OS allows it (Linux); elsewhere leave it free."""
+    if can_pin():
+        os.sched_setaffinity(0, {cpu})
+
+
+# -- the bare echo server ----------------------------------------------------------------------
+
+
+def echo_server(endpoint: str) -> None:
+    """A ROUTER that sends every message straight back (blocking recv, as lean as it gets)."""
+    pin(SERVER_CPU)
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart())
+
+
+# -- clients -------------------------------------------------------------------------------------
+
+
+class Session:
+    """A raw DEALER session (hello first when the server is vqpoold)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.next_id = 1
+        args = {"pid": os.getpid(), "model": "bench", "nonce": os.urandom(8).hex()}
+        result = self.call("hello", args).get("result")
+        # An echo server answers with the request itself: no session, same message shapes.
+        self.sid: int = result["sid"] if result else 0
+        self.boot: str = result["boot"] if result else ""
+
+    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        rid = self.next_id
+        self.next_id += 1
+        sid = getattr(self, "sid", None)
+        self.sock.send(encode_request(rid, op, args, sid, getattr(self, "boot", None)))
+        reply: dict[str, Any] = msgpack.unpackb(self.sock.recv())
+        return reply
+
+
+def alloc_free_pairs(session: Session, n: int) -> list[float]:
+    """Seconds per allocate(1 block) + free pair, ``n`` times."""
+    times = []
+    perf = time.perf_counter
+    for i in range(n):
+        started = perf()
+        reply = session.call("allocate", {"stream": "k", "n_tokens": 1, "owner": i})
+        block_ids = reply.get("result") or [0]
+        session.call("free", {"block_ids": block_ids})
+        times.append(perf() - started)
+    return times
+
+
+def batch_vs_single(session: Session, rounds: int) -> tuple[float, float]:
+    """Seconds for 64 one-block allocations: as 64 calls, and as one allocate_many."""
+    single_total = batch_total = 0.0
+    perf = time.perf_counter
+    for _ in range(rounds):
+        ids: list[int] = []
+        started = perf()
+        for i in range(64):
+            reply = session.call("allocate", {"stream": "k", "n_tokens": 1, "owner": i})
+            ids += reply.get("result") or []
+        single_total += perf() - started
+        session.call("free", {"block_ids": ids})
+        items = [["k", 1, i, "fp16"] for i in range(64)]
+        started = perf()
+        reply = session.call("allocate_many", {"items": items})
+        batch_total += perf() - started
+        result = reply.get("result")
+        ids = [bid for item in result for bid in item] if result else []
+        session.call("free", {"block_ids": ids})
+    return single_total / rounds, batch_total / rounds
+
+
+def pool_client_pairs(run_dir: str, n: int) -> list[float]:
+    """Seconds per allocate(1)+free pair through PoolClient (daemon only)."""
+    from vqpool.worker import PoolClient
+
+    times = []
+    perf = time.perf_counter
+    with PoolClient(run_dir, name="bench") as pool:
+        for i in range(n):
+            started = perf()
+            pool.free(pool.allocate("k", 1, i))
+            times.append(perf() - started)
+    return times
+
+
+def client_main(args: argparse.Namespace) -> None:
+    """One client process: connect, say ready, wait for "go", measure, print JSON."""
+    pin(CLIENT_CPU)
+    if args.task == "poolclient":
+        print("ready", flush=True)
+        sys.stdin.readline()
+        pool_client_pairs(args.run_dir, args.count // 10)  # warm up
+        print(json.dumps({"times": pool_client_pairs(args.run_dir, args.count)}), flush=True)
+        return
+    session = Session(args.endpoint)
+    alloc_free_pairs(session, 200)  # warm up
+    print("ready", flush=True)
+    sys.stdin.readline()
+    if args.task == "pairs":
+        result: dict[str, Any] = {"times": alloc_free_pairs(session, args.count)}
+    elif args.task == "throughput":
+        started = time.perf_counter()
+        alloc_free_pairs(session, args.count)
+        result = {"requests": 2 * args.count, "seconds": time.perf_counter() - started}
+    else:
+        single, batch = batch_vs_single(session, args.count)
+        result = {"single": single, "batch": batch}
+    print(json.dumps(result), flush=True)
+
+
+# -- orchestration -------------------------------------------------------------------------------
+
+
+def spawn(argv: list[str]) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    if process.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"{argv} did not start")
+    return process
+
+
+def run_clients(endpoint: str, run_dir: str, task: str, count: int, n: int) -> list[Any]:
+    """Start ``n`` client processes, release them together, collect their JSON results."""
+    argv = ["--client", task, "--endpoint", endpoint, "--run-dir", run_dir, "--count", str(count)]
+    clients = [spawn(argv) for _ in range(n)]
+    for client in clients:
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+    results = []
+    for client in clients:
+        assert client.stdout is not None
+        results.append(json.loads(client.stdout.readline()))
+        client.wait()
+    return results
+
+
+def start_daemon(run_dir: Path) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "vqpool.daemon",
+        "--run-dir",
+        str(run_dir),
+        "--n-blocks",
+        "65536",
+        "--log-level",
+        "WARNING",
+    ]
+    process = subprocess.Popen(argv, preexec_fn=lambda: pin(SERVER_CPU))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with AdminClient(run_dir, timeout=0.5) as admin:
+                admin.call("ping")
+            return process
+        except DaemonUnavailableError:
+            time.sleep(0.05)
+    raise RuntimeError("vqpoold did not start")
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--rounds", type=int, default=5, help="runs per measurement (median)")
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--echo", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        args.task = args.client
+        client_main(args)
+        return
+    if args.echo:
+        echo_server(args.echo)
+        return
+
+    rounds = 1 if args.quick else args.rounds
+    pairs, throughput, batches = (200, 500, 5) if args.quick else (3000, 3000, 40)
+    base = Path(tempfile.mkdtemp(prefix="vqb", dir="/tmp"))
+    run_dir = base / "run"
+    daemon_endpoint = f"ipc://{run_dir}/worker.sock"
+    echo_endpoint = f"ipc://{base}/echo.sock"
+    daemon = start_daemon(run_dir)
+    echo = spawn(["--echo", echo_endpoint])
+    placement = (
+        f"servers on cpu {SERVER_CPU}, clients on cpu {CLIENT_CPU}"
+        if can_pin()
+        else "not pinned (no sched_setaffinity here)"
+    )
+    print(f"placement: {placement}; {rounds} round(s); medians over rounds")
+    targets = {"daemon": daemon_endpoint, "echo": echo_endpoint}
+    p50: dict[str, list[float]] = {"daemon": [], "echo": []}
+    p99: dict[str, list[float]] = {"daemon": [], "echo": []}
+    rps: dict[tuple[str, int], list[float]] = {}
+    batch: dict[str, list[tuple[float, float]]] = {"daemon": [], "echo": []}
+    client_p50: list[float] = []
+    try:
+        for _ in range(rounds):
+            for name, endpoint in targets.items():
+                (result,) = run_clients(endpoint, str(run_dir), "pairs", pairs, 1)
+                p50[name].append(statistics.median(result["times"]))
+                p99[name].append(percentile(result["times"], 99))
+                for n in (1, 2, 4):
+                    results = run_clients(endpoint, str(run_dir), "throughput", throughput, n)
+                    wall = max(r["seconds"] for r in results)
+                    total = sum(r["requests"] for r in results)
+                    rps.setdefault((name, n), []).append(total / wall)
+                (result,) = run_clients(endpoint, str(run_dir), "batch", batches, 1)
+                batch[name].append((result["single"], result["batch"]))
+            (result,) = run_clients(daemon_endpoint, str(run_dir), "poolclient", pairs, 1)
+            client_p50.append(statistics.median(result["times"]))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait()
+        echo.kill()
+        echo.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    us = 1e6
+    print("\nallocate(1 block) + free round trip (2 requests)")
+    print(f"  {'':8} {'p50 us':>9} {'p99 us':>9}")
+    for name in ("echo", "daemon"):
+        print(f"  {name:8} {med(p50[name]) * us:9.1f} {med(p99[name]) * us:9.1f}")
+    ratio = med(p50["daemon"]) / med(p50["echo"])
+    print(
+        f"  daemon / echo p50: {ratio:.2f}x (target <= 1.25x); the daemon adds "
+        f"{(med(p50['daemon']) - med(p50['echo'])) * us / 2:.1f} us per request"
+    )
+    print(
+        f"  through PoolClient: p50 {med(client_p50) * us:.1f} us "
+        f"({med(client_p50) / med(p50['daemon']):.2f}x the raw daemon round trip)"
+    )
+    print("\nrequests/s, allocate+free loops")
+    print(f"  {'clients':8} {'echo':>9} {'daemon':>9} {'ratio':>7}")
+    for n in (1, 2, 4):
+        e, d = med(rps[("echo", n)]), med(rps[("daemon", n)])
+        print(f"  {n:<8} {e:9.0f} {d:9.0f} {d / e:7.2f}")
+    print("\n64 one-block allocations: 64 allocate calls vs one allocate_many")
+    for name in ("echo", "daemon"):
+        single = med([s for s, _ in batch[name]])
+        batched = med([b for _, b in batch[name]])
+        print(
+            f"  {name:8} 64 calls {single * us:8.0f} us, one message {batched * us:7.0f} us: "
+            f"{single / batched:5.1f}x the block throughput"
+            + (" (target >= 20x)" if name == "daemon" else "")
+        )
+
+
+if __name__ == "__main__":
+    main()
