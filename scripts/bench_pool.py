@@ -75,7 +75,7 @@ def mark_used_loop(pool: BlockPoolAllocator, loops: int) -> None:
 
 def free_in_order_ms(pool_size: int, n_blocks: int, order: str) -> float:
     pool = BlockPoolAllocator(PoolConfig(n_blocks=pool_size))
-    blocks = pool.allocate("k", n_blocks * 16, 1)
+    blocks = list(pool.allocate("k", n_blocks * 16, 1))
     if order == "reverse order":
         blocks.reverse()
     elif order == "random order":

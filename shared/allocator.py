@@ -6,17 +6,19 @@ directly. It holds no array data: a block id is an index that a backing store (s
 
 Behaviour follows the seed specification (``BlockPoolAllocator`` of VeloxQuant-MLX) call for
 call: the same block ids in the same order, the same counters, the same errors. The
-representation is different, because the seed's costs grew with the pool and with the order of
-frees:
+representation is different, because the seed's costs grew with the pool, with the order of
+frees, and with every block it handed out:
 
 * No object per free block. Each stream's free list is a stack of recycled ids on top of a
-  never-used id range kept as two ints, so building a pool of a million blocks is O(1) and
-  popping from the "bottom" of the seed's list is popping from the top of that range.
-* A ``Block`` object exists only while its block is allocated (``_allocated`` maps id -> Block),
-  so memory follows what is in use, not what could be.
-* Each owner's blocks are an insertion-ordered dict used as an ordered set, so ``free`` of any
-  subset in any order is O(1) per block (the seed's ``list.remove`` made it quadratic).
-* History keeps a tuple of counters per mutating call and builds ``AllocationStats`` objects
+  never-used id range kept as two ints, so building a pool of a million blocks is O(1).
+* No object per allocated block either, unless someone asks for one. One allocate() call is one
+  ``BlockList`` (the ids, stream, format and owner they share); the only per-block work is one
+  dict write (block id -> its BlockList), done in C. ``Block`` objects are built when the caller
+  first looks at them.
+* Frees in any order are O(1) per block: a block is found through that dict, never searched for.
+  ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
+  entry counts only while its allocation is not dead, and a new allocation overwrites it.
+* History keeps a tuple of counters per mutating call; ``AllocationStats`` objects are built
   only when someone reads ``history``.
 """
 
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import TYPE_CHECKING, overload
 
 from vqpool.shared.errors import BlockPoolExhaustedError, OwnerAlreadyActiveError, VqpoolError
+from vqpool.shared.stats import AllocationStats
 
 if TYPE_CHECKING:
     from vqpool.shared.pool import AllocationRequest, AllocationResult
@@ -44,6 +48,17 @@ DEFAULT_HISTORY_SIZE: int = 256
 Owner = int | str
 """An owner (request) id: opaque to the allocator, hashable. The daemon accepts ints and short
 strings."""
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_HISTORY_SIZE",
+    "AllocationStats",
+    "Block",
+    "BlockList",
+    "BlockPoolAllocator",
+    "Owner",
+    "PoolConfig",
+]
 
 
 @dataclass
@@ -88,8 +103,9 @@ class PoolConfig:
 class Block:
     """One allocated block of KV-cache storage, as :meth:`BlockPoolAllocator.allocate` gives it.
 
-    The allocator keeps this object up to date while the block is allocated (``mark_used``,
-    ``free``); once freed, it is a record of the past and the allocator forgets it.
+    A Block is a record: the allocator updates the object you pass to ``mark_used`` or ``free``,
+    and ``blocks_for`` gives fresh records of the current state. A block is always named by its
+    id, so a copy (e.g. rebuilt from a wire message) acts on the same block as the original.
 
     Attributes:
         block_id: Index into the backing storage; stable for the pool's lifetime.
@@ -108,89 +124,81 @@ class Block:
     ever_allocated: bool = False
 
 
-@dataclass(slots=True)
-class AllocationStats:
-    """Running counters for a :class:`BlockPoolAllocator`, cumulative since construction.
+class BlockList(Sequence[Block]):
+    """The blocks one ``allocate()`` call handed out, in order; also the allocator's own record
+    of that allocation (its "chunk"), so an allocation costs one object, not one per block.
 
-    Attributes:
-        n_blocks: Blocks the pool manages now.
-        n_allocations: Blocks handed out by successful allocate() calls.
-        n_frees: Blocks returned by free()/free_all().
-        n_reused: Allocated blocks that had been handed out before (not fresh ids).
-        n_exhausted: allocate() calls that failed for want of free blocks.
-        n_grown: Blocks added by exhaustion-triggered growth.
-        n_retired: Blocks removed for good by shrink().
-        peak_blocks_in_use: High-water mark of blocks allocated at once.
+    Reads like the seed's ``list[Block]`` (index, slice, iterate, compare with a list). The
+    ``Block`` objects are built the first time someone looks at them, from the allocation's
+    current state (a block freed since then reads as free); the daemon, which sends ids over the
+    wire, never pays for them. ``block_ids`` gives the ids directly.
     """
 
-    n_blocks: int
-    n_allocations: int = 0
-    n_frees: int = 0
-    n_reused: int = 0
-    n_exhausted: int = 0
-    n_grown: int = 0
-    n_retired: int = 0
-    peak_blocks_in_use: int = 0
-    _fragmented_count: int = field(default=0, repr=False)
+    # Attributes that most allocations never change live on the class, so __init__ sets only
+    # five: this object is the per-call cost of allocate().
+    fill: dict[int, int] | None = None  # block id -> n_used, for blocks that are not full
+    n_freed: int = 0  # blocks of this allocation freed one by one
+    dead: bool = False  # every block freed: entries still naming this chunk are stale
+    _blocks: list[Block] | None = None
+    _pool: BlockPoolAllocator
 
-    def blocks_in_use(self) -> int:
-        """Blocks allocated now."""
-        return self.n_allocations - self.n_frees
+    def __init__(
+        self, pool: BlockPoolAllocator, ids: tuple[int, ...], stream: str, format: str, owner: Owner
+    ) -> None:
+        self._pool = pool
+        self.block_ids = ids
+        self.stream = stream
+        self.format = format
+        self.owner = owner
 
-    def fragmentation(self) -> float:
-        """Fraction of the pool's blocks that are allocated but not full (0.0 for no blocks)."""
-        if self.n_blocks == 0:
-            return 0.0
-        return self._fragmented_count / self.n_blocks
+    def holds(self, block_id: int) -> bool:
+        """Whether ``block_id`` is still allocated through this allocation."""
+        return not self.dead and self._pool._chunk_of.get(block_id) is self
 
-    def snapshot(self) -> AllocationStats:
-        """An independent copy, for history and export."""
-        return AllocationStats(
-            self.n_blocks,
-            self.n_allocations,
-            self.n_frees,
-            self.n_reused,
-            self.n_exhausted,
-            self.n_grown,
-            self.n_retired,
-            self.peak_blocks_in_use,
-            self._fragmented_count,
-        )
+    def _materialized(self) -> list[Block]:
+        blocks = self._blocks
+        if blocks is None:
+            size = self._pool.config.block_size
+            fill = self.fill or {}
+            blocks = [
+                Block(bid, self.stream, self.format, fill.get(bid, size), self.owner, True)
+                if self.holds(bid)
+                else Block(bid, self.stream, self.format, 0, None, True)
+                for bid in self.block_ids
+            ]
+            self._blocks = blocks
+        return blocks
 
-    def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
-        """These stats in the Prometheus text exposition format, newline-terminated.
+    @overload
+    def __getitem__(self, index: int) -> Block: ...
 
-        The metric names, types and order are the seed's, so existing dashboards keep working.
-        """
-        gauges = (
-            ("blocks_in_use", str(self.blocks_in_use())),
-            ("blocks_total", str(self.n_blocks)),
-            ("fragmentation", f"{self.fragmentation():.6f}"),
-            ("peak_blocks_in_use", str(self.peak_blocks_in_use)),
-        )
-        counters = (
-            ("allocations_total", self.n_allocations),
-            ("frees_total", self.n_frees),
-            ("reused_total", self.n_reused),
-            ("exhausted_total", self.n_exhausted),
-            ("grown_total", self.n_grown),
-            ("retired_total", self.n_retired),
-        )
-        lines: list[str] = []
-        for name, text in gauges:
-            lines += [f"# TYPE {prefix}_{name} gauge", f"{prefix}_{name} {text}"]
-        for name, value in counters:
-            lines += [f"# TYPE {prefix}_{name} counter", f"{prefix}_{name} {value}"]
-        return "\n".join(lines) + "\n"
+    @overload
+    def __getitem__(self, index: slice) -> list[Block]: ...
+
+    def __getitem__(self, index: int | slice) -> Block | list[Block]:
+        return self._materialized()[index]
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._materialized())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockList | list | tuple):
+            return self._materialized() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compares by contents, like a list
+
+    def __add__(self, other: Iterable[Block]) -> list[Block]:
+        return [*self._materialized(), *other]
+
+    def __radd__(self, other: Iterable[Block]) -> list[Block]:
+        return [*other, *self._materialized()]
 
     def __repr__(self) -> str:
-        return (
-            f"AllocationStats(in_use={self.blocks_in_use()}/{self.n_blocks}, "
-            f"allocations={self.n_allocations}, frees={self.n_frees}, "
-            f"reused={self.n_reused}, exhausted={self.n_exhausted}, "
-            f"grown={self.n_grown}, retired={self.n_retired}, "
-            f"peak={self.peak_blocks_in_use}, fragmentation={self.fragmentation():.3f})"
-        )
+        return repr(self._materialized())
 
 
 class _FreeList:
@@ -207,9 +215,6 @@ class _FreeList:
         self.fresh_hi = hi
         self.recycled: list[int] = []
         self.total = hi - lo
-
-    def __len__(self) -> int:
-        return len(self.recycled) + self.fresh_hi - self.fresh_lo
 
 
 class BlockPoolAllocator:
@@ -234,13 +239,19 @@ class BlockPoolAllocator:
         streams = self.config.streams
         per_stream = self.config.n_blocks // len(streams)
         self._streams = streams
+        self._separate_kv = self.config.separate_kv
+        self._block_size = self.config.block_size
         self._lock = threading.Lock()
         self._free: dict[str, _FreeList] = {
             s: _FreeList(i * per_stream, (i + 1) * per_stream) for i, s in enumerate(streams)
         }
         self._next_block_id = per_stream * len(streams)
-        self._allocated: dict[int, Block] = {}
-        self._owner_blocks: dict[Owner, dict[int, None]] = {}
+        # Block id -> the allocation (chunk) it came from; an entry is live while
+        # ``chunk.holds(id)``. Entries left by free_all() are stale and overwritten on reuse.
+        self._chunk_of: dict[int, BlockList] = {}
+        # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
+        # while it holds a block.
+        self._holdings: dict[Owner, dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
         # Ids added by growth sit on the recycled stack without having been handed out yet.
         self._grown_unused: set[int] = set()
@@ -281,7 +292,7 @@ class BlockPoolAllocator:
         return self._streams
 
     def _resolve_stream(self, stream: str) -> str:
-        if not self.config.separate_kv:
+        if not self._separate_kv:
             return "kv"
         if stream != "k" and stream != "v":
             raise ValueError(f"BlockPoolAllocator: stream must be 'k' or 'v', got {stream!r}")
@@ -328,13 +339,11 @@ class BlockPoolAllocator:
         """Every owner that is active or holds blocks (release_owner() can leave an owner that
         holds blocks but is no longer active, as in the seed)."""
         with self._lock:
-            return list(self._active_owners.union(self._owner_blocks))
+            return list(self._active_owners.union(self._holdings))
 
     # -- allocate --------------------------------------------------------------------------------
 
-    def allocate(
-        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16"
-    ) -> list[Block]:
+    def allocate(self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16") -> BlockList:
         """Allocate ceil(n_tokens / block_size) blocks to ``owner``, all or nothing.
 
         Every block is full except possibly the last, which holds the remainder. A repeated call
@@ -347,43 +356,68 @@ class BlockPoolAllocator:
         """
         if n_tokens <= 0:
             raise ValueError(f"BlockPoolAllocator: n_tokens must be > 0, got {n_tokens}")
-        s = self._resolve_stream(stream)
-        block_size = self.config.block_size
+        if not self._separate_kv:
+            stream = "kv"
+        elif stream != "k" and stream != "v":
+            raise ValueError(f"BlockPoolAllocator: stream must be 'k' or 'v', got {stream!r}")
+        block_size = self._block_size
         n_needed = -(-n_tokens // block_size)
         with self._lock:
-            if owner not in self._active_owners:
-                self._register_owner_locked(owner)
-            free = self._free[s]
-            if len(free) < n_needed:
-                self._try_grow_locked(s, n_needed - len(free))
-                if len(free) < n_needed:
+            self._active_owners.add(owner)  # allocate() of an active owner is that owner growing
+            free = self._free[stream]
+            recycled = free.recycled
+            if len(recycled) + free.fresh_hi - free.fresh_lo < n_needed:
+                self._try_grow_locked(stream, n_needed)
+                n_free = len(recycled) + free.fresh_hi - free.fresh_lo
+                if n_free < n_needed:
                     self.stats.n_exhausted += 1
                     self._record_history()
                     raise BlockPoolExhaustedError(
-                        f"BlockPoolAllocator: requested {n_needed} block(s) for stream {s!r} but "
-                        f"only {len(free)} free (pool size {self.stats.n_blocks})."
+                        f"BlockPoolAllocator: requested {n_needed} block(s) for stream "
+                        f"{stream!r} but only {n_free} free (pool size {self.stats.n_blocks})."
                     )
-            ids, n_reused = self._pop_free_locked(free, n_needed)
-            owned = self._owner_blocks.get(owner)
-            if owned is None:
-                owned = self._owner_blocks[owner] = {}
-            allocated = self._allocated
-            last_used = n_tokens - (n_needed - 1) * block_size
-            blocks = [Block(bid, s, format, block_size, owner, True) for bid in ids]
-            blocks[-1].n_used = last_used
-            for block in blocks:
-                allocated[block.block_id] = block
-                owned[block.block_id] = None
+            # Take from the top: recycled ids first (LIFO), then the fresh range downwards.
+            n_reused = n_needed if n_needed <= len(recycled) else len(recycled)
+            if n_reused == n_needed == 1:
+                ids: tuple[int, ...] = (recycled.pop(),)
+            else:
+                taken = recycled[len(recycled) - n_reused :]
+                taken.reverse()
+                del recycled[len(recycled) - n_reused :]
+                n_fresh = n_needed - n_reused
+                if n_fresh:
+                    hi = free.fresh_hi
+                    taken.extend(range(hi - 1, hi - 1 - n_fresh, -1))
+                    free.fresh_hi = hi - n_fresh
+                ids = tuple(taken)
+            if self._grown_unused and n_reused:
+                never_used = self._grown_unused.intersection(ids)
+                self._grown_unused -= never_used
+                n_reused -= len(never_used)
+
+            chunk = BlockList(self, ids, stream, format, owner)
+            chunks = self._holdings.get(owner)
+            if chunks is None:
+                self._holdings[owner] = {id(chunk): chunk}
+            else:
+                chunks[id(chunk)] = chunk
+            if n_needed == 1:
+                self._chunk_of[ids[0]] = chunk
+            else:
+                self._chunk_of.update(zip(ids, repeat(chunk)))
+
             st = self.stats
+            last_used = n_tokens - (n_needed - 1) * block_size
+            if last_used < block_size:
+                chunk.fill = {ids[-1]: last_used}
+                st._fragmented_count += 1
             st.n_allocations += n_needed
             st.n_reused += n_reused
-            if last_used < block_size:
-                st._fragmented_count += 1
             in_use = st.n_allocations - st.n_frees
             if in_use > st.peak_blocks_in_use:
                 st.peak_blocks_in_use = in_use
             self._record_history()
-            return blocks
+            return chunk
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
         """Run several allocate() calls in order; each item succeeds or fails on its own.
@@ -399,42 +433,19 @@ class BlockPoolAllocator:
                 results.append(exc)
         return results
 
-    def _pop_free_locked(self, free: _FreeList, n: int) -> tuple[list[int], int]:
-        """Take ``n`` ids off the top of ``free``; also return how many had been used before."""
-        recycled = free.recycled
-        n_recycled = min(n, len(recycled))
-        ids: list[int] = []
-        n_reused = n_recycled
-        if n_recycled:
-            ids = recycled[-n_recycled:]
-            ids.reverse()
-            del recycled[-n_recycled:]
-            if self._grown_unused:
-                fresh_grown = self._grown_unused.intersection(ids)
-                self._grown_unused -= fresh_grown
-                n_reused -= len(fresh_grown)
-        n_fresh = n - n_recycled
-        if n_fresh:
-            hi = free.fresh_hi
-            ids.extend(range(hi - 1, hi - 1 - n_fresh, -1))
-            free.fresh_hi = hi - n_fresh
-        return ids, n_reused
-
-    def _try_grow_locked(self, stream: str, n_short: int) -> None:
-        """Add blocks to ``stream`` to cover an ``n_short`` shortfall, if the config allows."""
+    def _try_grow_locked(self, stream: str, n_needed: int) -> None:
+        """Add blocks to ``stream`` to cover its shortfall for ``n_needed``, if allowed."""
         if not self.config.grow_on_exhaustion:
             return
+        free = self._free[stream]
+        n_short = n_needed - (len(free.recycled) + free.fresh_hi - free.fresh_lo)
         if self.config.max_blocks is not None:
-            headroom = self.config.max_blocks - self.stats.n_blocks
-            if headroom <= 0:
-                return
-            n_short = min(n_short, headroom)
+            n_short = min(n_short, self.config.max_blocks - self.stats.n_blocks)
         if n_short <= 0:
             return
         first = self._next_block_id
         new_ids = range(first, first + n_short)
         self._next_block_id = first + n_short
-        free = self._free[stream]
         free.recycled.extend(new_ids)
         free.total += n_short
         self._grown_unused.update(new_ids)
@@ -443,87 +454,130 @@ class BlockPoolAllocator:
 
     # -- free ------------------------------------------------------------------------------------
 
+    def _live_chunk(self, block_id: int) -> BlockList | None:
+        chunk = self._chunk_of.get(block_id)
+        if chunk is None or chunk.dead:
+            return None
+        return chunk
+
     def free(self, blocks: Iterable[Block]) -> None:
         """Return blocks to their stream's free list. Already-free blocks are skipped.
 
-        A block is found by its id, so a copy of a Block (e.g. rebuilt from a wire message) frees
-        the same block the original would.
+        Blocks are found by id, so freeing a copy frees the block; each Block object passed is
+        marked free (owner None, n_used 0), as the seed's shared objects were.
         """
-        with self._lock:
-            self._free_locked(blocks)
-            self._record_history()
+        if isinstance(blocks, BlockList):
+            objects = blocks._blocks
+            with self._lock:
+                if blocks.dead or blocks.n_freed:
+                    self._free_ids_locked(blocks.block_ids)
+                else:
+                    self._free_chunk_locked(blocks)
+                self._record_history()
+        else:
+            objects = list(blocks)
+            with self._lock:
+                self._free_ids_locked([b.block_id for b in objects])
+                self._record_history()
+        for block in objects or ():
+            block.owner = None
+            block.n_used = 0
 
-    def _free_locked(self, blocks: Iterable[Block]) -> None:
-        allocated = self._allocated
-        owner_blocks = self._owner_blocks
-        block_size = self.config.block_size
+    def _free_chunk_locked(self, chunk: BlockList) -> None:
+        """Free a whole live allocation none of whose blocks was freed alone: no per-block
+        bookkeeping, its map entries just go stale."""
+        chunk.dead = True
+        ids = chunk.block_ids
+        self._free[chunk.stream].recycled.extend(ids)
         st = self.stats
-        for block in blocks:
-            live = allocated.pop(block.block_id, None)
-            if live is None:
+        st.n_frees += len(ids)
+        if chunk.fill:
+            st._fragmented_count -= len(chunk.fill)
+        owner = chunk.owner
+        chunks = self._holdings[owner]
+        del chunks[id(chunk)]
+        if not chunks:  # the owner's last block: release it, as the seed does
+            del self._holdings[owner]
+            self._active_owners.discard(owner)
+
+    def _free_ids_locked(self, ids: Iterable[int]) -> None:
+        chunk_of = self._chunk_of
+        free_lists = self._free
+        st = self.stats
+        for block_id in ids:
+            chunk = chunk_of.get(block_id)
+            if chunk is None or chunk.dead:
                 continue
-            owner = live.owner
-            assert owner is not None, f"allocated block {live.block_id} has no owner"
-            owned = owner_blocks[owner]
-            del owned[live.block_id]
-            if not owned:
-                del owner_blocks[owner]
-                self._active_owners.discard(owner)
-            if live.n_used < block_size:
+            del chunk_of[block_id]
+            fill = chunk.fill
+            if fill and fill.pop(block_id, None) is not None:
                 st._fragmented_count -= 1
-            live.owner = None
-            live.n_used = 0
-            if block is not live:
-                block.owner = None
-                block.n_used = 0
-            self._free[live.stream].recycled.append(live.block_id)
+            free_lists[chunk.stream].recycled.append(block_id)
             st.n_frees += 1
+            chunk.n_freed += 1
+            if chunk.n_freed == len(chunk.block_ids):
+                chunk.dead = True
+                owner = chunk.owner
+                chunks = self._holdings[owner]
+                del chunks[id(chunk)]
+                if not chunks:  # the owner's last block: release it, as the seed does
+                    del self._holdings[owner]
+                    self._active_owners.discard(owner)
 
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
         with self._lock:
-            block_ids = self._owner_blocks.pop(owner, None)
-            if block_ids:
-                allocated = self._allocated
-                block_size = self.config.block_size
-                n_partial = 0
-                for block_id in block_ids:
-                    block = allocated.pop(block_id)
-                    if block.n_used < block_size:
-                        n_partial += 1
-                    block.owner = None
-                    block.n_used = 0
-                    self._free[block.stream].recycled.append(block_id)
+            chunks = self._holdings.pop(owner, None)
+            if chunks is not None:
+                chunk_of = self._chunk_of
                 st = self.stats
-                st._fragmented_count -= n_partial
-                st.n_frees += len(block_ids)
+                for chunk in chunks.values():
+                    chunk.dead = True
+                    recycled = self._free[chunk.stream].recycled
+                    if chunk.n_freed:
+                        recycled.extend([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
+                    else:
+                        recycled.extend(chunk.block_ids)
+                    if chunk.fill:
+                        st._fragmented_count -= len(chunk.fill)
+                    st.n_frees += len(chunk.block_ids) - chunk.n_freed
             self._active_owners.discard(owner)
             self._record_history()
 
     # -- reads -----------------------------------------------------------------------------------
 
     def blocks_for(self, owner: Owner) -> list[Block]:
-        """The blocks ``owner`` holds now, in allocation order."""
+        """Records of the blocks ``owner`` holds now, in allocation order."""
         with self._lock:
-            allocated = self._allocated
-            return [allocated[bid] for bid in self._owner_blocks.get(owner, ())]
+            chunk_of = self._chunk_of
+            size = self._block_size
+            return [
+                Block(
+                    bid, chunk.stream, chunk.format, (chunk.fill or {}).get(bid, size), owner, True
+                )
+                for chunk in self._holdings.get(owner, {}).values()
+                for bid in chunk.block_ids
+                if chunk_of.get(bid) is chunk
+            ]
 
     def n_blocks_for(self, owner: Owner) -> int:
         """How many blocks ``owner`` holds now."""
         with self._lock:
-            return len(self._owner_blocks.get(owner, ()))
+            chunks = self._holdings.get(owner, {})
+            return sum(len(c.block_ids) - c.n_freed for c in chunks.values())
 
     def owner_of(self, block_id: int) -> Owner | None:
         """The owner holding ``block_id``, or None if it is free, retired or never existed."""
         with self._lock:
-            block = self._allocated.get(block_id)
-            return None if block is None else block.owner
+            chunk = self._live_chunk(block_id)
+            return None if chunk is None else chunk.owner
 
     def n_free(self, stream: str = "k") -> int:
         """Free blocks left in ``stream``."""
         s = self._resolve_stream(stream)
         with self._lock:
-            return len(self._free[s])
+            free = self._free[s]
+            return len(free.recycled) + free.fresh_hi - free.fresh_lo
 
     def n_total(self, stream: str = "k") -> int:
         """Blocks ``stream`` manages now (free plus in use)."""
@@ -547,13 +601,16 @@ class BlockPoolAllocator:
         s = self._resolve_stream(stream)
         with self._lock:
             free = self._free[s]
-            n_retire = max(0, len(free) - target_free)
+            n_free = len(free.recycled) + free.fresh_hi - free.fresh_lo
+            n_retire = max(0, n_free - target_free)
             if n_retire:
                 from_recycled = min(n_retire, len(free.recycled))
                 if from_recycled:
                     retired_ids = free.recycled[-from_recycled:]
                     del free.recycled[-from_recycled:]
                     self._grown_unused.difference_update(retired_ids)
+                    for block_id in retired_ids:
+                        self._chunk_of.pop(block_id, None)
                 free.fresh_hi -= n_retire - from_recycled
                 free.total -= n_retire
                 self.stats.n_blocks -= n_retire
@@ -570,31 +627,42 @@ class BlockPoolAllocator:
         Raises:
             ValueError: ``n_used`` outside 0..block_size.
         """
-        block_size = self.config.block_size
+        block_size = self._block_size
         if not 0 <= n_used <= block_size:
             raise ValueError(f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}")
         with self._lock:
-            live = self._allocated.get(block.block_id)
-            if live is None:
-                block.n_used = n_used
-                return
-            was_partial = live.n_used < block_size
-            live.n_used = n_used
-            block.n_used = n_used
-            is_partial = n_used < block_size
-            if is_partial != was_partial:
-                self.stats._fragmented_count += 1 if is_partial else -1
+            self._mark_used_locked(block, n_used)
 
-    def mark_used_many(self, updates: Sequence[tuple[Block, int]]) -> None:
+    def mark_used_many(self, updates: Iterable[tuple[Block, int]]) -> None:
         """mark_used() for several blocks; all values are checked before any is applied."""
-        block_size = self.config.block_size
+        updates = list(updates)
+        block_size = self._block_size
         for _, n_used in updates:
             if not 0 <= n_used <= block_size:
                 raise ValueError(
                     f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
                 )
-        for block, n_used in updates:
-            self.mark_used(block, n_used)
+        with self._lock:
+            for block, n_used in updates:
+                self._mark_used_locked(block, n_used)
+
+    def _mark_used_locked(self, block: Block, n_used: int) -> None:
+        block.n_used = n_used
+        block_id = block.block_id
+        chunk = self._live_chunk(block_id)
+        if chunk is None:
+            return
+        fill = chunk.fill
+        was_partial = fill is not None and block_id in fill
+        if n_used < self._block_size:
+            if fill is None:
+                fill = chunk.fill = {}
+            fill[block_id] = n_used
+            self.stats._fragmented_count += not was_partial
+        elif was_partial:
+            assert fill is not None
+            del fill[block_id]
+            self.stats._fragmented_count -= 1
 
     # -- audit -----------------------------------------------------------------------------------
 
@@ -604,41 +672,49 @@ class BlockPoolAllocator:
         O(pool size): for tests and admin audits, never for a hot path.
         """
         with self._lock:
-            block_size = self.config.block_size
+            held: dict[int, BlockList] = {}
+            n_partial = 0
+            for owner, chunks in self._holdings.items():
+                assert chunks, f"owner {owner!r} is listed with no blocks"
+                for key, chunk in chunks.items():
+                    assert key == id(chunk), f"owner {owner!r} files a chunk under a wrong key"
+                    assert chunk.owner == owner, f"a chunk of {owner!r} names {chunk.owner!r}"
+                    assert not chunk.dead, f"owner {owner!r} keeps a dead chunk"
+                    live = [i for i in chunk.block_ids if self._chunk_of.get(i) is chunk]
+                    assert live, f"owner {owner!r} keeps a chunk with no block in it"
+                    assert len(live) + chunk.n_freed == len(chunk.block_ids), "free count off"
+                    for block_id in live:
+                        assert block_id not in held, f"block {block_id} is held twice"
+                        held[block_id] = chunk
+                    for block_id, n_used in (chunk.fill or {}).items():
+                        assert block_id in live, f"partial block {block_id} is not held"
+                        assert 0 <= n_used < self._block_size, f"block {block_id} n_used {n_used}"
+                    n_partial += len(chunk.fill or ())
+            live_entries = {i for i, c in self._chunk_of.items() if not c.dead}
+            assert live_entries == held.keys(), "block map and owners' chunks disagree"
+
             seen_free: set[int] = set()
             for s, free in self._free.items():
                 ids = [*range(free.fresh_lo, free.fresh_hi), *free.recycled]
                 assert len(set(ids)) == len(ids), f"stream {s!r}: an id is free twice"
-                in_use = sum(1 for b in self._allocated.values() if b.stream == s)
-                assert len(free) + in_use == free.total, (
-                    f"stream {s!r}: free {len(free)} + in use {in_use} != total {free.total}"
+                in_use = sum(1 for c in held.values() if c.stream == s)
+                assert len(ids) + in_use == free.total, (
+                    f"stream {s!r}: free {len(ids)} + in use {in_use} != total {free.total}"
                 )
                 assert seen_free.isdisjoint(ids), f"stream {s!r}: an id is free in two streams"
                 seen_free.update(ids)
-            assert seen_free.isdisjoint(self._allocated), "a block is both free and allocated"
-            holders: dict[int, Owner] = {}
-            for owner, owned in self._owner_blocks.items():
-                assert owned, f"owner {owner!r} has an empty block list"
-                for bid in owned:
-                    assert bid not in holders, (
-                        f"block {bid} is in the lists of {holders[bid]!r} and {owner!r}"
-                    )
-                    holders[bid] = owner
-            assert holders.keys() == self._allocated.keys(), "owner lists != allocated blocks"
-            for bid, block in self._allocated.items():
-                assert block.owner == holders[bid], f"block {bid} names {block.owner!r}"
-                assert 0 <= block.n_used <= block_size, f"block {bid} n_used {block.n_used}"
+            assert seen_free.isdisjoint(held), "a block is both free and held"
+            assert self._grown_unused <= seen_free, "a grown-unused id is not free"
+
             st = self.stats
-            partial = sum(1 for b in self._allocated.values() if b.n_used < block_size)
-            assert st._fragmented_count == partial, (
-                f"fragmented count {st._fragmented_count} != recount {partial}"
+            assert st._fragmented_count == n_partial, (
+                f"fragmented count {st._fragmented_count} != recount {n_partial}"
             )
-            assert st.blocks_in_use() == len(self._allocated), (
-                f"blocks_in_use {st.blocks_in_use()} != recount {len(self._allocated)}"
+            assert st.blocks_in_use() == len(held), (
+                f"blocks_in_use {st.blocks_in_use()} != recount {len(held)}"
             )
             total = sum(free.total for free in self._free.values())
             assert st.n_blocks == total, f"n_blocks {st.n_blocks} != recount {total}"
-            assert self._grown_unused <= seen_free, "a grown-unused id is not free"
 
     def __repr__(self) -> str:
         return f"BlockPoolAllocator({self.stats!r})"

@@ -22,7 +22,7 @@ class AllocationRequest(NamedTuple):
     format: str = "fp16"
 
 
-AllocationResult = list[Block] | Exception
+AllocationResult = Sequence[Block] | Exception
 """Per item of ``allocate_many``: the blocks, or the exception ``allocate`` would have raised."""
 
 
@@ -38,7 +38,7 @@ class BlockPool(Protocol):
 
     def allocate(
         self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16"
-    ) -> list[Block]: ...
+    ) -> Sequence[Block]: ...
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]: ...
 
@@ -56,4 +56,4 @@ class BlockPool(Protocol):
 
     def mark_used(self, block: Block, n_used: int) -> None: ...
 
-    def mark_used_many(self, updates: Sequence[tuple[Block, int]]) -> None: ...
+    def mark_used_many(self, updates: Iterable[tuple[Block, int]]) -> None: ...

@@ -7,7 +7,7 @@ independent recount here through the public API.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -76,13 +76,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         return self.model.stream_of(stream)
 
     @rule(target=handed_out, stream=STREAMS, n_tokens=st.integers(-1, 40), owner=OWNERS, f=FORMATS)
-    def allocate(self, stream: str, n_tokens: int, owner: object, f: str) -> list[Block]:
+    def allocate(self, stream: str, n_tokens: int, owner: object, f: str) -> Sequence[Block]:
         got = outcome(lambda: self.pool.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         want = outcome(lambda: self.model.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         assert got[0] == want[0], (got, want)
         if got[0] != "ok":
             return []
-        blocks: list[Block] = got[1]
+        blocks: Sequence[Block] = got[1]
         assert [b.block_id for b in blocks] == want[1]
         for b in blocks:
             ref = self.model.blocks[b.block_id]
@@ -113,12 +113,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.model.active.discard(owner)  # type: ignore[arg-type]
 
     @rule(blocks=handed_out, data=st.data())
-    def free_some(self, blocks: list[Block], data: st.DataObject) -> None:
+    def free_some(self, blocks: Sequence[Block], data: st.DataObject) -> None:
         """Free a random subset in random order; stale (already freed) blocks are allowed."""
         chosen = data.draw(st.permutations(blocks)) if blocks else []
         chosen = chosen[: data.draw(st.integers(0, len(chosen)))]
         self.pool.free(chosen)
         self.model.free_ids([b.block_id for b in chosen])
+
+    @rule(blocks=handed_out)
+    def free_allocation(self, blocks: Sequence[Block]) -> None:
+        """Free what one allocate() returned, as returned (possibly stale by now)."""
+        self.pool.free(blocks)
+        self.model.free_ids([b.block_id for b in blocks])
 
     @rule(owner=OWNERS)
     def free_all(self, owner: object) -> None:
@@ -217,7 +223,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
