@@ -27,7 +27,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.deps-stamp" 2>/dev/null)" != 
     echo "setting up $venv (one time, about a minute)" >&2
     rm -rf "$venv"
     "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --upgrade pip "setuptools>=68" wheel
+    "$venv/bin/python" -m pip install --quiet --upgrade pip "setuptools>=77" wheel
     "$venv/bin/python" -m pip install --quiet --no-build-isolation \
         --config-settings editable_mode=strict -e "$root[$extras]"
     echo "$deps_stamp" > "$venv/.deps-stamp"
