@@ -1,4 +1,4 @@
-"""bench_pool.py runs end to end (figures are read by people, not asserted: the machine is noisy)."""
+"""bench_pool.py runs end to end."""
 
 from __future__ import annotations
 

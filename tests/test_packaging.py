@@ -25,7 +25,7 @@ def test_wheel_contains_every_module_and_command(tmp_path: Path) -> None:
             shutil.copy(path, src / name)
     out = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(out), str(src)],
         check=True,
         capture_output=True,
     )
