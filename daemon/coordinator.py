@@ -51,6 +51,7 @@ class Coordinator:
         self.started = time.time()
         self.started_monotonic = time.monotonic()
         self._holder: dict[Owner, Session] = {}
+        self._max_tokens = MAX_BLOCKS_PER_ALLOCATE * config.block_size
         # Counters for the admin's stats; plain ints so the hot path pays one add.
         self.n_requests = 0
         self.n_bad_requests = 0
@@ -74,15 +75,12 @@ class Coordinator:
         if session is not None:
             session.owners.discard(owner)
 
-    def _claim(self, session: Session, owner: Owner) -> Session | None:
-        """The current holder of ``owner`` if it is ``session`` or nobody; else raise."""
-        holder = self._holder.get(owner)
-        if holder is not None and holder is not session:
-            raise OwnerAlreadyActiveError(
-                f"owner {owner!r} is active in another worker session (pid {holder.pid}, "
-                f"model {holder.model!r}); owner ids are global across workers: use another id"
-            )
-        return holder
+    @staticmethod
+    def _owner_taken(owner: Owner, holder: Session) -> OwnerAlreadyActiveError:
+        return OwnerAlreadyActiveError(
+            f"owner {owner!r} is active in another worker session (pid {holder.pid}, "
+            f"model {holder.model!r}); owner ids are global across workers: use another id"
+        )
 
     def _require_held(self, session: Session, owner: Owner, what: str) -> Session | None:
         """The holder of ``owner`` if it is ``session`` or nobody; NotOwnerError otherwise."""
@@ -100,8 +98,10 @@ class Coordinator:
         self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
     ) -> list[int]:
         """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
-        holder = self._claim(session, owner)
-        if n_tokens > MAX_BLOCKS_PER_ALLOCATE * self.allocator.config.block_size:
+        holder = self._holder.get(owner)
+        if holder is not session and holder is not None:
+            raise self._owner_taken(owner, holder)
+        if n_tokens > self._max_tokens:
             raise ValueError(
                 f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
                 "allocate in steps"
@@ -115,19 +115,22 @@ class Coordinator:
                 self._bind(owner, session)
             raise
         if holder is None:
-            self._bind(owner, session)
-        return [block.block_id for block in blocks]
+            self._holder[owner] = session
+            session.owners.add(owner)
+        return list(blocks.block_ids)  # ids only: no Block objects are built for the wire
 
     def allocate_many(
         self, session: Session, items: Sequence[tuple[str, int, Owner, str]]
     ) -> list[list[int] | dict[str, Any]]:
         """allocate() per item; each result is the block ids or an ``{code, message}`` error."""
         results: list[list[int] | dict[str, Any]] = []
+        append = results.append
+        allocate = self.allocate
         for stream, n_tokens, owner, fmt in items:
             try:
-                results.append(self.allocate(session, stream, n_tokens, owner, fmt))
+                append(allocate(session, stream, n_tokens, owner, fmt))
             except (ValueError, VqpoolError) as exc:
-                results.append({"code": int(error_code_for(exc)), "message": str(exc)})
+                append({"code": int(error_code_for(exc)), "message": str(exc)})
         return results
 
     def free(self, session: Session, block_ids: Sequence[int]) -> None:
@@ -159,7 +162,9 @@ class Coordinator:
 
     def register_owner(self, session: Session, owner: Owner) -> None:
         """register_owner(): the owner becomes this session's."""
-        self._claim(session, owner)
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise self._owner_taken(owner, holder)
         self.allocator.register_owner(owner)
         self._bind(owner, session)
 

@@ -220,18 +220,32 @@ def check_allocations(value: Any, name: str = "items") -> list[tuple[str, int, O
     """An array of ``[stream, n_tokens, owner, format]`` allocation items."""
     items = check_list(value, name, MAX_BATCH)
     parsed: list[tuple[str, int, Owner, str]] = []
+    append = parsed.append
     for item in items:
-        if type(item) is not list or len(item) != 4:
-            raise BadRequestError(
-                f"{name} items must be [stream, n_tokens, owner, format], got {_show(item)}"
-            )
-        parsed.append(
-            (
-                check_tag(item[0], "stream"),
-                check_int(item[1], "n_tokens"),
-                check_owner(item[2]),
-                check_tag(item[3], "format"),
-            )
+        # One decode step may carry thousands of items: test the well-formed case inline and
+        # leave the detailed message to the field checks.
+        if type(item) is list and len(item) == 4:
+            stream, n_tokens, owner, fmt = item
+            if (
+                type(stream) is str
+                and 0 < len(stream) <= MAX_TAG_LEN
+                and type(n_tokens) is int
+                and _INT64_MIN <= n_tokens <= _INT64_MAX
+                and type(fmt) is str
+                and 0 < len(fmt) <= MAX_TAG_LEN
+                and (
+                    (type(owner) is int and _INT64_MIN <= owner <= _INT64_MAX)
+                    or (type(owner) is str and 0 < len(owner) <= MAX_OWNER_LEN)
+                )
+            ):
+                append((stream, n_tokens, owner, fmt))
+                continue
+            check_tag(stream, "stream")
+            check_int(n_tokens, "n_tokens")
+            check_owner(owner)
+            check_tag(fmt, "format")
+        raise BadRequestError(
+            f"{name} items must be [stream, n_tokens, owner, format], got {_show(item)}"
         )
     return parsed
 

@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, WorkerProcess, remove_tree, short_tmpdir
+from daemon_harness import (
+    DaemonProcess,
+    WorkerProcess,
+    daemon_args_for,
+    remove_tree,
+    short_tmpdir,
+)
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 
 DEFAULT_DAEMON_ARGS = ("--n-blocks", "256", "--lease", "1", "--log-level", "INFO")
@@ -65,18 +71,6 @@ def start_worker() -> Iterator[Callable[[Path, str], WorkerProcess]]:
     yield start
     for worker in workers:
         worker.stop()
-
-
-def daemon_args_for(config: PoolConfig) -> list[str]:
-    """vqpoold options that build a pool with ``config``."""
-    args = ["--n-blocks", str(config.n_blocks), "--block-size", str(config.block_size)]
-    if not config.separate_kv:
-        args.append("--shared-kv")
-    if config.grow_on_exhaustion:
-        args.append("--grow")
-    if config.max_blocks is not None:
-        args += ["--max-blocks", str(config.max_blocks)]
-    return args
 
 
 @pytest.fixture(params=["local", "remote"])

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import zmq
+from vqpool.shared import PoolConfig
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
@@ -38,6 +39,18 @@ READY_TIMEOUT = 15.0
 def short_tmpdir(prefix: str = "vq") -> Path:
     """A new private directory under /tmp (short, for socket paths)."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def daemon_args_for(config: PoolConfig) -> list[str]:
+    """vqpoold options that build a pool with ``config``."""
+    args = ["--n-blocks", str(config.n_blocks), "--block-size", str(config.block_size)]
+    if not config.separate_kv:
+        args.append("--shared-kv")
+    if config.grow_on_exhaustion:
+        args.append("--grow")
+    if config.max_blocks is not None:
+        args += ["--max-blocks", str(config.max_blocks)]
+    return args
 
 
 def remove_tree(path: Path) -> None:

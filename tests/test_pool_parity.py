@@ -7,8 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import daemon_args_for
-from daemon_harness import DaemonProcess
+from daemon_harness import DaemonProcess, daemon_args_for
 from vqpool.shared import (
     AllocationRequest,
     BlockPool,
