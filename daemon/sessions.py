@@ -83,6 +83,8 @@ class Session:
 
     def remember_reply(self, rid: int, reply: bytes) -> None:
         """Keep ``reply`` for a retry of ``rid``, forgetting the oldest beyond the cache size."""
+        if rid <= self.reply_floor:
+            return  # a refused stale id: nothing to remember
         replies = self.replies
         replies[rid] = reply
         if len(replies) > REPLY_CACHE_SIZE:

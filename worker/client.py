@@ -162,18 +162,22 @@ class PoolClient:
     def _result(self, reply: dict[str, Any], expect_boot: bool = True) -> Any:
         """The result of a reply, or the exception its error names."""
         if expect_boot and reply.get("boot") != self.boot_id:
-            self._restarted = (
-                f"vqpoold restarted (boot id {self.boot_id} -> {reply.get('boot')}) since this "
-                f"client's session began; blocks of the old daemon lifetime are gone. Open a new "
-                f"PoolClient for {self.run_dir}."
-            )
-            raise DaemonRestartedError(self._restarted)
+            raise DaemonRestartedError(self._mark_restarted(reply.get("boot")))
         if reply["ok"]:
             return reply.get("result")
         error = reply["error"]
         if error["code"] == ErrorCode.DAEMON_RESTARTED:
             self._restarted = error["message"]
         raise error_from_wire(error["code"], error["message"])
+
+    def _mark_restarted(self, new_boot: object) -> str:
+        """Remember for good that the daemon restarted; the message every call will raise."""
+        self._restarted = (
+            f"vqpoold restarted (boot id {self.boot_id} -> {new_boot}) since this client's "
+            f"session began; blocks of the old daemon lifetime are gone. Open a new PoolClient "
+            f"for {self.run_dir}."
+        )
+        return self._restarted
 
     def _call(self, op: str, args: Mapping[str, Any]) -> Any:
         """One request/reply; the caller holds ``self._lock``."""
@@ -419,8 +423,8 @@ class PoolClient:
 class _Heartbeat(threading.Thread):
     """Pings the daemon every ``interval`` seconds on a socket of its own, keeping the lease.
 
-    Stops when the client closes, or for good when the daemon says the session is gone or the
-    daemon restarted (the caller's next call then reports it).
+    Stops when the client closes, when the session is gone (evicted), or when it sees a new
+    daemon boot id, which it records so the caller's next call raises DaemonRestartedError.
     """
 
     def __init__(self, client: PoolClient, interval: float) -> None:
@@ -428,7 +432,6 @@ class _Heartbeat(threading.Thread):
         self._client = client
         self._interval = interval
         self._stopping = threading.Event()
-        self.lost: Exception | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -448,11 +451,11 @@ class _Heartbeat(threading.Thread):
                     reply = connection.request(payload, rid, self._interval, "heartbeat")
                 except DaemonUnavailableError:
                     continue  # keep trying: a busy or restarting daemon may answer the next one
-                if not reply["ok"] and reply["error"]["code"] in (
-                    ErrorCode.NO_SESSION,
-                    ErrorCode.DAEMON_RESTARTED,
-                ):
-                    self.lost = error_from_wire(reply["error"]["code"], reply["error"]["message"])
+                if reply.get("boot") != client.boot_id:
+                    # Sticky from now on: the caller's next call raises without sending.
+                    client._mark_restarted(reply.get("boot"))
                     return
+                if not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
+                    return  # evicted: the caller's next call gets NO_SESSION from the daemon
         finally:
             connection.close()
