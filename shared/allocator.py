@@ -103,9 +103,11 @@ class PoolConfig:
 class Block:
     """One allocated block of KV-cache storage, as :meth:`BlockPoolAllocator.allocate` gives it.
 
-    A Block is a record: the allocator updates the object you pass to ``mark_used`` or ``free``,
-    and ``blocks_for`` gives fresh records of the current state. A block is always named by its
-    id, so a copy (e.g. rebuilt from a wire message) acts on the same block as the original.
+    The objects ``allocate()`` returned are kept up to date while the allocator changes their
+    block (``mark_used``, ``free``, ``free_all``), as the seed's were; ``blocks_for`` gives fresh
+    records of the current state. A block is always named by its id, so a copy (e.g. rebuilt
+    from a wire message) acts on the same block as the original, and is updated itself when
+    passed to ``mark_used`` or ``free``.
 
     Attributes:
         block_id: Index into the backing storage; stable for the pool's lifetime.
@@ -140,6 +142,7 @@ class BlockList(Sequence[Block]):
     n_freed: int = 0  # blocks of this allocation freed one by one
     dead: bool = False  # every block freed: entries still naming this chunk are stale
     _blocks: list[Block] | None = None
+    _positions: dict[int, int] | None = None  # block id -> index, built when first needed
     _pool: BlockPoolAllocator
 
     def __init__(
@@ -168,6 +171,27 @@ class BlockList(Sequence[Block]):
             ]
             self._blocks = blocks
         return blocks
+
+    def _sync_block(self, block_id: int, n_used: int, freed: bool) -> None:
+        """Keep a Block object this list already built in step with the allocator, as the
+        seed's shared objects were. Called by the allocator only when ``_blocks`` is set."""
+        blocks = self._blocks
+        assert blocks is not None, "no Block objects to keep in step"
+        if len(blocks) == 1:
+            block = blocks[0]
+        else:
+            positions = self._positions
+            if positions is None:
+                positions = self._positions = {bid: i for i, bid in enumerate(self.block_ids)}
+            block = blocks[positions[block_id]]
+        block.n_used = n_used
+        if freed:
+            block.owner = None
+
+    def _sync_all_freed(self) -> None:
+        for block in self._blocks or ():
+            block.owner = None
+            block.n_used = 0
 
     @overload
     def __getitem__(self, index: int) -> Block: ...
@@ -467,19 +491,18 @@ class BlockPoolAllocator:
         marked free (owner None, n_used 0), as the seed's shared objects were.
         """
         if isinstance(blocks, BlockList):
-            objects = blocks._blocks
             with self._lock:
                 if blocks.dead or blocks.n_freed:
                     self._free_ids_locked(blocks.block_ids)
                 else:
                     self._free_chunk_locked(blocks)
                 self._record_history()
-        else:
-            objects = list(blocks)
-            with self._lock:
-                self._free_ids_locked([b.block_id for b in objects])
-                self._record_history()
-        for block in objects or ():
+            return
+        objects = list(blocks)
+        with self._lock:
+            self._free_ids_locked([b.block_id for b in objects])
+            self._record_history()
+        for block in objects:
             block.owner = None
             block.n_used = 0
 
@@ -487,6 +510,8 @@ class BlockPoolAllocator:
         """Free a whole live allocation none of whose blocks was freed alone: no per-block
         bookkeeping, its map entries just go stale."""
         chunk.dead = True
+        if chunk._blocks is not None:
+            chunk._sync_all_freed()
         ids = chunk.block_ids
         self._free[chunk.stream].recycled.extend(ids)
         st = self.stats
@@ -509,6 +534,8 @@ class BlockPoolAllocator:
             if chunk is None or chunk.dead:
                 continue
             del chunk_of[block_id]
+            if chunk._blocks is not None:
+                chunk._sync_block(block_id, 0, freed=True)
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
                 st._fragmented_count -= 1
@@ -533,6 +560,8 @@ class BlockPoolAllocator:
                 st = self.stats
                 for chunk in chunks.values():
                     chunk.dead = True
+                    if chunk._blocks is not None:
+                        chunk._sync_all_freed()
                     recycled = self._free[chunk.stream].recycled
                     if chunk.n_freed:
                         recycled.extend([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
@@ -652,6 +681,8 @@ class BlockPoolAllocator:
         chunk = self._live_chunk(block_id)
         if chunk is None:
             return
+        if chunk._blocks is not None:
+            chunk._sync_block(block_id, n_used, freed=False)
         fill = chunk.fill
         was_partial = fill is not None and block_id in fill
         if n_used < self._block_size:

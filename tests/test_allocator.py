@@ -152,6 +152,22 @@ def test_free_by_copy_frees_the_same_block() -> None:
     assert pool.n_free("k") == 2 and pool.blocks_for(1) == []
 
 
+def test_handed_out_blocks_stay_in_step() -> None:
+    pool = pool_of(n_blocks=16, block_size=4)
+    first = pool.allocate("k", 10, owner=1)
+    second = pool.allocate("k", 4, owner=1)
+    seen_first, seen_second = list(first), list(second)  # built before any change
+    pool.mark_used(Block(block_id=first[1].block_id), 1)
+    assert seen_first[1].n_used == 1
+    pool.free([Block(block_id=first[0].block_id)])
+    assert (seen_first[0].owner, seen_first[0].n_used) == (None, 0)
+    pool.free_all(1)
+    assert all(b.owner is None and b.n_used == 0 for b in seen_first + seen_second)
+    third = pool.allocate("v", 4, owner=2)
+    pool.free(third)  # a whole allocation, never looked at: read afterwards, it is free
+    assert [(b.owner, b.n_used) for b in third] == [(None, 0)]
+
+
 def test_free_all() -> None:
     pool = pool_of(n_blocks=8)
     pool.allocate("k", 40, owner=1)

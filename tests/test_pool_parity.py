@@ -165,6 +165,7 @@ def test_free_updates_the_callers_blocks(make_pool: MakePool) -> None:
         *(b.block_id for b in second),
     ]
     pool.free_all("r")
+    assert all(b.owner is None and b.n_used == 0 for b in [*first, *second])
     assert pool.blocks_for("r") == []
     assert pool.stats.blocks_in_use() == 0
     pool.register_owner("r")  # released
