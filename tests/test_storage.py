@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,7 +42,7 @@ def filled(
 def slot_values(block: mx.array, layer: int) -> list[int]:
     """The slot numbers stored in a block segment of head 0, as written by ``filled``."""
     column = mx.abs(block[0, 0, :, 0]).astype(mx.int32) - 1000 * layer
-    return [int(column[i].item()) for i in range(column.shape[0])]
+    return [int(cast(int, column[i].item())) for i in range(column.shape[0])]
 
 
 def test_layout_bytes_per_block() -> None:
