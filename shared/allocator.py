@@ -435,12 +435,24 @@ class BlockPoolAllocator:
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
                 st._fragmented_count += 1
-            st.n_allocations += n_needed
-            st.n_reused += n_reused
-            in_use = st.n_allocations - st.n_frees
-            if in_use > st.peak_blocks_in_use:
-                st.peak_blocks_in_use = in_use
-            self._record_history()
+            n_allocations = st.n_allocations = st.n_allocations + n_needed
+            if n_reused:
+                st.n_reused += n_reused
+            if n_allocations - st.n_frees > st.peak_blocks_in_use:
+                st.peak_blocks_in_use = n_allocations - st.n_frees
+            self._history.append(  # _record_history(), inlined on this hot path
+                (
+                    st.n_blocks,
+                    n_allocations,
+                    st.n_frees,
+                    st.n_reused,
+                    st.n_exhausted,
+                    st.n_grown,
+                    st.n_retired,
+                    st.peak_blocks_in_use,
+                    st._fragmented_count,
+                )
+            )
             return chunk
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
@@ -490,13 +502,43 @@ class BlockPoolAllocator:
         Blocks are found by id, so freeing a copy frees the block; each Block object passed is
         marked free (owner None, n_used 0), as the seed's shared objects were.
         """
-        if isinstance(blocks, BlockList):
+        if type(blocks) is BlockList:
             with self._lock:
                 if blocks.dead or blocks.n_freed:
                     self._free_ids_locked(blocks.block_ids)
-                else:
-                    self._free_chunk_locked(blocks)
-                self._record_history()
+                    self._record_history()
+                    return
+                # The common case, inlined: a whole live allocation none of whose blocks was
+                # freed alone. No per-block bookkeeping: its map entries just go stale.
+                chunk = blocks
+                chunk.dead = True
+                if chunk._blocks is not None:
+                    chunk._sync_all_freed()
+                ids = chunk.block_ids
+                self._free[chunk.stream].recycled.extend(ids)
+                owner = chunk.owner
+                chunks = self._holdings[owner]
+                del chunks[id(chunk)]
+                if not chunks:  # the owner's last block: release it, as the seed does
+                    del self._holdings[owner]
+                    self._active_owners.discard(owner)
+                st = self.stats
+                n_frees = st.n_frees = st.n_frees + len(ids)
+                if chunk.fill:
+                    st._fragmented_count -= len(chunk.fill)
+                self._history.append(  # _record_history(), inlined on this hot path
+                    (
+                        st.n_blocks,
+                        st.n_allocations,
+                        n_frees,
+                        st.n_reused,
+                        st.n_exhausted,
+                        st.n_grown,
+                        st.n_retired,
+                        st.peak_blocks_in_use,
+                        st._fragmented_count,
+                    )
+                )
             return
         objects = list(blocks)
         with self._lock:
@@ -505,25 +547,6 @@ class BlockPoolAllocator:
         for block in objects:
             block.owner = None
             block.n_used = 0
-
-    def _free_chunk_locked(self, chunk: BlockList) -> None:
-        """Free a whole live allocation none of whose blocks was freed alone: no per-block
-        bookkeeping, its map entries just go stale."""
-        chunk.dead = True
-        if chunk._blocks is not None:
-            chunk._sync_all_freed()
-        ids = chunk.block_ids
-        self._free[chunk.stream].recycled.extend(ids)
-        st = self.stats
-        st.n_frees += len(ids)
-        if chunk.fill:
-            st._fragmented_count -= len(chunk.fill)
-        owner = chunk.owner
-        chunks = self._holdings[owner]
-        del chunks[id(chunk)]
-        if not chunks:  # the owner's last block: release it, as the seed does
-            del self._holdings[owner]
-            self._active_owners.discard(owner)
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
         chunk_of = self._chunk_of
