@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a stopped worker keeps its blocks after it was last heard from",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free port; "
+        "default: off)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,

@@ -12,7 +12,12 @@ from typing import Any
 from vqpool.daemon.commands import COMMANDS
 from vqpool.daemon.coordinator import Coordinator
 from vqpool.daemon.dispatch import PeerLogLimiter, error_reply
-from vqpool.shared.errors import UnauthorizedError, UnknownOpError, VqpoolError
+from vqpool.shared.errors import (
+    UnauthorizedError,
+    UnknownOpError,
+    VqpoolError,
+    error_code_for,
+)
 from vqpool.shared.protocol import (
     ADMIN_OPS,
     WORKER_OPS,
@@ -27,19 +32,25 @@ assert COMMANDS.keys() == ADMIN_OPS
 
 
 class AdminRequestHandler:
-    """Turns one admin request frame into its reply frame."""
+    """Turns one admin request frame into its reply frame (``last_op``/``last_code``: the op and
+    outcome of the request handled last, for the metrics)."""
 
     def __init__(self, coord: Coordinator) -> None:
         self._coord = coord
         self._bad_log = PeerLogLimiter()
+        self.last_op = ""
+        self.last_code = 0
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
         """The reply to ``payload`` from admin connection ``peer``."""
         coord = self._coord
         message: Any = None
+        self.last_op = ""
+        self.last_code = 0
         try:
             message = decode_request(payload)
             request = parse_envelope(message)
+            self.last_op = request.op
             command = COMMANDS.get(request.op)
             if command is None:
                 if request.op in WORKER_OPS:
@@ -49,8 +60,10 @@ class AdminRequestHandler:
         except (VqpoolError, ValueError) as exc:
             coord.n_bad_requests += 1
             self._bad_log.note(peer, "admin", str(exc))
+            self.last_code = error_code_for(exc)
             return error_reply(request_id_of(message), coord.boot_id, exc)
         try:
             return encode_result(request.id, coord.boot_id, command.run(coord, args))
         except Exception as exc:
+            self.last_code = error_code_for(exc)
             return error_reply(request.id, coord.boot_id, exc)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.daemon.sessions import Session, SessionTable
+from vqpool.daemon.timeline import StreamTimeline
 from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
     NotOwnerError,
@@ -39,6 +40,7 @@ class Coordinator:
             it change knows its blocks belong to a previous lifetime.
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
         run_dir: Where the sockets live (for the admin's eyes).
+        timeline: Blocks in use per stream over time, sampled by the server loop.
     """
 
     def __init__(self, config: PoolConfig, *, lease: float, run_dir: Path) -> None:
@@ -50,6 +52,7 @@ class Coordinator:
         self.pid = os.getpid()
         self.started = time.time()
         self.started_monotonic = time.monotonic()
+        self.timeline = StreamTimeline(self.allocator.streams)
         self._holder: dict[Owner, Session] = {}
         self._max_tokens = MAX_BLOCKS_PER_ALLOCATE * config.block_size
         # Counters for the admin's stats; plain ints so the hot path pays one add.

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from vqpool.daemon.admin import AdminRequestHandler
@@ -38,6 +38,9 @@ from vqpool.shared.config import (
     socket_path,
 )
 from vqpool.shared.protocol import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from vqpool.daemon.metrics import MetricsExporter
 
 log = logging.getLogger("vqpoold")
 
@@ -145,6 +148,7 @@ class Server:
         self.run_dir = resolve_run_dir(settings.run_dir)
         self._stop_signal: int | None = None
         self._bad_frames = PeerLogLimiter()
+        self._metrics: MetricsExporter | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only record it: the self-pipe written by Python's C-level handler wakes the loop.
@@ -165,6 +169,9 @@ class Server:
             raise StartupError(str(exc)) from exc
         if self.settings.lease <= 0:
             raise StartupError(f"lease must be > 0 seconds, got {self.settings.lease}")
+        metrics_port = self.settings.metrics_port
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise StartupError(f"metrics port must be in 0..65535, got {metrics_port}")
         prepare_run_dir(run_dir)
         coord = Coordinator(pool_config, lease=self.settings.lease, run_dir=run_dir)
         lock_fd = take_lock(run_dir / LOCK_FILE_NAME, coord.boot_id)
@@ -172,6 +179,14 @@ class Server:
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
         try:
+            worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
+            handle_worker: Handle = worker_handler.handle
+            handle_admin: Handle = admin_handler.handle
+            # Before binding: a port in use must fail start-up with no socket to close.
+            if metrics_port is not None:
+                handle_worker, handle_admin = self._start_metrics(
+                    coord, metrics_port, worker_handler, admin_handler
+                )
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
                 path.unlink(missing_ok=True)
@@ -188,8 +203,6 @@ class Server:
                 describe_pool(pool_config),
                 coord.lease,
             )
-            handle_worker = WorkerRequestHandler(coord).handle
-            handle_admin = AdminRequestHandler(coord).handle
             self._loop(coord, wake_fd, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
@@ -197,6 +210,8 @@ class Server:
             worker.close(linger=SHUTDOWN_LINGER_MS)
             admin.close(linger=SHUTDOWN_LINGER_MS)
         finally:
+            if self._metrics is not None:
+                self._metrics.stop()
             self._release_stop_signals()
             context.term()
             for path in (worker_path, admin_path):
@@ -205,6 +220,35 @@ class Server:
         signame = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
         log.info("vqpoold stopped on %s after %.1fs", signame, coord.uptime())
         return 0
+
+    def _start_metrics(
+        self,
+        coord: Coordinator,
+        port: int,
+        worker_handler: WorkerRequestHandler,
+        admin_handler: AdminRequestHandler,
+    ) -> tuple[Handle, Handle]:
+        """Serve /metrics over HTTP; the request handlers wrapped to count and time requests."""
+        # Imported here: a daemon without --metrics-port never loads prometheus_client.
+        from vqpool.daemon.metrics import MetricsExporter, RequestMetrics
+
+        requests = RequestMetrics()
+        exporter = MetricsExporter(coord, requests, self._wake_loop, DAEMON_VERSION)
+        try:
+            served = exporter.start(port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
+        self._metrics = exporter
+        log.info("metrics on http://127.0.0.1:%d/metrics", served)
+        return (
+            requests.instrument("worker", worker_handler),
+            requests.instrument("admin", admin_handler),
+        )
+
+    def _wake_loop(self) -> None:
+        """Wake the loop from another thread (it drains the byte and looks at its work)."""
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_fds[1], b"\0")
 
     @staticmethod
     def _bind(context: zmq.Context[Any], path: Path) -> zmq.Socket[bytes]:
@@ -263,9 +307,12 @@ class Server:
                         os.read(wake_fd, 512)
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
+            if self._metrics is not None:
+                self._metrics.publish_if_wanted()
             now = time.monotonic()
             if now >= next_check:
                 coord.reap_dead_sessions(now)
+                coord.timeline.sample(coord.allocator)
                 next_check = now + LIVENESS_INTERVAL
 
     def _serve(

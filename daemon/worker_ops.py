@@ -29,6 +29,7 @@ from vqpool.shared.errors import (
     UnauthorizedError,
     UnknownOpError,
     VqpoolError,
+    error_code_for,
 )
 from vqpool.shared.protocol import (
     ADMIN_OPS,
@@ -88,11 +89,17 @@ assert HANDLERS.keys() == WORKER_OPS - {HELLO}
 
 
 class WorkerRequestHandler:
-    """Turns one worker request frame into its reply frame."""
+    """Turns one worker request frame into its reply frame.
+
+    ``last_op`` and ``last_code`` tell the op and outcome (0 or the error code) of the request
+    handled last, for the metrics (``daemon/metrics.py``); a cached reply counts as 0.
+    """
 
     def __init__(self, coord: Coordinator) -> None:
         self._coord = coord
         self._bad_log = PeerLogLimiter()
+        self.last_op = ""
+        self.last_code = 0
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``."""
@@ -100,10 +107,12 @@ class WorkerRequestHandler:
         coord.n_requests += 1
         boot = coord.boot_id
         message: Any = None
+        self.last_op = ""
+        self.last_code = 0
         try:
             message = decode_request(payload)
             request = parse_envelope(message)
-            op = request.op
+            op = self.last_op = request.op
             if op not in WORKER_OPS:
                 if op in ADMIN_OPS:
                     raise UnauthorizedError(f"{op!r} is an admin op: use the admin socket")
@@ -128,6 +137,7 @@ class WorkerRequestHandler:
         except (VqpoolError, ValueError) as exc:
             coord.n_bad_requests += 1
             self._bad_log.note(peer, "worker", str(exc))
+            self.last_code = error_code_for(exc)
             return error_reply(request_id_of(message), boot, exc)
         session.last_heard = now
         session.n_requests += 1
@@ -143,8 +153,10 @@ class WorkerRequestHandler:
         except BadRequestError as exc:
             coord.n_bad_requests += 1
             self._bad_log.note(peer, "worker", str(exc))
+            self.last_code = exc.code
             reply = error_reply(rid, boot, exc)
         except Exception as exc:
+            self.last_code = error_code_for(exc)
             reply = error_reply(rid, boot, exc)
         if mutating:
             session.remember_reply(rid, reply)

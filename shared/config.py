@@ -93,6 +93,8 @@ class DaemonSettings:
         max_blocks: Cap on total blocks when growing; None means no cap.
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
         log_level: Python logging level name for the daemon's stderr log.
+        metrics_port: Serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free
+            port, logged at start); None (the default) serves none.
     """
 
     run_dir: str | None = None
@@ -103,6 +105,7 @@ class DaemonSettings:
     max_blocks: int | None = None
     lease: float = DEFAULT_LEASE_SECONDS
     log_level: str = "INFO"
+    metrics_port: int | None = None
 
     def pool_config(self) -> PoolConfig:
         """The allocator configuration these settings describe (validated by PoolConfig)."""
@@ -124,6 +127,7 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "max_blocks": (int,),
     "lease": (int, float),
     "log_level": (str,),
+    "metrics_port": (int,),
 }
 
 

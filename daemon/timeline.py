@@ -1,0 +1,76 @@
+"""Blocks in use per stream over time, sampled by the daemon loop (for ``vqpoolctl history``).
+
+The allocator's own history has one snapshot per mutating call, pool-wide counters only and no
+clock: under load its 256 entries cover milliseconds, and it cannot tell keys from values. This
+timeline is sampled by the loop's liveness tick (every 0.25 s), only when the pool changed since
+the last sample, so it costs nothing per request and an idle daemon records nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, NamedTuple
+
+from vqpool.shared.allocator import BlockPoolAllocator
+
+TIMELINE_SIZE = 3600
+"""Samples kept: at least 15 minutes of a pool that changes on every tick."""
+
+
+class TimelineSample(NamedTuple):
+    """The pool at one moment."""
+
+    time: float
+    in_use: tuple[int, ...]
+    total: tuple[int, ...]
+    n_allocations: int
+    n_exhausted: int
+
+
+class StreamTimeline:
+    """A bounded record of blocks in use and total per stream, with wall-clock times."""
+
+    def __init__(self, streams: tuple[str, ...], size: int = TIMELINE_SIZE) -> None:
+        self.streams = streams
+        self._samples: deque[TimelineSample] = deque(maxlen=size)
+        self._last_key: tuple[int, ...] | None = None
+
+    def sample(self, allocator: BlockPoolAllocator) -> None:
+        """Record the pool now, unless nothing changed since the last sample."""
+        st = allocator.stats
+        key = (st.n_allocations, st.n_frees, st.n_blocks, st.n_exhausted)
+        if key == self._last_key:
+            return
+        self._last_key = key
+        totals = tuple(allocator.n_total(s) for s in self.streams)
+        pairs = zip(self.streams, totals, strict=True)
+        in_use = tuple(total - allocator.n_free(stream) for stream, total in pairs)
+        self._samples.append(
+            TimelineSample(
+                time=time.time(),
+                in_use=in_use,
+                total=totals,
+                n_allocations=st.n_allocations,
+                n_exhausted=st.n_exhausted,
+            )
+        )
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def to_wire(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The samples, oldest first (the newest ``limit`` only, if given), as maps."""
+        samples = list(self._samples)
+        if limit is not None:
+            samples = samples[-limit:]
+        return [
+            {
+                "time": s.time,
+                "in_use": dict(zip(self.streams, s.in_use, strict=True)),
+                "total": dict(zip(self.streams, s.total, strict=True)),
+                "n_allocations": s.n_allocations,
+                "n_exhausted": s.n_exhausted,
+            }
+            for s in samples
+        ]
