@@ -1,0 +1,79 @@
+"""Show the pool's recent stats history; --plot draws blocks in use per stream over time.
+
+The table has one row per recent allocator change (allocate, free, free_all, shrink; the daemon
+keeps the last 256): blocks in the pool, in use, and the running counters. --plot FILE.png
+draws blocks in use (and total) per stream from the daemon's timeline, which samples the pool
+every 0.25 s while it changes and keeps the last 3600 samples. Plotting needs matplotlib
+(`pip install 'vqpool[plot]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from vqpool.daemon.ctl.context import Ctl
+from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.ctl.options import add_json, op_help, positive_int
+from vqpool.daemon.ctl.plot import plot_timeline
+from vqpool.daemon.ctl.render import table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--limit", type=positive_int, metavar="N", help=op_help("history", "limit"))
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw blocks in use per stream over time into this PNG file",
+    )
+    add_json(parser)
+
+
+def _rows(snapshots: list[dict[str, Any]]) -> list[list[object]]:
+    return [
+        [
+            i,
+            s["n_blocks"],
+            s["n_allocations"] - s["n_frees"],
+            s["n_allocations"],
+            s["n_frees"],
+            s["n_reused"],
+            s["n_exhausted"],
+            s["n_grown"],
+            s["n_retired"],
+            s["peak_blocks_in_use"],
+            s["fragmented_count"],
+        ]
+        for i, s in enumerate(snapshots, 1)
+    ]
+
+
+def run(ctl: Ctl, args: argparse.Namespace) -> int:
+    limit = {"limit": args.limit} if args.limit is not None else {}
+    snapshots = ctl.call("history", **limit)
+    timeline = ctl.call("history", timeline=True, **limit) if args.plot else None
+    if timeline is not None:
+        plot_timeline(timeline, args.plot)
+    if ctl.as_json:
+        ctl.print_json({"snapshots": snapshots, "timeline": timeline})
+        return Exit.OK
+    headers = [
+        "#",
+        "BLOCKS",
+        "IN USE",
+        "ALLOCS",
+        "FREES",
+        "REUSED",
+        "EXHAUSTED",
+        "GROWN",
+        "RETIRED",
+        "PEAK",
+        "PARTIAL",
+    ]
+    ctl.print(table(headers, _rows(snapshots)) if snapshots else "no history yet")
+    if timeline is not None:
+        span = timeline[-1]["time"] - timeline[0]["time"] if timeline else 0.0
+        ctl.print(f"wrote {args.plot}: {len(timeline)} samples over {span:.1f}s")
+    return Exit.OK

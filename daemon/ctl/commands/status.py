@@ -1,0 +1,69 @@
+"""Show whether vqpoold runs and the state of its pool.
+
+Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
+free and total per stream, fragmentation, and what the workers of each model hold (blocks and
+bytes). Exits 3 when no daemon answers on the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vqpool.daemon.ctl.context import Ctl
+from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.ctl.options import add_json
+from vqpool.daemon.ctl.render import duration, human_bytes, percent, table
+from vqpool.daemon.ctl.summaries import in_use, per_model, pool_line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_json(parser)
+
+
+def run(ctl: Ctl, args: argparse.Namespace) -> int:
+    stats = ctl.call("stats")
+    models = per_model(ctl.call("sessions"))
+    if ctl.as_json:
+        ctl.print_json({**stats, "in_use": in_use(stats), "models": models})
+        return Exit.OK
+    st = stats["stats"]
+    used = in_use(stats)
+    ctl.print(
+        f"vqpoold {stats['version']} running: pid {stats['pid']}, up "
+        f"{duration(stats['uptime_s'])}, boot {stats['boot_id']}, protocol {stats['protocol']}"
+    )
+    ctl.print(f"run dir: {stats['run_dir']}")
+    ctl.print(f"pool:    {pool_line(stats)}")
+    ctl.print()
+    rows = [
+        [s, used[s], c["free"], c["total"], percent(used[s] / c["total"]) if c["total"] else "-"]
+        for s, c in stats["streams"].items()
+    ]
+    ctl.print(table(["STREAM", "IN USE", "FREE", "TOTAL", "USED"], rows, right={"USED"}))
+    ctl.print()
+    ctl.print(
+        f"fragmentation {st['fragmentation']:.4f} ({st['fragmented_count']} partly filled "
+        f"blocks); peak in use {st['peak_blocks_in_use']}; exhausted {st['n_exhausted']}, "
+        f"grown {st['n_grown']}, retired {st['n_retired']}"
+    )
+    ctl.print(
+        f"sessions {stats['sessions']} (opened {stats['sessions_opened']}, reaped "
+        f"{stats['sessions_reaped']}, evicted {stats['sessions_evicted']}); owners "
+        f"{stats['owners']}; requests {stats['requests']} (bad {stats['bad_requests']}, "
+        f"replies dropped {stats['replies_dropped']})"
+    )
+    if models:
+        ctl.print()
+        streams = list(stats["streams"])
+        rows = [
+            [
+                name,
+                m["sessions"],
+                *(m["blocks"].get(s, 0) for s in streams),
+                human_bytes(m["bytes_total"]),
+            ]
+            for name, m in models.items()
+        ]
+        headers = ["MODEL", "SESSIONS", *(f"BLOCKS {s.upper()}" for s in streams), "BYTES HELD"]
+        ctl.print(table(headers, rows, right={"BYTES HELD"}))
+    return Exit.OK

@@ -1,0 +1,38 @@
+"""vqpoolctl's exit codes, which scripts may rely on (documented in docs/operations.md)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    """Process exit status of vqpoolctl."""
+
+    OK = 0
+    FAILED = 1
+    """Something unexpected went wrong (the message says what)."""
+    BAD_ARGUMENTS = 2
+    """The command line is wrong (argparse's own status for usage errors)."""
+    NOT_RUNNING = 3
+    """No vqpoold answers on the run directory."""
+    REFUSED = 4
+    """The daemon answered with an error: no such session, a value it does not accept..."""
+    CANCELLED = 5
+    """A confirmation was declined (evict without --yes answered no, or stdin closed)."""
+
+
+EXIT_CODES_HELP = """exit codes:
+  0  ok
+  1  failed (unexpected error)
+  2  bad arguments
+  3  vqpoold is not running (or not answering) on the run directory
+  4  refused by the daemon (no such session, a value it does not accept)
+  5  cancelled (a confirmation was declined)"""
+
+
+class CtlError(Exception):
+    """A failure to report in one line with its exit code (no traceback)."""
+
+    def __init__(self, message: str, code: Exit) -> None:
+        super().__init__(message)
+        self.code = code

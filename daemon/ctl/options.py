@@ -1,0 +1,50 @@
+"""Options several vqpoolctl commands share, and argument help taken from the admin ops."""
+
+from __future__ import annotations
+
+import argparse
+
+from vqpool.daemon.commands import COMMANDS as ADMIN_COMMANDS
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    """``--json``: print the result as JSON, for scripts."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def op_help(op: str, field: str) -> str:
+    """The help the daemon's admin op ``op`` gives for its argument ``field``."""
+    for param in ADMIN_COMMANDS[op].PARAMS:
+        if param.name == field:
+            return str(param.help)
+    raise KeyError(f"admin op {op!r} has no argument {field!r}")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value

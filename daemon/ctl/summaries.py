@@ -1,0 +1,43 @@
+"""Totals vqpoolctl derives from the admin replies (per model, per stream)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What the sessions of each model hold: ``{model: {sessions, blocks, bytes, bytes_total}}``
+    with ``blocks`` and ``bytes`` per stream, models in name order."""
+    models: dict[str, dict[str, Any]] = {}
+    for session in sessions:
+        model = models.setdefault(
+            session["model"], {"sessions": 0, "blocks": {}, "bytes": {}, "bytes_total": 0}
+        )
+        model["sessions"] += 1
+        for stream, n in session["blocks"].items():
+            model["blocks"][stream] = model["blocks"].get(stream, 0) + n
+        for stream, n in session["bytes"].items():
+            model["bytes"][stream] = model["bytes"].get(stream, 0) + n
+        model["bytes_total"] += session["bytes_total"]
+    return dict(sorted(models.items()))
+
+
+def in_use(stats: dict[str, Any]) -> dict[str, int]:
+    """Blocks in use per stream, from the admin ``stats`` reply."""
+    return {s: counts["total"] - counts["free"] for s, counts in stats["streams"].items()}
+
+
+def pool_line(stats: dict[str, Any]) -> str:
+    """One line on the pool's shape now."""
+    config = stats["config"]
+    streams = "+".join(stats["streams"])
+    if not config["grow_on_exhaustion"]:
+        grow = "no growth"
+    elif config["max_blocks"] is None:
+        grow = "grows without cap"
+    else:
+        grow = f"grows up to {config['max_blocks']}"
+    return (
+        f"{stats['stats']['n_blocks']} blocks x {config['block_size']} tokens, "
+        f"streams {streams}, {grow}; lease {stats['lease_s']:g}s"
+    )
