@@ -168,6 +168,17 @@ def test_handed_out_blocks_stay_in_step() -> None:
     assert [(b.owner, b.n_used) for b in third] == [(None, 0)]
 
 
+def test_free_all_after_a_partial_free_returns_each_block_once() -> None:
+    pool = pool_of(n_blocks=16)
+    blocks = pool.allocate("k", 16 * 8, owner=1)
+    pool.free(blocks[2:])
+    pool.free_all(1)
+    assert pool.n_free("k") == 8 and pool.stats.n_frees == 8
+    pool.check_invariants()
+    again = pool.allocate("k", 16 * 8, owner=2)
+    assert sorted(again.block_ids) == list(range(8))
+
+
 def test_free_all() -> None:
     pool = pool_of(n_blocks=8)
     pool.allocate("k", 40, owner=1)

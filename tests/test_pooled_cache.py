@@ -1,8 +1,9 @@
 """The pooled KV cache against mlx-lm's stock KVCache: same tokens, same logprobs, blocks back.
 
-Every test takes the ``pool`` fixture, so the same tests run on any ``BlockPool``: today local
-allocators (separate K/V streams and one shared "kv" stream); a daemon-backed ``PoolClient``
-variant plugs into the fixture. ``audit(pool)`` recounts the pool's books where the pool can.
+Every test takes the ``pool`` fixture, so the same tests run on any ``BlockPool``: local
+allocators (separate K/V streams and one shared "kv" stream) and a ``PoolClient`` on a real
+``vqpoold`` process. ``audit(pool)`` recounts the pool's books: in process for a local
+allocator, through the daemon's admin ``audit`` for a remote one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tmpdir
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from vqpool.shared import (
@@ -27,8 +29,9 @@ from vqpool.shared import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
+from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.pool import AllocationRequest, AllocationResult
-from vqpool.worker import KVLayout, MLXBlockStorage, make_pooled_cache
+from vqpool.worker import KVLayout, MLXBlockStorage, PoolClient, make_pooled_cache
 from vqpool.worker.cache import PooledPromptCache, blocks_to_hold
 from vqpool.worker.tiny_models import build_tiny_model
 
@@ -40,9 +43,30 @@ GEN_LEN = 200
 # -- fixtures and helpers --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["local-separate-kv", "local-shared-kv"])
+POOL_CONFIG = PoolConfig(block_size=16, n_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon() -> Iterator[DaemonProcess]:
+    """One vqpoold for the module's daemon-backed tests (each test uses its own owner ids)."""
+    base = short_tmpdir()
+    daemon = DaemonProcess(base / "run", *daemon_args_for(POOL_CONFIG)).start()
+    yield daemon
+    daemon.stop()
+    remove_tree(base)
+
+
+@pytest.fixture(params=["local-separate-kv", "local-shared-kv", "daemon"])
 def pool(request: pytest.FixtureRequest) -> Iterator[BlockPool]:
-    """A block pool with room for every test here. Variants: separate K/V streams, one stream."""
+    """A block pool with room for every test here: a local allocator with separate K/V
+    streams or one shared stream, or a PoolClient on a live vqpoold."""
+    if request.param == "daemon":
+        daemon: DaemonProcess = request.getfixturevalue("shared_daemon")
+        with PoolClient(daemon.run_dir, name="pooled-cache-test") as client:
+            yield client
+        daemon.audit()
+        assert daemon.admin("stats")["stats"]["blocks_in_use"] == 0, "a test leaked blocks"
+        return
     separate_kv = request.param == "local-separate-kv"
     yield BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=512, separate_kv=separate_kv))
 
@@ -54,10 +78,14 @@ def owner() -> str:
 
 
 def audit(pool: BlockPool) -> None:
-    """Recount the pool's books (the local allocator can; a remote pool audits in its daemon)."""
-    check = getattr(pool, "check_invariants", None)
-    if check is not None:
-        check()
+    """Recount the pool's books: in process, or through the daemon's admin audit."""
+    if isinstance(pool, BlockPoolAllocator):
+        pool.check_invariants()
+    else:
+        assert isinstance(pool, PoolClient)
+        with AdminClient(pool.run_dir, timeout=5.0) as admin:
+            report = admin.call("audit")
+        assert report["ok"], report["problems"]
 
 
 @functools.cache
