@@ -56,10 +56,16 @@ class Terminal:
         if self._keys_fd is not None and self._saved is not None:
             termios.tcsetattr(self._keys_fd, termios.TCSADRAIN, self._saved)
 
-    @staticmethod
-    def size() -> tuple[int, int]:
-        """(columns, lines) of the terminal now."""
-        columns, lines = shutil.get_terminal_size((100, 30))
+    def size(self) -> tuple[int, int]:
+        """(columns, lines) of the terminal now.
+
+        Asked of the terminal itself first: a live view must follow resizes, which a COLUMNS
+        variable exported at some point does not.
+        """
+        try:
+            columns, lines = os.get_terminal_size(self._out.fileno())
+        except (AttributeError, OSError, ValueError):
+            columns, lines = shutil.get_terminal_size((100, 30))
         return columns, lines
 
     def draw(self, lines: list[str]) -> None:

@@ -1,0 +1,66 @@
+"""vqpoolctl without a daemon: one line naming the run directory, the documented exit code, no
+traceback; likewise for bad arguments."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ctl_harness import run_ctl
+from daemon_harness import DaemonProcess
+
+COMMANDS = [
+    ["status"],
+    ["sessions"],
+    ["owners"],
+    ["owners", "--session", "abc"],
+    ["shrink", "--stream", "k", "--target-free", "0"],
+    ["evict", "--session", "abc", "--yes"],
+    ["history"],
+    ["metrics"],
+    ["watch"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_no_daemon(run_dir: Path, command: list[str]) -> None:
+    result = run_ctl(run_dir, *command)
+    assert result.returncode == 3
+    assert result.stdout == ""
+    assert result.stderr == f"vqpoolctl: vqpoold is not running: no admin.sock in {run_dir}\n"
+
+
+def test_stale_socket_of_a_killed_daemon(
+    start_daemon: Callable[..., DaemonProcess], run_dir: Path
+) -> None:
+    daemon = start_daemon(run_dir=run_dir)
+    assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert (run_dir / "admin.sock").exists()
+    result = run_ctl(run_dir, "--timeout", "0.5", "status")
+    assert result.returncode == 3
+    assert result.stderr == (
+        f"vqpoolctl: vqpoold is not running: {run_dir / 'admin.sock'} did not answer within "
+        "0.5s (a stale socket left by a killed daemon?)\n"
+    )
+
+
+def test_bad_arguments_exit_2(run_dir: Path) -> None:
+    for args in (["frobnicate"], [], ["status", "--timeout", "0"], ["history", "--limit", "0"]):
+        result = run_ctl(run_dir, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    too_long = run_ctl(Path("/tmp") / ("x" * 120), "status")
+    assert too_long.returncode == 2
+    assert "Unix sockets allow at most" in too_long.stderr
+
+
+def test_run_dir_from_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from ctl_harness import VQPOOLCTL
+
+    monkeypatch.setenv("VQPOOL_RUN_DIR", str(run_dir))
+    result = subprocess.run([VQPOOLCTL, "status"], capture_output=True, text=True, timeout=20)
+    assert result.returncode == 3 and str(run_dir) in result.stderr

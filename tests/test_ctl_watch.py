@@ -1,0 +1,132 @@
+"""vqpoolctl watch in a pseudo-terminal: it redraws the live pool, follows changes, and quits
+on q with the terminal restored."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import select
+import struct
+import subprocess
+import termios
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from ctl_harness import VQPOOLCTL, LivePool
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture
+def pool() -> Iterator[LivePool]:
+    live = LivePool.start("--n-blocks", "256", "--lease", "5")
+    yield live
+    live.stop()
+
+
+def _own_terminal() -> None:
+    # In the child: a new session whose controlling terminal is the pty (stdin), so that
+    # Ctrl-C typed into it reaches the child as SIGINT, as in a real terminal.
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class PtyProcess:
+    """A process whose stdin, stdout and stderr are a pseudo-terminal of 120x40."""
+
+    def __init__(self, *args: str) -> None:
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.process = subprocess.Popen(
+            args, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_own_terminal
+        )
+        os.close(slave)
+        self.output = b""
+
+    def read_until(self, predicate: Callable[[str], bool], timeout: float = 10.0) -> str:
+        """Read output until ``predicate(text)`` holds (text without escape sequences)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.text()):
+                return self.text()
+            ready, _, _ = select.select([self.master], [], [], 0.1)
+            if ready:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+        raise AssertionError(f"not seen within {timeout}s; output so far:\n{self.text()}")
+
+    def wait(self, timeout: float = 5.0) -> int:
+        """The exit status, reading output meanwhile (a full pty would block the child)."""
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still running after {timeout}s:\n{self.text()[-2000:]}")
+            ready, _, _ = select.select([self.master], [], [], 0.05)
+            if ready:
+                with contextlib.suppress(OSError):  # the child closed the terminal
+                    self.output += os.read(self.master, 65536)
+        # What the child wrote just before exiting may still be in the pty: drain it.
+        while select.select([self.master], [], [], 0.1)[0]:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # EIO: no process has the terminal open any more
+                break
+            if not data:
+                break
+            self.output += data
+        return self.process.returncode
+
+    def text(self) -> str:
+        return ANSI.sub("", self.output.decode(errors="replace"))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.master)
+
+
+def test_watch_redraws_follows_the_pool_and_quits_on_q(pool: LivePool) -> None:
+    term = PtyProcess(VQPOOLCTL, "--run-dir", str(pool.run_dir), "watch", "--interval", "0.2")
+    try:
+        # The last line of a frame: once it is in, the whole first frame is.
+        beta_v = re.compile(r"beta\s+v\s+\[[^\]]+\] 7 blocks, 28\.0 KiB")
+        first = term.read_until(lambda t: beta_v.search(t) is not None)
+        assert f"vqpoold pid {pool.daemon.pid}" in first
+        assert "k      [" in first and "11/128 in use, 117 free" in first
+        assert "10/128 in use, 118 free" in first
+        assert re.search(r"alpha\s+k\s+\[[^\]]+\] 4 blocks, 16\.0 KiB", first)
+        bars = re.search(r"k      \[([^\]]+)\]", first)
+        assert bars is not None and len(bars.group(1)) == 120 - 40
+
+        # A change in the pool shows up on a later refresh, with a non-zero allocation rate.
+        pool.alpha.call("allocate", "k", 160, "a3")
+        alpha_k = re.compile(r"alpha\s+k\s+\[[^\]]+\] 14 blocks, 56\.0 KiB")
+        later = term.read_until(lambda t: alpha_k.search(t) is not None)
+        assert "21/128 in use, 107 free" in later
+        assert re.search(r"allocations \d+\.\d blocks/s", later)
+        frames = term.read_until(lambda t: t.count("vqpoold pid") >= later.count("vqpoold pid") + 2)
+        assert frames.count("vqpoold pid") >= 3  # redrawn every 0.2 s
+
+        os.write(term.master, b"q")
+        assert term.wait() == 0
+        raw = term.output
+        assert raw.rfind(b"\x1b[?1049l") > raw.rfind(b"vqpoold pid")  # normal screen restored
+    finally:
+        term.close()
+
+
+def test_watch_quits_on_ctrl_c(pool: LivePool) -> None:
+    term = PtyProcess(VQPOOLCTL, "--run-dir", str(pool.run_dir), "watch", "--interval", "0.2")
+    try:
+        term.read_until(lambda t: "beta" in t)
+        os.write(term.master, b"\x03")  # the terminal turns it into SIGINT
+        assert term.wait() == 0
+        assert b"Traceback" not in term.output
+    finally:
+        term.close()
