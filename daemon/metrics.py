@@ -92,21 +92,27 @@ class InstrumentedHandler(Protocol):
 
 
 class RequestMetrics:
-    """Request counters and handling-time histograms; touched by the loop thread only."""
+    """Request counters and handling-time histograms; touched by the loop thread only.
+
+    Kept per socket and op as one histogram row (bucket counts, then the sum of seconds), plus
+    a count per (op, error code) for failed requests only: a successful request costs one dict
+    lookup by op name and two list increments, with no tuple built. Requests by outcome are
+    derived at scrape time (OK = all requests of the op minus its errors).
+    """
 
     def __init__(self) -> None:
-        # (socket, op, code) -> requests
-        self.counts: dict[tuple[str, str, int], int] = {}
-        # (socket, op) -> per-bucket counts (the last is +Inf), then the sum of seconds
-        self.seconds: dict[tuple[str, str], list[float]] = {}
+        # socket -> op -> per-bucket counts (the last bucket is +Inf), then the sum of seconds
+        self.seconds: dict[str, dict[str, list[float]]] = {}
+        # socket -> (op, error code) -> failed requests
+        self.errors: dict[str, dict[tuple[str, int], int]] = {}
 
     def instrument(
         self, socket_name: str, handler: InstrumentedHandler
     ) -> Callable[[bytes, bytes, float], bytes]:
         """``handler.handle`` wrapped to count and time each request."""
         handle = handler.handle
-        counts = self.counts
-        seconds = self.seconds
+        ops = self.seconds.setdefault(socket_name, {})
+        errors = self.errors.setdefault(socket_name, {})
         perf_counter = time.perf_counter
         bounds = REQUEST_SECONDS_BUCKETS
         n_slots = len(bounds) + 2
@@ -116,18 +122,44 @@ class RequestMetrics:
             reply = handle(payload, peer, now)
             elapsed = perf_counter() - started
             op = handler.last_op
-            if op not in _KNOWN_OPS:  # the label set must not grow with what peers send
-                op = "unknown"
-            key = (socket_name, op, handler.last_code)
-            counts[key] = counts.get(key, 0) + 1
-            row = seconds.get(key[:2])
+            row = ops.get(op)
             if row is None:
-                row = seconds[key[:2]] = [0.0] * n_slots
+                if op not in _KNOWN_OPS:  # the label set must not grow with what peers send
+                    op = "unknown"
+                row = ops.get(op)
+                if row is None:
+                    row = ops[op] = [0.0] * n_slots
             row[bisect_left(bounds, elapsed)] += 1
             row[-1] += elapsed
+            code = handler.last_code
+            if code:
+                key = (op, code)
+                errors[key] = errors.get(key, 0) + 1
             return reply
 
         return counted
+
+    def counts(self) -> dict[tuple[str, str, int], int]:
+        """Requests by (socket, op, outcome code; 0 for OK)."""
+        counts: dict[tuple[str, str, int], int] = {}
+        for socket_name, ops in self.seconds.items():
+            errors = self.errors[socket_name]
+            for op, row in ops.items():
+                n_failed = sum(n for (failed_op, _), n in errors.items() if failed_op == op)
+                n_ok = int(sum(row[:-1])) - n_failed
+                if n_ok:
+                    counts[(socket_name, op, 0)] = n_ok
+            for (op, code), n in errors.items():
+                counts[(socket_name, op, code)] = n
+        return counts
+
+    def histograms(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        """Handling-time rows by (socket, op), copied."""
+        return {
+            (socket_name, op): tuple(row)
+            for socket_name, ops in self.seconds.items()
+            for op, row in ops.items()
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +205,8 @@ class MetricsSnapshot:
             sessions_evicted=coord.n_sessions_evicted,
             bad_requests=coord.n_bad_requests,
             replies_dropped=coord.n_replies_dropped,
-            requests=dict(requests.counts),
-            seconds={key: tuple(row) for key, row in requests.seconds.items()},
+            requests=requests.counts(),
+            seconds=requests.histograms(),
             uptime=coord.uptime(),
             version=version,
             boot_id=coord.boot_id,

@@ -64,3 +64,17 @@ def test_run_dir_from_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("VQPOOL_RUN_DIR", str(run_dir))
     result = subprocess.run([VQPOOLCTL, "status"], capture_output=True, text=True, timeout=20)
     assert result.returncode == 3 and str(run_dir) in result.stderr
+
+
+def test_vqpoolctl_imports_neither_mlx_nor_the_worker_package() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vqpool.daemon.ctl.cli, vqpool.daemon.ctl.plot, vqpool.daemon.ctl.terminal; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx' "
+        "or m.startswith('vqpool.worker')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
