@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from vqpool.daemon.ctl.exits import CtlError, Exit
 
 def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
     """Blocks in use per stream (solid) and each stream's total (dashed) over wall-clock time.
+    ``timeline`` is the daemon's ``history(timeline=True)`` reply (never empty: the daemon
+    samples its pool once at start).
 
     Raises:
         CtlError: matplotlib is missing (FAILED), or the file cannot be written (FAILED).
@@ -23,13 +26,15 @@ def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CtlError("--plot needs matplotlib: pip install 'vqpool[plot]'", Exit.FAILED) from None
-    times = mdates.date2num([datetime.fromtimestamp(sample["time"]) for sample in timeline])
-    streams = list(timeline[0]["in_use"]) if timeline else []
+    # The daemon records a sample only when the pool changed: the last one holds until now.
+    samples = [*timeline, {**timeline[-1], "time": max(time.time(), timeline[-1]["time"])}]
+    times = mdates.date2num([datetime.fromtimestamp(sample["time"]) for sample in samples])
+    streams = list(timeline[0]["in_use"])
     figure, axes = plt.subplots(figsize=(9, 4.5), dpi=100)
     try:
         for stream in streams:
-            in_use = [sample["in_use"][stream] for sample in timeline]
-            total = [sample["total"][stream] for sample in timeline]
+            in_use = [sample["in_use"][stream] for sample in samples]
+            total = [sample["total"][stream] for sample in samples]
             line = axes.step(times, in_use, where="post", label=f"{stream} in use")[0]
             axes.step(
                 times,
@@ -44,11 +49,11 @@ def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
         axes.set_xlabel("time")
         axes.set_ylabel("blocks")
         axes.set_ylim(bottom=0)
-        axes.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+        locator = mdates.AutoDateLocator()
+        axes.xaxis.set_major_locator(locator)
+        axes.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
         axes.grid(alpha=0.3)
-        if streams:
-            axes.legend(loc="upper left")
-        figure.autofmt_xdate()
+        axes.legend(loc="upper left")
         figure.tight_layout()
         try:
             figure.savefig(path, format="png")
