@@ -1,0 +1,98 @@
+"""Where a request's KV cache comes from: the shared pool, or stock mlx-lm caches (``--no-pool``).
+
+The scheduler drives both through the same four calls, so the benchmark's baseline runs the
+same code path as the pooled worker, minus the pool:
+
+* ``open(owner)``: a fresh per-layer cache list for one request.
+* ``reserve(cache, n_tokens)``: make sure the first ``n_tokens`` slots are backed before the
+  prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it has too
+  few, nothing changed; stock: nothing to do).
+* ``release(cache)``: give everything back (pooled: ``free_all`` and the memory).
+* ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from vqpool.shared.pool import BlockPool
+from vqpool.worker.cache import PooledPromptCache, make_pooled_cache
+from vqpool.worker.storage import KVLayout, MLXBlockStorage
+
+
+class CacheSource(Protocol):
+    """Per-request KV caches for one model (see the module docstring)."""
+
+    @property
+    def pooled(self) -> bool: ...
+
+    def open(self, owner: str) -> list[Any]: ...
+
+    def reserve(self, cache: list[Any], n_tokens: int) -> None: ...
+
+    def release(self, cache: list[Any]) -> None: ...
+
+    def n_blocks(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+
+class PooledCacheSource:
+    """Pooled caches of one model on ``pool``, all sharing one :class:`MLXBlockStorage` so the
+    worker's blocks and bytes are counted in one place."""
+
+    pooled = True
+
+    def __init__(self, model: nn.Module, pool: BlockPool) -> None:
+        self.model = model
+        self.pool = pool
+        layout = KVLayout.from_model(model, block_size=pool.config.block_size)
+        self.storage = MLXBlockStorage(layout, separate_kv=pool.config.separate_kv)
+
+    def open(self, owner: str) -> list[Any]:
+        return make_pooled_cache(self.model, self.pool, owner, storage=self.storage)
+
+    def reserve(self, cache: list[Any], n_tokens: int) -> None:
+        assert isinstance(cache, PooledPromptCache)
+        cache.sequence.reserve(n_tokens)
+
+    def release(self, cache: list[Any]) -> None:
+        assert isinstance(cache, PooledPromptCache)
+        cache.release()
+
+    def n_blocks(self) -> int:
+        """Block ids this worker holds memory for (K and V counted apart, as the daemon does)."""
+        return self.storage.n_blocks
+
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+
+class StockCacheSource:
+    """Stock mlx-lm caches (``make_prompt_cache``): no pool, no blocks; bytes are what the live
+    caches hold."""
+
+    pooled = False
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._live: dict[int, list[Any]] = {}
+
+    def open(self, owner: str) -> list[Any]:
+        cache: list[Any] = make_prompt_cache(self.model)
+        self._live[id(cache)] = cache
+        return cache
+
+    def reserve(self, cache: list[Any], n_tokens: int) -> None:
+        return None  # stock caches grow on demand, bounded only by memory
+
+    def release(self, cache: list[Any]) -> None:
+        self._live.pop(id(cache), None)
+
+    def n_blocks(self) -> int:
+        return 0
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for cache in self._live.values() for layer in cache)

@@ -1,0 +1,259 @@
+"""The OpenAI-style request and response shapes of the worker's HTTP API (no I/O here).
+
+Requests follow what ``mlx_lm.server`` accepts: ``/v1/completions`` takes ``prompt`` (a string,
+or a list of token ids), ``/v1/chat/completions`` takes ``messages``; both take ``max_tokens``
+(or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stream``,
+``stream_options.include_usage`` and ``model`` (if given, it must be the served model's id).
+Fields this worker cannot honour (``n`` > 1, ``stop``, ``logprobs``) are refused with 400 rather
+than ignored; other unknown fields are ignored, as OpenAI clients send many.
+
+Responses are mlx-lm's server shapes. Two additions: ``usage`` also rides on the last streamed
+chunk (so a streaming client always learns the counts), and a choice that ended for a reason the
+``finish_reason`` alone does not tell (the KV pool ran out of blocks) carries ``finish_detail``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vqpool.worker.models import LoadedModel
+from vqpool.worker.scheduler import SamplingParams
+
+TEXT = "text"
+CHAT = "chat"
+
+
+class ApiError(Exception):
+    """A request the API refuses: HTTP ``status`` with an OpenAI-style JSON error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated completion request."""
+
+    kind: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ApiError(
+            400, f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", param=name
+        )
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name)
+    return value
+
+
+def _token_ids(value: list[Any], vocab_size: int) -> list[int]:
+    if not all(type(t) is int and 0 <= t < vocab_size for t in value):
+        raise ApiError(
+            400, f"a token id prompt must be integers in [0, {vocab_size})", param="prompt"
+        )
+    return list(value)
+
+
+def _prompt_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one, as the OpenAI client may send
+    if isinstance(prompt, str) and prompt:
+        return model.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt:
+        return _token_ids(prompt, model.vocab_size)
+    raise ApiError(
+        400, "prompt must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ApiError(
+        400, "message content must be a string or a list of text parts", param="messages"
+    )
+
+
+def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
+    if not model.tokenizer.has_chat_template:
+        raise ApiError(
+            400,
+            f"{model.name} has no chat template; use /v1/completions",
+            param="messages",
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    parsed = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "each message needs a string role", param="messages")
+        parsed.append({"role": message["role"], "content": _message_text(message.get("content"))})
+    return model.tokenizer.apply_chat_template(parsed)
+
+
+def parse_completion(
+    body: Any,
+    kind: str,
+    model: LoadedModel,
+    *,
+    default_max_tokens: int,
+    max_tokens_limit: int,
+) -> CompletionRequest:
+    """Validate a request body for ``kind`` (TEXT or CHAT) and tokenize its prompt.
+
+    Raises:
+        ApiError: 400 for a malformed request, 404 for another model's id.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    requested = body.get("model")
+    if requested is not None and requested != model.name:
+        raise ApiError(
+            404,
+            f"model {requested!r} is not served here; this worker serves {model.name!r}",
+            kind="model_not_found",
+            param="model",
+        )
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "n must be 1 (one choice per request)", param="n")
+    if body.get("stop"):
+        raise ApiError(400, "stop sequences are not supported by this worker", param="stop")
+    if body.get("logprobs"):
+        raise ApiError(400, "logprobs are not supported by this worker", param="logprobs")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "stream_options must be {include_usage: bool}", param="stream_options")
+    max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _integer(body, max_tokens_name, default_max_tokens, 1, max_tokens_limit)
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 0.0, 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, 0, model.vocab_size),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+    )
+    prompt = _prompt_tokens(body, model) if kind == TEXT else _chat_tokens(body, model)
+    return CompletionRequest(
+        kind, prompt, max_tokens, sampling, stream, bool(options.get("include_usage", False))
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """Builds the response objects of one request (one id and creation time for all chunks)."""
+
+    def __init__(self, kind: str, model_name: str) -> None:
+        self.kind = kind
+        self.model_name = model_name
+        self.id = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4()}"
+        self.created = int(time.time())
+        self._sent_role = False
+
+    def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [{"index": 0, **choice}],
+        }
+
+    @staticmethod
+    def _ending(finish_reason: str | None, detail: str | None) -> dict[str, Any]:
+        ending: dict[str, Any] = {"finish_reason": finish_reason}
+        if detail:
+            ending["finish_detail"] = detail
+        return ending
+
+    def complete(
+        self, text: str, finish_reason: str, detail: str | None, n_prompt: int, n_completion: int
+    ) -> dict[str, Any]:
+        """The whole response of a non-streaming request."""
+        ending = self._ending(finish_reason, detail)
+        if self.kind == CHAT:
+            choice = {"message": {"role": "assistant", "content": text}, **ending}
+            response = self._envelope("chat.completion", choice)
+        else:
+            response = self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
+        response["usage"] = usage(n_prompt, n_completion)
+        return response
+
+    def chunk(
+        self, text: str, finish_reason: str | None = None, detail: str | None = None
+    ) -> dict[str, Any]:
+        """One streamed chunk: a piece of text, or (with ``finish_reason``) the last one."""
+        ending = self._ending(finish_reason, detail)
+        if self.kind == CHAT:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if not self._sent_role:
+                delta["role"] = "assistant"
+                self._sent_role = True
+            return self._envelope("chat.completion.chunk", {"delta": delta, **ending})
+        return self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
+
+    def usage_chunk(self, n_prompt: int, n_completion: int) -> dict[str, Any]:
+        """The extra chunk of ``stream_options.include_usage``: no choices, only usage."""
+        obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
+        response = self._envelope(obj, {})
+        response["choices"] = []
+        response["usage"] = usage(n_prompt, n_completion)
+        return response

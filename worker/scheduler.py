@@ -1,0 +1,398 @@
+"""The generation scheduler: one thread runs every MLX evaluation of the worker.
+
+MLX does not promise that two threads may evaluate one model at the same time, and the pooled
+cache's storage expects one sequence to be driven by one thread. So the HTTP handler threads
+never touch the model: they tokenize, :meth:`Scheduler.submit` a :class:`GenerationJob`, and
+read its token ids from the job's event queue. One generation thread does the rest:
+
+* **Admission, FIFO.** Jobs wait in a bounded FIFO queue. While fewer than ``max_concurrent``
+  jobs are active, the head of the queue is started: it gets a cache with a unique owner id
+  (``{owner_prefix}-{n}``) and the blocks for its prompt plus one token are reserved before its
+  prefill. If the pool has too few free blocks, the head waits (and the jobs behind it too: a
+  long prompt is not starved by short ones); admission is retried every ``retry_interval``
+  seconds, since blocks may be freed by another worker, and at once when one of this worker's
+  jobs ends. A job still waiting ``queue_timeout`` seconds after it was submitted ends as
+  ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
+* **Decode, round-robin.** Each round advances every active job by one token: one ``next()`` on
+  its own ``mlx_lm.generate.generate_step`` generator, whose first call is the prefill. The
+  generators keep mlx-lm's own pipelining (each builds its step n+1 before yielding step n), and
+  greedy tokens are exactly what ``generate_step`` gives in-process with a stock cache.
+* **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the
+  pool cannot back its next token (``length`` with a detail saying so; the pool raised
+  ``BlockPoolExhaustedError`` before anything was written), when its client went away
+  (``cancelled``), on any other error (``error``) and when the worker stops. Every ending goes
+  through :meth:`Scheduler._end`, which releases the cache: the blocks go back to the pool
+  however the request ended.
+
+Per-request prefill runs to completion inside one round, so a long prompt delays the other
+jobs' next tokens by its prefill time; chunked interleaving is left for later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from vqpool.shared.errors import BlockPoolExhaustedError, DaemonUnavailableError
+from vqpool.worker.cache_source import CacheSource
+from vqpool.worker.serving_stats import ServingStats
+
+log = logging.getLogger("vqpool.worker")
+
+DEFAULT_RETRY_INTERVAL = 0.025
+"""Seconds between admission attempts while the pool is exhausted."""
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its bound; the request was not queued."""
+
+
+class ShuttingDownError(Exception):
+    """The worker is stopping and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a job picks its tokens (mlx-lm's ``make_sampler`` arguments; temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """The last event of a job.
+
+    Attributes:
+        finish_reason: "stop", "length", "cancelled", "error" or "rejected" (never started).
+        prompt_tokens: Tokens of the prompt.
+        completion_tokens: Tokens generated (each was sent as an event before this one).
+        detail: Why, when the reason alone does not say (pool exhausted, queue timeout, error).
+        status: HTTP status for "error" and "rejected" (503 when retrying later may work).
+        retry_after: Seconds a client should wait before retrying a rejected request.
+    """
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    detail: str | None = None
+    status: int = 200
+    retry_after: int | None = None
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """One request as the scheduler runs it; ``events`` carries token ids, then a JobEnd."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    events: queue.SimpleQueue[int | JobEnd] = field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False
+    owner: str | None = None
+    deadline: float = 0.0
+    n_generated: int = 0
+    waited_for_blocks: bool = False
+    retry_at: float = 0.0
+    cache: list[Any] | None = None
+    generator: Generator[tuple[Any, mx.array], None, None] | None = None
+
+
+class Scheduler:
+    """Runs generation jobs for one model on one thread (see the module docstring).
+
+    Args:
+        model: The mlx-lm model.
+        source: Where each job's KV cache comes from (the pool, or stock caches).
+        owner_prefix: Owner ids are ``{owner_prefix}-{n}``; include the pid so they are unique
+            across the workers of one daemon.
+        eos_token_ids: Tokens that end a job with "stop".
+        max_concurrent: Jobs decoding at once.
+        max_queue: Jobs waiting at once; more are refused (QueueFullError).
+        queue_timeout: Seconds a job may wait before it is rejected.
+        retry_interval: Seconds between admission attempts while the pool is exhausted.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        source: CacheSource,
+        *,
+        owner_prefix: str,
+        eos_token_ids: frozenset[int],
+        max_concurrent: int,
+        max_queue: int,
+        queue_timeout: float,
+        retry_interval: float = DEFAULT_RETRY_INTERVAL,
+    ) -> None:
+        if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
+            raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
+        self.model = model
+        self.source = source
+        self.owner_prefix = owner_prefix
+        self.eos_token_ids = eos_token_ids
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.retry_interval = retry_interval
+        self.stats = ServingStats(max_concurrent=max_concurrent, pooled=source.pooled)
+        self._cond = threading.Condition()
+        self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
+        self._active: list[GenerationJob] = []  # generation thread only
+        self._stopping = False
+        self._owner_numbers = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
+
+    # -- called from HTTP threads ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: GenerationJob) -> None:
+        """Queue ``job``; its events arrive on ``job.events``.
+
+        Raises:
+            QueueFullError: ``max_queue`` jobs are waiting already.
+            ShuttingDownError: The worker is stopping.
+        """
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDownError("the worker is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                self.stats.add(rejected_queue_full=1)
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are already waiting (--max-queue "
+                    f"{self.max_queue})"
+                )
+            job.deadline = time.monotonic() + self.queue_timeout
+            self._waiting.append(job)
+            self.stats.add(requests=1, prompt_tokens=len(job.prompt))
+            self.stats.set_queue_length(len(self._waiting))
+            self._cond.notify()
+
+    def cancel(self, job: GenerationJob) -> None:
+        """Ask for ``job`` to end (its client went away); its blocks go back within a round."""
+        job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """End every job (releasing its blocks) and the generation thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- the generation thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._expire_waiting()
+                self._admit()
+                if self._active:
+                    self._decode_round()
+                else:
+                    self._idle_wait()
+        except BaseException:
+            log.exception("generation thread failed")
+            raise
+        finally:
+            for job in list(self._active):
+                self._end(job, "error", "the worker is shutting down", status=503)
+            with self._cond:
+                left = list(self._waiting)
+                self._waiting.clear()
+            for job in left:
+                self._end(job, "rejected", "the worker is shutting down", status=503)
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        expired: list[GenerationJob] = []
+        cancelled: list[GenerationJob] = []
+        with self._cond:
+            if not self._waiting:
+                return
+            kept: deque[GenerationJob] = deque()
+            for job in self._waiting:
+                if job.cancelled:
+                    cancelled.append(job)
+                elif now >= job.deadline:
+                    expired.append(job)
+                else:
+                    kept.append(job)
+            self._waiting = kept
+            self.stats.set_queue_length(len(kept))
+        for job in cancelled:
+            self._end(job, "cancelled")
+        for job in expired:
+            why = (
+                "the KV cache pool had too few free blocks"
+                if job.waited_for_blocks
+                else f"{self.max_concurrent} requests were running (--max-concurrent)"
+            )
+            self.stats.add(queue_timeouts=1)
+            self._end(
+                job,
+                "rejected",
+                f"waited {self.queue_timeout:g}s in the queue (--queue-timeout): {why}",
+                status=503,
+                retry_after=max(1, round(self.queue_timeout / 2)),
+            )
+
+    def _admit(self) -> None:
+        """Start jobs from the head of the queue while there is room (module docstring)."""
+        while len(self._active) < self.max_concurrent:
+            with self._cond:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]
+            if job.retry_at > time.monotonic():
+                return
+            try:
+                started = self._try_start(job)
+            except Exception as exc:
+                self._pop_head(job)
+                status = 503 if isinstance(exc, DaemonUnavailableError) else 500
+                log.error("could not start a request: %s", exc)
+                self._end(job, "error", f"could not start: {exc}", status=status)
+                continue
+            if not started:
+                job.retry_at = time.monotonic() + self.retry_interval
+                if not job.waited_for_blocks:
+                    job.waited_for_blocks = True
+                    self.stats.add(waits=1)
+                self.stats.set_blocked(True)
+                return
+            self._pop_head(job)
+            self.stats.set_blocked(False)
+            self._active.append(job)
+            self.stats.set_active(len(self._active))
+
+    def _pop_head(self, job: GenerationJob) -> None:
+        with self._cond:
+            if self._waiting and self._waiting[0] is job:
+                self._waiting.popleft()
+            self.stats.set_queue_length(len(self._waiting))
+
+    def _try_start(self, job: GenerationJob) -> bool:
+        """Back the job's prompt with cache memory and create its generator; False if the pool
+        has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
+        if job.cache is None:
+            job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
+            job.cache = self.source.open(job.owner)
+        try:
+            # The prompt and the first generated token; later tokens grow the cache as they come.
+            self.source.reserve(job.cache, len(job.prompt) + 1)
+        except BlockPoolExhaustedError:
+            return False
+        s = job.sampling
+        job.generator = generate_step(
+            mx.array(list(job.prompt)),
+            self.model,
+            max_tokens=job.max_tokens,
+            sampler=make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k),
+            prompt_cache=job.cache,
+        )
+        self._sample_memory()
+        return True
+
+    def _decode_round(self) -> None:
+        started = time.perf_counter()
+        n_tokens = 0
+        for job in list(self._active):
+            if job.cancelled:
+                self._end(job, "cancelled")
+                continue
+            assert job.generator is not None
+            try:
+                token, _ = next(job.generator)
+            except StopIteration:
+                self._end(job, "length")
+                continue
+            except BlockPoolExhaustedError as exc:
+                self.stats.add(exhaustions=1)
+                self._end(
+                    job,
+                    "length",
+                    f"the KV cache pool ran out of blocks after {job.n_generated} generated "
+                    f"tokens ({exc})",
+                )
+                continue
+            except Exception as exc:
+                log.exception("request %s failed", job.owner)
+                self._end(job, "error", f"generation failed: {exc}", status=500)
+                continue
+            token = int(token)
+            job.n_generated += 1
+            n_tokens += 1
+            job.events.put(token)
+            if token in self.eos_token_ids:
+                self._end(job, "stop")
+            elif job.n_generated >= job.max_tokens:
+                self._end(job, "length")
+        self._sample_memory()
+        self.stats.add(completion_tokens=n_tokens, busy_seconds=time.perf_counter() - started)
+
+    def _idle_wait(self) -> None:
+        """Sleep until a job arrives or is cancelled, the head's retry is due, or a deadline."""
+        with self._cond:
+            if self._stopping:
+                return
+            if not self._waiting:
+                self._cond.wait()
+                return
+            now = time.monotonic()
+            wake = min(min(job.deadline for job in self._waiting), self._waiting[0].retry_at)
+            if wake > now:
+                self._cond.wait(wake - now)
+
+    def _sample_memory(self) -> None:
+        self.stats.set_memory(self.source.n_blocks(), self.source.nbytes())
+
+    def _end(
+        self,
+        job: GenerationJob,
+        reason: str,
+        detail: str | None = None,
+        *,
+        status: int = 200,
+        retry_after: int | None = None,
+    ) -> None:
+        """End ``job``: close its generator, release its cache, send its JobEnd."""
+        if job.generator is not None:
+            job.generator.close()
+            job.generator = None
+        if job.cache is not None:
+            cache, job.cache = job.cache, None
+            try:
+                self.source.release(cache)
+            except Exception as exc:
+                # The memory is dropped either way; the daemon frees the blocks of this
+                # session when the worker exits.
+                log.warning("releasing %s failed: %s", job.owner, exc)
+            with self._cond:
+                if self._waiting:
+                    self._waiting[0].retry_at = 0.0  # blocks may be free now: retry at once
+        if job in self._active:
+            self._active.remove(job)
+            self.stats.set_active(len(self._active))
+        self._sample_memory()
+        self.stats.add(**{f"ended_{reason}": 1})
+        job.events.put(
+            JobEnd(reason, len(job.prompt), job.n_generated, detail, status, retry_after)
+        )

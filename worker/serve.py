@@ -1,0 +1,200 @@
+"""``vqpool-worker``: serve one mlx-lm model over HTTP with its KV cache drawn from vqpoold's pool.
+
+    vqpool-worker --model MODEL --port PORT [--run-dir DIR] [--max-concurrent N]
+                  [--queue-timeout S] [--max-queue N] [--no-pool]
+
+``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
+offline model (see :mod:`vqpool.worker.models`). The pool is a ``PoolClient`` session on the
+daemon of ``--run-dir`` / ``VQPOOL_RUN_DIR`` / the default run directory; ``--no-pool`` serves
+from stock mlx-lm caches through the same code path instead (the benchmark's baseline).
+
+Start-up logs one line ``serving MODEL on http://HOST:PORT`` (with the real port when ``--port
+0``). SIGTERM or SIGINT stops it cleanly: the server stops accepting, every running or queued
+request ends (its blocks go back), the pool session says goodbye, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, cast
+
+import mlx.nn as nn
+from vqpool.shared.pool import BlockPool
+from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.client import PoolClient
+from vqpool.worker.http_api import ServingApp, make_server
+from vqpool.worker.models import builtin_names, load_model
+from vqpool.worker.scheduler import Scheduler
+from vqpool.worker.storage import KVLayout
+
+log = logging.getLogger("vqpool.worker")
+
+MAX_OWNER_PREFIX_CHARS = 96
+"""Owner ids are ``{model}-{pid}-{n}`` and the daemon takes ids of up to 128 characters."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vqpool-worker",
+        description="Serve one mlx-lm model (OpenAI-style HTTP API) with its KV cache drawn "
+        "from the shared vqpoold pool.",
+        epilog="built-in models: " + ", ".join(f"builtin:{n}" for n in builtin_names()),
+    )
+    parser.add_argument(
+        "--model", required=True, help="Hugging Face id, local path, or builtin:NAME"
+    )
+    parser.add_argument("--port", type=int, required=True, help="HTTP port (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--run-dir", help="vqpoold's run directory (env VQPOOL_RUN_DIR; default as for vqpoold)"
+    )
+    parser.add_argument(
+        "--max-concurrent", type=int, default=4, metavar="N", help="requests decoding at once"
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a request may wait for a slot or for blocks before 503",
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="requests waiting at once"
+    )
+    parser.add_argument(
+        "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="max_tokens of a request that gives none"
+    )
+    parser.add_argument(
+        "--max-tokens-limit", type=int, default=32768, help="the largest max_tokens accepted"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of a builtin model")
+    parser.add_argument(
+        "--pool-timeout", type=float, default=10.0, help="seconds each daemon call may take"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    return parser
+
+
+def _bytes_per_block(layout: KVLayout) -> dict[str, int]:
+    return {s: layout.bytes_per_block(s) for s in ("k", "v", "kv")}
+
+
+def open_pool(
+    run_dir: str | None, name: str, model: nn.Module, timeout: float
+) -> tuple[PoolClient, PooledCacheSource]:
+    """A daemon session reporting this model's bytes per block, and its cache source."""
+    layout = KVLayout.from_model(model)
+    pool = PoolClient(run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout)
+    if pool.config.block_size != layout.block_size:
+        # Bytes per block depend on the daemon's block size, known only after hello.
+        pool.close()
+        layout = KVLayout.from_model(model, block_size=pool.config.block_size)
+        pool = PoolClient(
+            run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout
+        )
+    # cast: PoolClient.mark_used_many takes a Sequence where BlockPool says Iterable (it is
+    # always given a list); the two are otherwise the same interface.
+    return pool, PooledCacheSource(model, cast(BlockPool, pool))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s vqpool-worker[%(process)d] %(levelname)s %(message)s",
+    )
+    for name in ("max_concurrent", "max_queue", "max_tokens", "max_tokens_limit"):
+        if getattr(args, name) < 1:
+            log.error("--%s must be >= 1", name.replace("_", "-"))
+            return 2
+    if args.queue_timeout <= 0:
+        log.error("--queue-timeout must be > 0")
+        return 2
+
+    stop = threading.Event()
+
+    def record_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, record_signal)
+    signal.signal(signal.SIGINT, record_signal)
+
+    try:
+        loaded = load_model(args.model, seed=args.seed)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    pool: PoolClient | None = None
+    source: CacheSource
+    describe_pool: Callable[[], dict[str, Any]]
+    if args.no_pool:
+        source = StockCacheSource(loaded.model)
+
+        def describe_pool() -> dict[str, Any]:
+            return {"pool": "off"}
+    else:
+        pool, source = open_pool(args.run_dir, loaded.name, loaded.model, args.pool_timeout)
+        session = pool
+
+        def describe_pool() -> dict[str, Any]:
+            return {
+                "pool": "vqpoold",
+                "run_dir": str(session.run_dir),
+                "session": session.session_id,
+                "block_size": session.config.block_size,
+            }
+
+    scheduler = Scheduler(
+        loaded.model,
+        source,
+        owner_prefix=f"{loaded.name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}",
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+        max_concurrent=args.max_concurrent,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
+    )
+    app = ServingApp(loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool)
+    try:
+        server = make_server(app, args.host, args.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        if pool is not None:
+            pool.close()
+        return 1
+    scheduler.start()
+    serving = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="vqpool-http"
+    )
+    serving.start()
+    host, port = server.server_address[:2]
+    mode = "stock mlx-lm caches (--no-pool)" if pool is None else f"pool at {pool.run_dir}"
+    log.info("serving %s on http://%s:%d (%s)", loaded.name, host, port, mode)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        log.info("stopping")
+        server.shutdown()
+        serving.join()
+        scheduler.stop()
+        server.server_close()
+        if pool is not None:
+            pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Counters of one serving worker, served at ``GET /v1/stats`` (the demo's summary reads them).
+
+Written by the generation thread and the HTTP threads, read by HTTP threads: one lock, taken
+once per update (never per token: the scheduler adds a round's tokens at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+_COUNTERS = (
+    "requests",  # submitted (queued)
+    "prompt_tokens",
+    "completion_tokens",
+    "busy_seconds",  # seconds the generation thread spent in decode rounds
+    "waits",  # requests that had to wait for free blocks before starting
+    "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
+    "queue_timeouts",  # requests rejected after --queue-timeout in the queue
+    "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
+    "ended_stop",
+    "ended_length",
+    "ended_cancelled",
+    "ended_error",
+    "ended_rejected",
+)
+
+
+class ServingStats:
+    """Counters, current levels and peaks of one worker (see :meth:`snapshot`)."""
+
+    def __init__(self, *, max_concurrent: int, pooled: bool) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._started = time.time()
+        self._max_concurrent = max_concurrent
+        self._pooled = pooled
+        self._active = 0
+        self._queue_length = 0
+        self._peak_queue_length = 0
+        self._blocked = False
+        self._blocks = 0
+        self._peak_blocks = 0
+        self._bytes = 0
+        self._peak_bytes = 0
+
+    def add(self, **deltas: float) -> None:
+        """Add to named counters (names from the module's list; others raise KeyError)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                if name not in self._counters:
+                    raise KeyError(f"ServingStats: unknown counter {name!r}")
+                self._counters[name] += delta
+
+    def set_queue_length(self, n: int) -> None:
+        with self._lock:
+            self._queue_length = n
+            self._peak_queue_length = max(self._peak_queue_length, n)
+
+    def set_active(self, n: int) -> None:
+        with self._lock:
+            self._active = n
+
+    def set_blocked(self, blocked: bool) -> None:
+        """Whether the head of the queue is waiting for free blocks right now."""
+        with self._lock:
+            self._blocked = blocked
+
+    def set_memory(self, n_blocks: int, n_bytes: int) -> None:
+        with self._lock:
+            self._blocks = n_blocks
+            self._bytes = n_bytes
+            self._peak_blocks = max(self._peak_blocks, n_blocks)
+            self._peak_bytes = max(self._peak_bytes, n_bytes)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as JSON-ready values; ``tokens_per_s`` is generated tokens per busy
+        second of the generation thread (all requests together)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                k: (round(v, 3) if k == "busy_seconds" else int(v))
+                for k, v in self._counters.items()
+            }
+            busy = self._counters["busy_seconds"]
+            tokens = self._counters["completion_tokens"]
+            out["tokens_per_s"] = round(tokens / busy, 1) if busy else 0.0
+            out.update(
+                pooled=self._pooled,
+                max_concurrent=self._max_concurrent,
+                active=self._active,
+                queue_length=self._queue_length,
+                peak_queue_length=self._peak_queue_length,
+                waiting_for_blocks=self._blocked and self._queue_length > 0,
+                blocks=self._blocks,
+                peak_blocks=self._peak_blocks,
+                bytes=self._bytes,
+                peak_bytes=self._peak_bytes,
+                uptime_s=round(time.time() - self._started, 3),
+            )
+            return out

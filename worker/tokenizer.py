@@ -1,0 +1,130 @@
+"""Tokenizers as the serving worker sees them: encode, chat template, streaming decode, EOS.
+
+Two kinds behind one small interface (:class:`ServingTokenizer`):
+
+* :class:`ByteTokenizer` for the built-in tiny models (vocabulary of 256): token id = one UTF-8
+  byte, no special tokens, no EOS (generation runs to ``max_tokens``). Its chat template is a
+  trivial one, documented here because clients see its effect::
+
+      <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+  one ``<|role|>`` line per message followed by its content and a newline, then the assistant
+  header that the model continues from.
+* :class:`HFTokenizer` over mlx-lm's ``TokenizerWrapper`` (what ``mlx_lm.load`` returns), for
+  real models: its own chat template, streaming detokenizer and EOS ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+
+class TextStream(Protocol):
+    """Turns generated token ids into text pieces as they come (one per request)."""
+
+    def add_token(self, token: int) -> None: ...
+
+    def finalize(self) -> None: ...
+
+    @property
+    def last_segment(self) -> str: ...
+
+
+class ServingTokenizer(Protocol):
+    """What the HTTP layer needs from a tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
+    def text_stream(self) -> TextStream: ...
+
+
+class ByteTextStream:
+    """Incremental UTF-8 decoding: a multi-byte character appears once all its bytes came;
+    invalid bytes become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+
+    def add_token(self, token: int) -> None:
+        self._pending += self._decoder.decode(bytes((token,)))
+
+    def finalize(self) -> None:
+        self._pending += self._decoder.decode(b"", final=True)
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._pending = self._pending, ""
+        return segment
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer for the built-in models: ids 0..255 are the UTF-8 bytes."""
+
+    vocab_size = 256
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        # Random-weight models have no notion of an end; every request runs to max_tokens.
+        return frozenset()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return self.encode(text + "<|assistant|>\n")
+
+    def text_stream(self) -> TextStream:
+        return ByteTextStream()
+
+
+class HFTokenizer:
+    """A real model's tokenizer (mlx-lm's ``TokenizerWrapper``) behind :class:`ServingTokenizer`.
+
+    Text prompts are encoded as mlx-lm's server does (``tokenizer.encode``, which adds the BOS
+    token where the model has one); chat prompts go through the model's own chat template.
+    """
+
+    def __init__(self, wrapper: Any) -> None:
+        self._wrapper = wrapper
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(int(t) for t in self._wrapper.eos_token_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._wrapper, "has_chat_template", False))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._wrapper.encode(text))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        tokens = self._wrapper.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(tokens, Mapping):  # a BatchEncoding from some transformers versions
+            tokens = tokens["input_ids"]
+        return [int(t) for t in tokens]
+
+    def text_stream(self) -> TextStream:
+        stream: TextStream = self._wrapper.detokenizer
+        return stream
