@@ -31,7 +31,12 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, overload
 
-from vqpool.shared.errors import BlockPoolExhaustedError, OwnerAlreadyActiveError, VqpoolError
+from vqpool.shared.errors import (
+    BlockPoolExhaustedError,
+    ClaimConflictError,
+    OwnerAlreadyActiveError,
+    VqpoolError,
+)
 from vqpool.shared.stats import AllocationStats
 
 if TYPE_CHECKING:
@@ -230,15 +235,38 @@ class _FreeList:
 
     Reading the seed's free list bottom to top gives ``range(fresh_lo, fresh_hi)`` followed by
     ``recycled``; both hand out from the top, so the same ids come out in the same order.
+
+    ``claimed`` holds ids that :meth:`BlockPoolAllocator.claim` took out of the middle of that
+    list without moving anything (removing an id from the middle of a range or a stack is not
+    O(1)): they are still listed but held, and are skipped when allocation or shrinking reaches
+    them. Freed before that, such an id is simply free again at its old place. Empty except
+    after a daemon restart's claims, so the hot paths pay one truth test for it.
     """
 
-    __slots__ = ("fresh_hi", "fresh_lo", "recycled", "total")
+    __slots__ = ("claimed", "fresh_hi", "fresh_lo", "recycled", "total")
 
     def __init__(self, lo: int, hi: int) -> None:
         self.fresh_lo = lo
         self.fresh_hi = hi
         self.recycled: list[int] = []
+        self.claimed: set[int] = set()
         self.total = hi - lo
+
+    def n_free(self) -> int:
+        return len(self.recycled) + self.fresh_hi - self.fresh_lo - len(self.claimed)
+
+    def give_back(self, ids: Iterable[int]) -> None:
+        """Put freed ids back: claimed ids are still listed, so they are free again in place."""
+        claimed = self.claimed
+        if not claimed:
+            self.recycled.extend(ids)
+            return
+        append = self.recycled.append
+        for block_id in ids:
+            if block_id in claimed:
+                claimed.discard(block_id)
+            else:
+                append(block_id)
 
 
 class BlockPoolAllocator:
@@ -277,7 +305,8 @@ class BlockPoolAllocator:
         # while it holds a block.
         self._holdings: dict[Owner, dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
-        # Ids added by growth sit on the recycled stack without having been handed out yet.
+        # Ids on the recycled stack that were never handed out: added by growth, or moved off
+        # the fresh range by _unlist_claimed_locked.
         self._grown_unused: set[int] = set()
         self.stats = AllocationStats(n_blocks=self._next_block_id)
         self._history: deque[tuple[int, ...]] = deque(maxlen=DEFAULT_HISTORY_SIZE)
@@ -390,9 +419,10 @@ class BlockPoolAllocator:
             self._active_owners.add(owner)  # allocate() of an active owner is that owner growing
             free = self._free[stream]
             recycled = free.recycled
-            if len(recycled) + free.fresh_hi - free.fresh_lo < n_needed:
+            claimed = free.claimed
+            if len(recycled) + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed:
                 self._try_grow_locked(stream, n_needed)
-                n_free = len(recycled) + free.fresh_hi - free.fresh_lo
+                n_free = free.n_free()
                 if n_free < n_needed:
                     self.stats.n_exhausted += 1
                     self._record_history()
@@ -402,8 +432,10 @@ class BlockPoolAllocator:
                     )
             # Take from the top: recycled ids first (LIFO), then the fresh range downwards.
             n_reused = n_needed if n_needed <= len(recycled) else len(recycled)
-            if n_reused == n_needed == 1:
-                ids: tuple[int, ...] = (recycled.pop(),)
+            if claimed:
+                ids, n_reused = self._take_past_claimed_locked(free, n_needed)
+            elif n_reused == n_needed == 1:
+                ids = (recycled.pop(),)
             else:
                 taken = recycled[len(recycled) - n_reused :]
                 taken.reverse()
@@ -469,12 +501,140 @@ class BlockPoolAllocator:
                 results.append(exc)
         return results
 
+    def claim(
+        self,
+        owner: Owner,
+        stream: str,
+        block_ids: Sequence[int],
+        fills: Sequence[int] | None = None,
+        format: str = "fp16",
+    ) -> BlockList:
+        """Hand these exact free block ids to ``owner``, all or nothing: O(len(block_ids)).
+
+        This is how a restarted daemon takes back what its workers still hold: each worker
+        re-declares its blocks and they are claimed by id instead of allocated. The ids leave the
+        free list where they are (claimed ids in the never-used range included), so nothing is
+        moved or searched. ``owner`` may already be active (a second claim adds to what it
+        holds). ``fills[i]`` is how many slots of ``block_ids[i]`` are used (None: all full).
+        The claim counts as an allocation in the stats (``n_allocations``; ``n_reused`` is
+        counted, as always, when an id is next allocated).
+
+        Raises:
+            ValueError: No ids, an id listed twice, ``fills`` not one value in 0..block_size per
+                id, or a stream this pool does not have.
+            ClaimConflictError: An id that is not free in ``stream``: held by an owner, retired
+                by shrink, in another stream, or never part of this pool. Nothing was claimed.
+        """
+        s = self._resolve_stream(stream)
+        ids = tuple(block_ids)
+        if not ids:
+            raise ValueError("BlockPoolAllocator: claim needs at least one block id")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"BlockPoolAllocator: claim lists a block id twice: {list(ids)}")
+        block_size = self._block_size
+        fill: dict[int, int] = {}
+        if fills is not None:
+            if len(fills) != len(ids):
+                raise ValueError(
+                    f"BlockPoolAllocator: claim has {len(ids)} block ids but {len(fills)} fills"
+                )
+            for block_id, n_used in zip(ids, fills, strict=True):
+                if type(n_used) is not int or not 0 <= n_used <= block_size:
+                    raise ValueError(
+                        f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used!r}"
+                    )
+                if n_used < block_size:
+                    fill[block_id] = n_used
+        with self._lock:
+            free = self._free[s]
+            lo, hi, claimed = free.fresh_lo, free.fresh_hi, free.claimed
+            recycled: set[int] | None = None  # built only if an id is not in the fresh range
+            for block_id in ids:
+                if lo <= block_id < hi and block_id not in claimed:
+                    continue
+                chunk = self._live_chunk(block_id)
+                if chunk is not None or block_id in claimed:
+                    holder = chunk.owner if chunk is not None else "another owner"
+                    raise ClaimConflictError(
+                        f"BlockPoolAllocator: block {block_id} is held by {holder!r}; "
+                        "nothing was claimed"
+                    )
+                if recycled is None:
+                    recycled = set(free.recycled)
+                if block_id not in recycled:
+                    raise ClaimConflictError(
+                        f"BlockPoolAllocator: block {block_id} is not a block of stream {s!r} "
+                        f"in this pool (retired, another stream's, or beyond the pool's "
+                        f"{self.stats.n_blocks} blocks); nothing was claimed"
+                    )
+            claimed.update(ids)
+            chunk = BlockList(self, ids, s, format, owner)
+            if fill:
+                chunk.fill = fill
+            holdings = self._holdings.get(owner)
+            if holdings is None:
+                self._holdings[owner] = {id(chunk): chunk}
+            else:
+                holdings[id(chunk)] = chunk
+            self._chunk_of.update(zip(ids, repeat(chunk)))
+            self._active_owners.add(owner)
+            st = self.stats
+            st._fragmented_count += len(fill)
+            st.n_allocations += len(ids)
+            st.peak_blocks_in_use = max(st.peak_blocks_in_use, st.blocks_in_use())
+            self._record_history()
+            return chunk
+
+    def _unlist_claimed_locked(self, free: _FreeList) -> None:
+        """Rewrite ``free`` so that it lists only free ids, keeping their order. O(stream).
+
+        Needed before shrinking a stream with claimed ids in it: shrink retires whole slices off
+        the top. Never-used ids moved from the fresh range onto the stack are remembered as
+        never used, so their first allocation does not count as a reuse.
+        """
+        claimed = free.claimed
+        in_fresh = [i for i in claimed if free.fresh_lo <= i < free.fresh_hi]
+        moved: list[int] = []
+        if in_fresh:
+            lowest = min(in_fresh)
+            moved = [i for i in range(lowest, free.fresh_hi) if i not in claimed]
+            free.fresh_hi = lowest
+            self._grown_unused.update(moved)
+        self._grown_unused.difference_update(claimed)
+        free.recycled[:] = [*moved, *(i for i in free.recycled if i not in claimed)]
+        claimed.clear()
+
+    def _take_past_claimed_locked(self, free: _FreeList, n: int) -> tuple[tuple[int, ...], int]:
+        """Take ``n`` ids from the top of ``free`` as allocate() does, dropping the claimed ids
+        met on the way (they are held: once out of the list, a free appends them as usual).
+        Returns the ids and how many came from the recycled stack."""
+        claimed = free.claimed
+        recycled = free.recycled
+        taken: list[int] = []
+        n_reused = 0
+        while len(taken) < n:
+            if recycled:
+                block_id = recycled.pop()
+                if block_id in claimed:
+                    claimed.discard(block_id)
+                    self._grown_unused.discard(block_id)
+                    continue
+                n_reused += 1
+            else:
+                free.fresh_hi -= 1
+                block_id = free.fresh_hi
+                if block_id in claimed:
+                    claimed.discard(block_id)
+                    continue
+            taken.append(block_id)
+        return tuple(taken), n_reused
+
     def _try_grow_locked(self, stream: str, n_needed: int) -> None:
         """Add blocks to ``stream`` to cover its shortfall for ``n_needed``, if allowed."""
         if not self.config.grow_on_exhaustion:
             return
         free = self._free[stream]
-        n_short = n_needed - (len(free.recycled) + free.fresh_hi - free.fresh_lo)
+        n_short = n_needed - free.n_free()
         if self.config.max_blocks is not None:
             n_short = min(n_short, self.config.max_blocks - self.stats.n_blocks)
         if n_short <= 0:
@@ -515,7 +675,7 @@ class BlockPoolAllocator:
                 if chunk._blocks is not None:
                     chunk._sync_all_freed()
                 ids = chunk.block_ids
-                self._free[chunk.stream].recycled.extend(ids)
+                self._free[chunk.stream].give_back(ids)
                 owner = chunk.owner
                 chunks = self._holdings[owner]
                 del chunks[id(chunk)]
@@ -562,7 +722,7 @@ class BlockPoolAllocator:
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
                 st._fragmented_count -= 1
-            free_lists[chunk.stream].recycled.append(block_id)
+            free_lists[chunk.stream].give_back((block_id,))
             st.n_frees += 1
             chunk.n_freed += 1
             if chunk.n_freed == len(chunk.block_ids):
@@ -585,11 +745,11 @@ class BlockPoolAllocator:
                     chunk.dead = True
                     if chunk._blocks is not None:
                         chunk._sync_all_freed()
-                    recycled = self._free[chunk.stream].recycled
+                    free = self._free[chunk.stream]
                     if chunk.n_freed:
-                        recycled.extend([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
+                        free.give_back([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
                     else:
-                        recycled.extend(chunk.block_ids)
+                        free.give_back(chunk.block_ids)
                     if chunk.fill:
                         st._fragmented_count -= len(chunk.fill)
                     st.n_frees += len(chunk.block_ids) - chunk.n_freed
@@ -628,8 +788,7 @@ class BlockPoolAllocator:
         """Free blocks left in ``stream``."""
         s = self._resolve_stream(stream)
         with self._lock:
-            free = self._free[s]
-            return len(free.recycled) + free.fresh_hi - free.fresh_lo
+            return self._free[s].n_free()
 
     def n_total(self, stream: str = "k") -> int:
         """Blocks ``stream`` manages now (free plus in use)."""
@@ -653,6 +812,8 @@ class BlockPoolAllocator:
         s = self._resolve_stream(stream)
         with self._lock:
             free = self._free[s]
+            if free.claimed:
+                self._unlist_claimed_locked(free)
             n_free = len(free.recycled) + free.fresh_hi - free.fresh_lo
             n_retire = max(0, n_free - target_free)
             if n_retire:
@@ -748,9 +909,14 @@ class BlockPoolAllocator:
             assert live_entries == held.keys(), "block map and owners' chunks disagree"
 
             seen_free: set[int] = set()
+            seen_listed: set[int] = set()
             for s, free in self._free.items():
-                ids = [*range(free.fresh_lo, free.fresh_hi), *free.recycled]
-                assert len(set(ids)) == len(ids), f"stream {s!r}: an id is free twice"
+                listed = [*range(free.fresh_lo, free.fresh_hi), *free.recycled]
+                assert len(set(listed)) == len(listed), f"stream {s!r}: an id is free twice"
+                assert free.claimed <= set(listed), f"stream {s!r}: a claimed id is not listed"
+                assert free.claimed <= held.keys(), f"stream {s!r}: a claimed id is not held"
+                ids = [i for i in listed if i not in free.claimed]
+                seen_listed.update(listed)
                 in_use = sum(1 for c in held.values() if c.stream == s)
                 assert len(ids) + in_use == free.total, (
                     f"stream {s!r}: free {len(ids)} + in use {in_use} != total {free.total}"
@@ -758,7 +924,7 @@ class BlockPoolAllocator:
                 assert seen_free.isdisjoint(ids), f"stream {s!r}: an id is free in two streams"
                 seen_free.update(ids)
             assert seen_free.isdisjoint(held), "a block is both free and held"
-            assert self._grown_unused <= seen_free, "a grown-unused id is not free"
+            assert self._grown_unused <= seen_listed, "a never-used id is not listed as free"
 
             st = self.stats
             assert st._fragmented_count == n_partial, (

@@ -3,6 +3,10 @@
 Plain lists and dicts, one record per block, no attention to speed: what it does is easy to check
 by reading it against the seed specification. The state machine in test_allocator_model.py runs
 the real allocator and this model side by side and compares every result.
+
+``claim`` (not in the seed) takes specific ids without moving them in the free list: a claimed
+id stays listed as a placeholder, skipped (and dropped) when allocation or shrink reaches it, and
+free again at its old place if it is freed first.
 """
 
 from __future__ import annotations
@@ -79,6 +83,39 @@ class ReferencePool:
             raise ValueError(stream)
         return stream
 
+    def n_free(self, s: str) -> int:
+        return sum(1 for bid in self.free[s] if self.blocks[bid].owner is None)
+
+    def _drop_placeholder(self, bid: int) -> None:
+        # Off the free list while held: freeing it appends it, so it reads as used before.
+        self.blocks[bid].ever_allocated = True
+
+    def claim(
+        self, owner: Owner, stream: str, ids: list[int], fills: list[int] | None, fmt: str
+    ) -> list[int]:
+        """Raises ValueError for bad arguments, LookupError for an id that is not free."""
+        s = self.stream_of(stream)
+        size = self.config.block_size
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(ids)
+        if fills is not None and (len(fills) != len(ids) or not all(0 <= n <= size for n in fills)):
+            raise ValueError(fills)
+        for bid in ids:
+            if bid not in self.free[s] or self.blocks[bid].owner is not None:
+                raise LookupError(bid)
+        self.active.add(owner)
+        for i, bid in enumerate(ids):
+            block = self.blocks[bid]
+            block.owner = owner
+            block.format = fmt
+            block.n_used = size if fills is None else fills[i]
+            self.counters.n_allocations += 1
+        self.owner_blocks.setdefault(owner, []).extend(ids)
+        c = self.counters
+        c.peak_blocks_in_use = max(c.peak_blocks_in_use, c.n_allocations - c.n_frees)
+        self.record()
+        return ids
+
     def register(self, owner: Owner) -> None:
         if owner in self.active:
             raise KeyError(owner)
@@ -94,8 +131,8 @@ class ReferencePool:
         if owner not in self.active:
             self.register(owner)
         free = self.free[s]
-        if len(free) < n_needed and self.config.grow_on_exhaustion:
-            n_short = n_needed - len(free)
+        if self.n_free(s) < n_needed and self.config.grow_on_exhaustion:
+            n_short = n_needed - self.n_free(s)
             if self.config.max_blocks is not None:
                 n_short = min(n_short, self.config.max_blocks - len(self.blocks))
             for _ in range(max(0, n_short)):
@@ -104,15 +141,18 @@ class ReferencePool:
                 self.next_id += 1
                 self.counters.n_grown += 1
             self.counters.n_blocks = len(self.blocks)
-        if len(free) < n_needed:
+        if self.n_free(s) < n_needed:
             self.counters.n_exhausted += 1
             self.record()
             raise MemoryError(n_needed)
         ids = []
         remaining = n_tokens
-        for _ in range(n_needed):
+        while len(ids) < n_needed:
             bid = free.pop()
             block = self.blocks[bid]
+            if block.owner is not None:
+                self._drop_placeholder(bid)
+                continue
             if block.ever_allocated:
                 self.counters.n_reused += 1
             block.owner = owner
@@ -139,7 +179,8 @@ class ReferencePool:
             self.active.discard(block.owner)
         block.owner = None
         block.n_used = 0
-        self.free[block.stream].append(bid)
+        if bid not in self.free[block.stream]:  # a claimed id still listed is free in place
+            self.free[block.stream].append(bid)
         self.counters.n_frees += 1
 
     def free_ids(self, ids: list[int]) -> None:
@@ -158,6 +199,9 @@ class ReferencePool:
             raise ValueError(target_free)
         s = self.stream_of(stream)
         free = self.free[s]
+        for bid in [b for b in free if self.blocks[b].owner is not None]:
+            self._drop_placeholder(bid)
+        free[:] = [b for b in free if self.blocks[b].owner is None]
         n = max(0, len(free) - target_free)
         for _ in range(n):
             del self.blocks[free.pop()]

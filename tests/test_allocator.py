@@ -15,6 +15,7 @@ from vqpool.shared import (
     BlockPool,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
+    ClaimConflictError,
     OwnerAlreadyActiveError,
     PoolConfig,
 )
@@ -365,3 +366,117 @@ def test_threads_share_one_pool() -> None:
         pool.free_all(owner)
     assert pool.stats.blocks_in_use() == 0
     assert pool.n_free("k") + pool.n_free("v") == 512
+
+
+# -- claim: taking back specific ids after a daemon restart ----------------------------------------
+
+
+def test_claim_takes_exact_ids_from_the_middle_of_the_never_used_range() -> None:
+    pool = pool_of(block_size=4, n_blocks=16)  # k: 0..7, v: 8..15
+    blocks = pool.claim("req", "k", [5, 2], fills=[4, 3], format="int4")
+    assert [(b.block_id, b.stream, b.n_used, b.owner, b.format) for b in blocks] == [
+        (5, "k", 4, "req", "int4"),
+        (2, "k", 3, "req", "int4"),
+    ]
+    assert pool.owner_of(5) == pool.owner_of(2) == "req"
+    assert pool.is_active("req")
+    assert (pool.n_free("k"), pool.n_total("k"), pool.n_free("v")) == (6, 8, 8)
+    assert (pool.stats.blocks_in_use(), pool.stats._fragmented_count) == (2, 1)
+    pool.check_invariants()
+    # Allocation goes on from the top and steps over the claimed ids.
+    got = pool.allocate("k", 6 * 4, "other")
+    assert [b.block_id for b in got] == [7, 6, 4, 3, 1, 0]
+    with pytest.raises(BlockPoolExhaustedError):
+        pool.allocate("k", 1, "third")
+    pool.check_invariants()
+
+
+def test_claimed_ids_freed_before_allocation_reaches_them_are_free_in_place() -> None:
+    pool = pool_of(block_size=4, n_blocks=16)
+    pool.claim("req", "k", [5, 2])
+    pool.free_all("req")
+    assert not pool.is_active("req")
+    pool.check_invariants()
+    # Same ids in the same order as a pool that never saw the claim.
+    fresh = pool_of(block_size=4, n_blocks=16)
+    assert [b.block_id for b in pool.allocate("k", 32, "a")] == [
+        b.block_id for b in fresh.allocate("k", 32, "a")
+    ]
+
+
+def test_claim_of_recycled_and_grown_ids() -> None:
+    pool = pool_of(block_size=4, n_blocks=4, grow_on_exhaustion=True, max_blocks=8)
+    first = pool.allocate("k", 8, "a")  # k: 0..1 -> ids 1, 0
+    pool.allocate("k", 12, "b")  # grows k by 3: ids 4, 5, 6 (k had 0 free)
+    pool.free(first)
+    pool.free_all("b")
+    blocks = pool.claim("c", "k", [0, 5])
+    assert [b.block_id for b in blocks] == [0, 5]
+    pool.check_invariants()
+    assert pool.n_free("k") == 3
+    with pytest.raises(ClaimConflictError, match="held by 'c'"):
+        pool.claim("d", "k", [1, 0])
+    pool.free([blocks[0]])
+    pool.claim("d", "k", [0])
+    pool.check_invariants()
+
+
+def test_claim_refuses_ids_that_are_not_free_and_changes_nothing() -> None:
+    pool = pool_of(block_size=4, n_blocks=16)
+    held = pool.allocate("k", 4, "a")[0].block_id
+    pool.shrink("v", 6)  # retires v ids 15 and 14
+    before = (pool.stats.snapshot(), len(pool.history), pool.n_free("k"), pool.n_free("v"))
+    for ids, message in [
+        ([3, held], "held by 'a'"),
+        ([3, 9], "not a block of stream 'k'"),  # a v block
+        ([3, 16], "not a block of stream 'k'"),  # beyond the pool
+        ([3, -1], "not a block of stream 'k'"),
+    ]:
+        with pytest.raises(ClaimConflictError, match=message):
+            pool.claim("b", "k", ids)
+    with pytest.raises(ClaimConflictError, match="not a block of stream 'v'"):
+        pool.claim("b", "v", [15])  # retired
+    for ids, fills in [([], None), ([3, 3], None), ([3], [5]), ([3], [-1]), ([3, 2], [1])]:
+        with pytest.raises(ValueError):
+            pool.claim("b", "k", ids, fills)
+    with pytest.raises(ValueError):
+        pool.claim("b", "x", [3])
+    assert (pool.stats.snapshot(), len(pool.history), pool.n_free("k"), pool.n_free("v")) == before
+    assert not pool.is_active("b")
+    pool.check_invariants()
+
+
+def test_claim_adds_to_an_active_owner_and_counts_as_allocation() -> None:
+    pool = pool_of(block_size=4, n_blocks=16)
+    pool.register_owner("req")
+    pool.claim("req", "k", [1])
+    pool.claim("req", "v", [9, 10], fills=[4, 0])
+    assert [b.block_id for b in pool.blocks_for("req")] == [1, 9, 10]
+    assert pool.stats.n_allocations == 3
+    assert pool.stats.peak_blocks_in_use == 3
+    with pytest.raises(OwnerAlreadyActiveError):
+        pool.register_owner("req")
+    pool.free_all("req")
+    assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
+def test_shrink_after_claims_retires_only_free_blocks() -> None:
+    pool = pool_of(block_size=4, n_blocks=16)
+    pool.claim("req", "k", [7, 3, 0])
+    assert pool.shrink("k", 2) == 3
+    pool.check_invariants()
+    assert [b.block_id for b in pool.blocks_for("req")] == [7, 3, 0]
+    assert (pool.n_free("k"), pool.n_total("k")) == (2, 5)
+    pool.free_all("req")
+    assert pool.n_free("k") == 5
+    pool.check_invariants()
+
+
+def test_claim_in_a_million_block_pool_moves_nothing() -> None:
+    pool = pool_of(n_blocks=1 << 20)
+    pool.claim("req", "k", [12345, 400000, 7])
+    # O(k): the never-used range is not split or copied onto the recycled stack.
+    assert pool._free["k"].recycled == []
+    assert pool.n_free("k") == (1 << 19) - 3
+    assert pool.allocate("k", 16, "next")[0].block_id == (1 << 19) - 1

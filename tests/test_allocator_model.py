@@ -26,6 +26,7 @@ from vqpool.shared import (
     Block,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
+    ClaimConflictError,
     OwnerAlreadyActiveError,
     PoolConfig,
 )
@@ -43,6 +44,8 @@ def error_name(exc: Exception) -> str:
         return "OwnerActive"
     if isinstance(exc, BlockPoolExhaustedError | MemoryError):
         return "Exhausted"
+    if isinstance(exc, ClaimConflictError | LookupError):
+        return "Conflict"
     raise exc
 
 
@@ -100,6 +103,36 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert error_name(result) == want[0]
             else:
                 assert want[0] == "ok" and [b.block_id for b in result] == want[1]
+
+    @rule(target=handed_out, data=st.data(), stream=STREAMS, owner=OWNERS, f=FORMATS)
+    def claim(self, data: st.DataObject, stream: str, owner: object, f: str) -> Sequence[Block]:
+        """Claim ids by number, as a restarted daemon does: mostly free ones, sometimes held,
+        retired, another stream's or out-of-pool ones, sometimes with bad fills."""
+        model = self.model
+        try:
+            free_ids = [
+                b for b in model.free[model.stream_of(stream)] if model.blocks[b].owner is None
+            ]
+        except ValueError:
+            free_ids = []
+        any_id = st.integers(-1, model.next_id + 2)
+        one_id = st.one_of(st.sampled_from(free_ids), any_id) if free_ids else any_id
+        ids = data.draw(st.lists(one_id, min_size=1, max_size=4) | st.just([]))
+        size = model.config.block_size
+        good_fills = st.lists(st.integers(0, size), min_size=len(ids), max_size=len(ids))
+        bad_fills = st.lists(st.integers(-1, size + 1), max_size=5)
+        fills = data.draw(st.one_of(st.none(), st.none(), good_fills, bad_fills))
+        got = outcome(lambda: self.pool.claim(owner, stream, ids, fills, f))  # type: ignore[arg-type]
+        want = outcome(lambda: model.claim(owner, stream, ids, fills, f))  # type: ignore[arg-type]
+        assert got[0] == want[0], (got, want)
+        if got[0] != "ok":
+            return []
+        blocks: Sequence[Block] = got[1]
+        assert [b.block_id for b in blocks] == ids
+        for b in blocks:
+            ref = model.blocks[b.block_id]
+            assert (b.stream, b.owner, b.n_used, b.format) == (ref.stream, owner, ref.n_used, f)
+        return blocks
 
     @rule(owner=OWNERS)
     def register_owner(self, owner: object) -> None:
