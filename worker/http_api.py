@@ -113,6 +113,9 @@ class ServingHandler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Errors the base class finds (bad request line, headers, method): JSON, not HTML."""
         self.close_connection = True
+        # A request line too broken to name a version reads as HTTP/0.9, which has no status
+        # line or headers: answer in HTTP/1.0 so the client sees the 4xx.
+        self.request_version = "HTTP/1.0"
         text = message or self.responses.get(code, ("error",))[0]
         with contextlib.suppress(OSError):  # the client may be gone already
             self._send_error(ApiError(code, text))
@@ -223,10 +226,12 @@ class ServingHandler(BaseHTTPRequestHandler):
     def _complete(self, job: GenerationJob, request: CompletionRequest) -> None:
         text_stream = self.app.model.tokenizer.text_stream()
         parts: list[str] = []
+        token_ids: list[int] = []
         while True:
             event = self._next_event(job)
             if isinstance(event, JobEnd):
                 break
+            token_ids.append(event)
             text_stream.add_token(event)
             parts.append(text_stream.last_segment)
         if event.finish_reason in ("rejected", "error"):
@@ -240,6 +245,7 @@ class ServingHandler(BaseHTTPRequestHandler):
             event.detail,
             event.prompt_tokens,
             event.completion_tokens,
+            token_ids if request.return_token_ids else None,
         )
         self._send_json(200, response)
 
@@ -260,11 +266,13 @@ class ServingHandler(BaseHTTPRequestHandler):
         builder = ResponseBuilder(request.kind, self.app.model.name)
         text_stream = self.app.model.tokenizer.text_stream()
         try:
+            with_ids = request.return_token_ids
             while not isinstance(event, JobEnd):
                 text_stream.add_token(event)
                 segment = text_stream.last_segment
-                if segment:
-                    self._write_event(builder.chunk(segment))
+                if segment or with_ids:
+                    ids = [event] if with_ids else None
+                    self._write_event(builder.chunk(segment, token_ids=ids))
                 event = self._next_event(job)
             if event.finish_reason == "error":
                 self._write_event(self._refusal(event).body())

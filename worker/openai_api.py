@@ -7,9 +7,11 @@ or a list of token ids), ``/v1/chat/completions`` takes ``messages``; both take 
 Fields this worker cannot honour (``n`` > 1, ``stop``, ``logprobs``) are refused with 400 rather
 than ignored; other unknown fields are ignored, as OpenAI clients send many.
 
-Responses are mlx-lm's server shapes. Two additions: ``usage`` also rides on the last streamed
-chunk (so a streaming client always learns the counts), and a choice that ended for a reason the
-``finish_reason`` alone does not tell (the KV pool ran out of blocks) carries ``finish_detail``.
+Responses are mlx-lm's server shapes. Additions: ``usage`` also rides on the last streamed
+chunk (so a streaming client always learns the counts); a choice that ended for a reason the
+``finish_reason`` alone does not tell (the KV pool ran out of blocks) carries ``finish_detail``;
+and ``return_token_ids: true`` (vLLM's name) adds the generated ids as ``token_ids`` to the
+choice (to each chunk when streaming), since byte-level text of a random model is lossy.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class CompletionRequest:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -176,6 +179,9 @@ def parse_completion(
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "stream_options must be {include_usage: bool}", param="stream_options")
+    return_token_ids = body.get("return_token_ids", False)
+    if not isinstance(return_token_ids, bool):
+        raise ApiError(400, "return_token_ids must be true or false", param="return_token_ids")
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _integer(body, max_tokens_name, default_max_tokens, 1, max_tokens_limit)
     sampling = SamplingParams(
@@ -186,7 +192,13 @@ def parse_completion(
     )
     prompt = _prompt_tokens(body, model) if kind == TEXT else _chat_tokens(body, model)
     return CompletionRequest(
-        kind, prompt, max_tokens, sampling, stream, bool(options.get("include_usage", False))
+        kind,
+        prompt,
+        max_tokens,
+        sampling,
+        stream,
+        bool(options.get("include_usage", False)),
+        return_token_ids,
     )
 
 
@@ -225,10 +237,18 @@ class ResponseBuilder:
         return ending
 
     def complete(
-        self, text: str, finish_reason: str, detail: str | None, n_prompt: int, n_completion: int
+        self,
+        text: str,
+        finish_reason: str,
+        detail: str | None,
+        n_prompt: int,
+        n_completion: int,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         """The whole response of a non-streaming request."""
         ending = self._ending(finish_reason, detail)
+        if token_ids is not None:
+            ending["token_ids"] = token_ids
         if self.kind == CHAT:
             choice = {"message": {"role": "assistant", "content": text}, **ending}
             response = self._envelope("chat.completion", choice)
@@ -238,10 +258,16 @@ class ResponseBuilder:
         return response
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, detail: str | None = None
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        detail: str | None = None,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk: a piece of text, or (with ``finish_reason``) the last one."""
         ending = self._ending(finish_reason, detail)
+        if token_ids is not None:
+            ending["token_ids"] = token_ids
         if self.kind == CHAT:
             delta: dict[str, Any] = {"content": text} if text else {}
             if not self._sent_role:

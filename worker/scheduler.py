@@ -7,8 +7,11 @@ read its token ids from the job's event queue. One generation thread does the re
 
 * **Admission, FIFO.** Jobs wait in a bounded FIFO queue. While fewer than ``max_concurrent``
   jobs are active, the head of the queue is started: it gets a cache with a unique owner id
-  (``{owner_prefix}-{n}``) and the blocks for its prompt plus one token are reserved before its
-  prefill. If the pool has too few free blocks, the head waits (and the jobs behind it too: a
+  (``{owner_prefix}-{n}``) and blocks are reserved before its prefill: with ``reserve_full``
+  (the default) for its prompt plus ``max_tokens``, so an admitted request always completes;
+  without, for its prompt plus one token (more requests share the pool, but one may run out of
+  blocks mid-generation; there is no preemption to make room). If the pool has too few free
+  blocks, the head waits (and the jobs behind it too: a
   long prompt is not starved by short ones); admission is retried every ``retry_interval``
   seconds, since blocks may be freed by another worker, and at once when one of this worker's
   jobs ends. A job still waiting ``queue_timeout`` seconds after it was submitted ends as
@@ -124,6 +127,8 @@ class Scheduler:
         max_queue: Jobs waiting at once; more are refused (QueueFullError).
         queue_timeout: Seconds a job may wait before it is rejected.
         retry_interval: Seconds between admission attempts while the pool is exhausted.
+        reserve_full: Reserve a job's whole KV need (prompt + max_tokens) at admission; else
+            only the prompt's and the first token's.
     """
 
     def __init__(
@@ -137,6 +142,7 @@ class Scheduler:
         max_queue: int,
         queue_timeout: float,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
+        reserve_full: bool = True,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
             raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
@@ -148,6 +154,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.retry_interval = retry_interval
+        self.reserve_full = reserve_full
         self.stats = ServingStats(max_concurrent=max_concurrent, pooled=source.pooled)
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
@@ -239,10 +246,11 @@ class Scheduler:
             self.stats.set_queue_length(len(kept))
         for job in cancelled:
             self._end(job, "cancelled")
+        head_blocked = bool(self._waiting) and self._waiting[0].waited_for_blocks
         for job in expired:
             why = (
                 "the KV cache pool had too few free blocks"
-                if job.waited_for_blocks
+                if job.waited_for_blocks or head_blocked
                 else f"{self.max_concurrent} requests were running (--max-concurrent)"
             )
             self.stats.add(queue_timeouts=1)
@@ -295,9 +303,11 @@ class Scheduler:
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
             job.cache = self.source.open(job.owner)
+        # generate_step writes the KV of every token it yields, the last one included: a job
+        # needs prompt + max_tokens slots in all.
+        n_slots = len(job.prompt) + (job.max_tokens if self.reserve_full else 1)
         try:
-            # The prompt and the first generated token; later tokens grow the cache as they come.
-            self.source.reserve(job.cache, len(job.prompt) + 1)
+            self.source.reserve(job.cache, n_slots)
         except BlockPoolExhaustedError:
             return False
         s = job.sampling

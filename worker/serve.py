@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=64, metavar="N", help="requests waiting at once"
     )
     parser.add_argument(
+        "--reserve",
+        choices=["full", "prompt"],
+        default="full",
+        help="blocks reserved when a request starts: for prompt + max_tokens (full: it always "
+        "completes), or for the prompt only (more sharing; a request may then end early with "
+        "finish_reason length when the pool runs out)",
+    )
+    parser.add_argument(
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
     )
     parser.add_argument(
@@ -165,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_concurrent=args.max_concurrent,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
+        reserve_full=args.reserve == "full",
     )
     app = ServingApp(loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool)
     try:

@@ -1,0 +1,96 @@
+"""A real vqpoold with real vqpool-worker processes, for the serving tests.
+
+:class:`ServingStack` starts a daemon on a fresh short run directory and workers on built-in
+models (all processes started at once, then awaited), and reads the pool's state through the
+admin socket. Nothing is mocked: requests go over HTTP to the worker processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
+from vqpool.worker.http_client import HttpReply, request_json
+from vqpool.worker.launch import WorkerProcess
+
+
+class ServingStack:
+    """One daemon (``daemon_args``) and one worker per model in ``models`` (``worker_args``)."""
+
+    def __init__(
+        self,
+        models: Sequence[str],
+        daemon_args: Sequence[str] = ("--n-blocks", "512", "--lease", "1"),
+        worker_args: Sequence[str] = (),
+    ) -> None:
+        self.base = short_tmpdir("vqs")
+        self.run_dir = self.base / "run"
+        self.daemon = DaemonProcess(self.run_dir, *daemon_args)
+        self.workers: dict[str, WorkerProcess] = {}
+        self._models = list(models)
+        self._worker_args = list(worker_args)
+
+    def start(self) -> ServingStack:
+        self.daemon.start()
+        for model in self._models:
+            self.workers[model] = self.start_worker(model, self._worker_args, wait=False)
+        for worker in self.workers.values():
+            worker.wait_ready()
+        return self
+
+    def start_worker(
+        self, model: str, args: Sequence[str] = (), wait: bool = True, name: str | None = None
+    ) -> WorkerProcess:
+        log_path = self.base / f"{(name or model).replace(':', '_')}.log"
+        worker = WorkerProcess(model, log_path, run_dir=self.run_dir, args=args)
+        return worker.start(wait=wait)
+
+    def url(self, model: str) -> str:
+        return self.workers[model].url
+
+    def complete(
+        self, model: str, body: dict[str, Any], path: str = "/v1/completions"
+    ) -> HttpReply:
+        return request_json(self.url(model), "POST", path, body)
+
+    def worker_stats(self, model: str) -> dict[str, Any]:
+        reply = request_json(self.url(model), "GET", "/v1/stats")
+        assert reply.status == 200, reply
+        stats: dict[str, Any] = reply.body
+        return stats
+
+    def blocks_by_model(self) -> dict[str, int]:
+        """Blocks each model's sessions hold now, per the daemon (K and V counted apart)."""
+        held: dict[str, int] = {}
+        for session in self.daemon.admin("sessions"):
+            held[session["model"]] = held.get(session["model"], 0) + session["n_blocks"]
+        return held
+
+    def pool_streams(self) -> dict[str, dict[str, int]]:
+        streams: dict[str, dict[str, int]] = self.daemon.admin("stats")["streams"]
+        return streams
+
+    def blocks_in_use(self) -> int:
+        return sum(s["total"] - s["free"] for s in self.pool_streams().values())
+
+    def wait_for_no_blocks(self, timeout: float = 10.0) -> None:
+        """Wait until no block is in use and no owner is active (AssertionError otherwise)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.blocks_in_use() == 0 and not self.daemon.admin("owners"):
+                self.daemon.audit()
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"blocks still in use after {timeout}s: {self.daemon.admin('owners')}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {m}\n{w.log()[-3000:]}" for m, w in self.workers.items())
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            if worker.process is not None:
+                worker.stop()
+        self.daemon.stop()
+        remove_tree(self.base)
