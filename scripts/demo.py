@@ -1,26 +1,400 @@
 #!/usr/bin/env python3
-"""vqpool demo: two requests share one block pool (in-process, until the daemon lands)."""
+"""vqpool demo: two models served at once, their KV caches drawn from one shared pool.
+
+What it does, end to end, with real processes:
+
+1. starts ``vqpoold`` with the configuration embedded below, in a private run directory under
+   /tmp (removed at the end);
+2. starts two ``vqpool-worker`` processes: two built-in tiny models with different
+   architectures and KV layouts (``builtin:llama``, ``builtin:qwen3``), or the two ``--model``
+   arguments (real mlx-lm models on a Mac);
+3. drives a short, bounded load at both: a few client threads per model send chat requests
+   (half of them streamed) for a fixed time; the pool is small enough that the two models
+   contend for blocks and requests wait in the workers' queues;
+4. shows the pool live while it runs: per stream, blocks in use and free; per model, blocks
+   held per stream, bytes, requests running and queued (a redrawn view on a terminal, one line
+   per second otherwise);
+5. once the load is done, checks that no block is held, shrinks the pool with
+   ``vqpoolctl shrink``, prints a summary table, and stops everything cleanly.
+
+Exit status 0 when all of that worked, 1 otherwise (the processes' logs are printed then).
+
+    scripts/demo                        # ~40 s
+    scripts/demo --short                # ~15 s, for CI
+    scripts/demo --model mlx-community/Llama-3.2-1B-Instruct-4bit \\
+                 --model mlx-community/Qwen2.5-0.5B-Instruct-4bit
+"""
 
 from __future__ import annotations
 
-from vqpool.shared import BlockPoolAllocator, BlockPoolExhaustedError, PoolConfig
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vqpool.shared.admin_client import AdminClient
+from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
+from vqpool.worker.launch import DaemonProcess, WorkerProcess
+
+# The daemon's configuration. 128 blocks = 64 K + 64 V blocks of 16 token slots (1,024 tokens
+# per stream): the demo's requests need ~5-20 blocks per stream each and up to 8 run at once,
+# so the two models contend and some requests wait for blocks.
+DAEMON_CONFIG = """\
+# vqpoold configuration written by scripts/demo
+[vqpoold]
+n_blocks = 128
+block_size = 16
+lease = 5.0
+log_level = "WARNING"
+"""
+
+BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
+CLIENTS_PER_MODEL = 4
+WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60"]
+TOPICS = [
+    "the unified memory of a laptop",
+    "two models sharing one pool of blocks",
+    "why a KV cache grows with the context",
+    "a coordinator daemon and its workers",
+    "paged attention in a few words",
+    "what happens when the pool is full",
+]
 
 
-def main() -> None:
-    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=64))
-    print(f"pool: {pool.n_total('k')} K blocks + {pool.n_total('v')} V blocks of 16 tokens")
-    for owner, tokens in (("chat-1", 200), ("chat-2", 300)):
-        for stream in ("k", "v"):
-            pool.allocate(stream, tokens, owner)
-        print(f"{owner}: {tokens} tokens -> {pool.n_blocks_for(owner)} blocks")
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="a short run for CI (~15 s)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="MODEL",
+        help="serve this model (give two; default: two built-in tiny models)",
+    )
+    parser.add_argument("--duration", type=float, help="seconds of load (default 25, short 6)")
+    args = parser.parse_args()
+    if args.model is not None and len(args.model) != 2:
+        parser.error("give --model exactly twice (two models share the pool)")
+    return args
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientTally:
+    """What the clients of one model saw."""
+
+    ok: int = 0
+    refused: int = 0  # 503: waited --queue-timeout in the worker's queue
+    failed: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def one_request(url: str, rng: random.Random, stream: bool) -> None:
+    """One chat request; raises on anything but a complete answer."""
+    words = rng.randint(4, 30)
+    topic = rng.choice(TOPICS)
+    body = {
+        "messages": [{"role": "user", "content": f"In {words} words: {topic}."}],
+        "max_tokens": rng.randint(32, 160),
+        "temperature": 0.7,
+    }
+    if stream:
+        events = list(stream_events(url, "/v1/chat/completions", body))
+        if not events or events[-1]["choices"][0]["finish_reason"] is None:
+            raise RuntimeError("the stream ended without a finish_reason")
+        return
+    reply = request_json(url, "POST", "/v1/chat/completions", body)
+    if reply.status != 200:
+        raise HttpStatusError(reply)
+
+
+def client_loop(url: str, seed: int, until: float, tally: ClientTally) -> None:
+    rng = random.Random(seed)
+    n = 0
+    while time.monotonic() < until:
+        try:
+            one_request(url, rng, stream=n % 2 == 0)
+            with tally.lock:
+                tally.ok += 1
+        except HttpStatusError as exc:
+            with tally.lock:
+                if exc.reply.status == 503:
+                    tally.refused += 1
+                else:
+                    tally.failed.append(str(exc))
+        except Exception as exc:
+            with tally.lock:
+                tally.failed.append(f"{type(exc).__name__}: {exc}")
+        n += 1
+
+
+# -- live view -------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def bar(used: int, total: int, width: int = 32) -> str:
+    filled = round(width * used / total) if total else 0
+    return "#" * filled + "." * (width - filled)
+
+
+def pool_snapshot(admin: AdminClient, workers: dict[str, WorkerProcess]) -> dict[str, Any]:
+    """The pool as the daemon sees it, plus each worker's queue."""
+    streams = admin.call("stats")["streams"]
+    held: dict[str, dict[str, Any]] = {m: {"blocks": {}, "bytes": 0} for m in workers}
+    for session in admin.call("sessions"):
+        entry = held.setdefault(session["model"], {"blocks": {}, "bytes": 0})
+        for stream, n in session["blocks"].items():
+            entry["blocks"][stream] = entry["blocks"].get(stream, 0) + n
+        entry["bytes"] += session["bytes_total"]
+    for model, worker in workers.items():
+        stats = request_json(worker.url, "GET", "/v1/stats", timeout=5).body
+        held[model].update(active=stats["active"], queued=stats["queue_length"])
+    return {"streams": streams, "models": held}
+
+
+def render_screen(snap: dict[str, Any], elapsed: float, duration: float) -> str:
+    lines = [
+        f"vqpool demo: two models, one KV block pool   [{elapsed:4.0f}s / {duration:.0f}s]",
+        "",
+    ]
+    for name, s in snap["streams"].items():
+        used = s["total"] - s["free"]
+        lines.append(
+            f"  pool {name:>2}  [{bar(used, s['total'])}] {used:4d} in use {s['free']:4d} free"
+        )
+    lines.append("")
+    for model, m in snap["models"].items():
+        blocks = "  ".join(f"{k} {v:3d}" for k, v in sorted(m["blocks"].items())) or "-"
+        lines.append(
+            f"  {model:<28} blocks {blocks:<14} {fmt_bytes(m['bytes']):>10}   "
+            f"running {m.get('active', 0)}  queued {m.get('queued', 0)}"
+        )
+    return "\n".join(lines)
+
+
+def render_line(snap: dict[str, Any], elapsed: float) -> str:
+    pool = " ".join(
+        f"{n}:{s['total'] - s['free']}/{s['total']}" for n, s in snap["streams"].items()
+    )
+    models = " | ".join(
+        f"{model} blocks {sum(m['blocks'].values())} run {m.get('active', 0)} "
+        f"queue {m.get('queued', 0)}"
+        for model, m in snap["models"].items()
+    )
+    return f"[{elapsed:5.1f}s] pool {pool} | {models}"
+
+
+def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, duration: float) -> None:
+    tty = sys.stdout.isatty()
+    started = time.monotonic()
+    while not stop.is_set():
+        elapsed = time.monotonic() - started
+        try:
+            snap = sample()
+        except Exception as exc:  # a view that misses a beat is not a failure of the demo
+            print(f"(live view: {exc})", flush=True)
+        else:
+            if tty:
+                print("\x1b[H\x1b[2J" + render_screen(snap, elapsed, duration), flush=True)
+            else:
+                print(render_line(snap, elapsed), flush=True)
+        stop.wait(0.5 if tty else 1.0)
+
+
+# -- summary ---------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        print(
+            "  "
+            + "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if n == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def summary(
+    workers: dict[str, WorkerProcess], tallies: dict[str, ClientTally], shrink: list[dict[str, Any]]
+) -> None:
+    rows = [
+        [
+            "model",
+            "requests",
+            "tokens",
+            "tokens/s",
+            "peak blocks",
+            "peak bytes",
+            "waits",
+            "exhaustions",
+            "503s",
+        ]
+    ]
+    for model, worker in workers.items():
+        stats = request_json(worker.url, "GET", "/v1/stats").body
+        done = stats["ended_stop"] + stats["ended_length"]
+        rows.append(
+            [
+                model,
+                str(done),
+                str(stats["completion_tokens"]),
+                f"{stats['tokens_per_s']:.0f}",
+                str(stats["peak_blocks"]),
+                fmt_bytes(stats["peak_bytes"]),
+                str(stats["waits"]),
+                str(stats["exhaustions"]),
+                str(tallies[model].refused),
+            ]
+        )
+    print("\nPer model (tokens/s: generated tokens per busy second of the worker; blocks count")
+    print("K and V blocks apart; waits: requests that queued for free blocks):\n")
+    print_table(rows)
+    retired = sum(r["retired"] for r in shrink)
+    per_stream = ", ".join(
+        f"{r['stream']}: {r['retired']} retired, {r['n_total']} left" for r in shrink
+    )
+    print(f"\nShrink (vqpoolctl shrink): {retired} blocks retired ({per_stream})")
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def shrink_pool(run_dir: Path, admin: AdminClient) -> list[dict[str, Any]]:
+    """Retire half of each stream's blocks with the admin command; its JSON result."""
+    streams = admin.call("stats")["streams"]
+    target = min(s["total"] for s in streams.values()) // 2
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vqpool.daemon.ctl",
+            "--run-dir",
+            str(run_dir),
+            "shrink",
+            "--stream",
+            "kv",
+            "--target-free",
+            str(target),
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result: list[dict[str, Any]] = json.loads(out.stdout)
+    return result
+
+
+def run(args: argparse.Namespace, base: Path) -> bool:
+    models = args.model or BUILTIN_MODELS
+    duration = args.duration or (6.0 if args.short else 25.0)
+    run_dir = base / "run"
+    config = base / "vqpoold.toml"
+    config.write_text(DAEMON_CONFIG)
+    processes: list[DaemonProcess | WorkerProcess] = []
+    ok = False
     try:
-        pool.allocate("k", 16 * 20, "chat-3")
-    except BlockPoolExhaustedError as exc:
-        print(f"chat-3 waits: {exc}")
-    pool.free_all("chat-1")
-    print(f"chat-1 done; {pool.n_free('k')} K blocks free")
-    print(pool.stats)
+        print(
+            f"starting vqpoold (run directory {run_dir}) and {len(models)} workers ...", flush=True
+        )
+        daemon = DaemonProcess(run_dir, ["--config", str(config)], base / "vqpoold.log").start()
+        processes.append(daemon)
+        workers: dict[str, WorkerProcess] = {}
+        for i, model in enumerate(models):
+            worker = WorkerProcess(
+                model, base / f"worker{i}.log", run_dir=run_dir, args=WORKER_ARGS
+            )
+            workers[model] = worker.start(wait=False)
+            processes.append(worker)
+        ready_timeout = 60.0 if args.model is None else 1800.0  # real models may download
+        for worker in workers.values():
+            worker.wait_ready(ready_timeout)
+            print(f"  {worker.model} on {worker.url}", flush=True)
+
+        with AdminClient(run_dir) as admin:
+            tallies = {m: ClientTally() for m in models}
+            until = time.monotonic() + duration
+            clients = [
+                threading.Thread(
+                    target=client_loop, args=(workers[m].url, 100 * i + c, until, tallies[m])
+                )
+                for i, m in enumerate(models)
+                for c in range(CLIENTS_PER_MODEL)
+            ]
+            print(f"driving {len(clients)} clients for {duration:.0f}s ...\n", flush=True)
+            stop_view = threading.Event()
+            view = threading.Thread(
+                target=live_view,
+                args=(lambda: pool_snapshot(admin, workers), stop_view, duration),
+            )
+            view.start()
+            for client in clients:
+                client.start()
+            for client in clients:
+                client.join()
+            stop_view.set()
+            view.join()
+
+            failures = [f"{m}: {f}" for m, t in tallies.items() for f in t.failed]
+            stats = admin.call("stats")
+            in_use = stats["stats"]["blocks_in_use"]
+            audit = admin.call("audit")
+            shrink = shrink_pool(run_dir, admin)
+            summary(workers, tallies, shrink)
+            print(
+                f"\nblocks in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
+            )
+            ok = not failures and in_use == 0 and audit["ok"]
+            for failure in failures[:10]:
+                print(f"FAILED request: {failure}")
+        for process in reversed(processes):
+            status = process.stop()
+            if status != 0:
+                print(f"{' '.join(process.argv[2:5])} exited with status {status}")
+                ok = False
+        processes.clear()
+        print("stopped workers and vqpoold" + ("" if ok else " (with errors)"))
+        return ok
+    finally:
+        for process in reversed(processes):
+            if process.process is not None:
+                process.stop()
+        if not ok:
+            for log in sorted(base.glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def main() -> int:
+    args = parse_args()
+    base = Path(tempfile.mkdtemp(prefix="vqdemo-", dir="/tmp"))
+    try:
+        return 0 if run(args, base) else 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

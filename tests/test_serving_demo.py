@@ -1,0 +1,33 @@
+"""scripts/demo --short, end to end: vqpoold, two workers, load, live view, shrink, summary.
+
+Runs ``scripts/demo.py`` with this interpreter: ``scripts/demo`` itself only sets up .venv
+(which the test suite already runs in) and then execs that same file.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+
+
+def test_demo_short_runs_end_to_end() -> None:
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--short"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "builtin:llama" in out and "builtin:qwen3" in out
+    # The live view printed lines (stdout is not a TTY here), then the summary and the shrink.
+    assert out.count("] pool k:") >= 3
+    assert "peak blocks" in out and "exhaustions" in out
+    assert "blocks in use after the load: 0; audit: ok" in out
+    assert "Shrink (vqpoolctl shrink): 64 blocks retired" in out
+    assert "stopped workers and vqpoold" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
+    summary = {row[0]: row for row in rows if len(row) == 10}
+    assert set(summary) == {"builtin:llama", "builtin:qwen3"}
+    for row in summary.values():
+        assert int(row[1]) > 0 and int(row[2]) > 0  # requests, tokens
