@@ -54,6 +54,20 @@ Owner = int | str
 """An owner (request) id: opaque to the allocator, hashable. The daemon accepts ints and short
 strings."""
 
+# Positions of the counters in BlockPoolAllocator._counts: AllocationStats' field order, so a
+# snapshot is AllocationStats(*counts) and a history row is tuple(counts).
+(
+    _N_BLOCKS,
+    _N_ALLOCATIONS,
+    _N_FREES,
+    _N_REUSED,
+    _N_EXHAUSTED,
+    _N_GROWN,
+    _N_RETIRED,
+    _PEAK_IN_USE,
+    _FRAGMENTED,
+) = range(9)
+
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_HISTORY_SIZE",
@@ -308,26 +322,22 @@ class BlockPoolAllocator:
         # Ids on the recycled stack that were never handed out: added by growth, or moved off
         # the fresh range by _unlist_claimed_locked.
         self._grown_unused: set[int] = set()
-        self.stats = AllocationStats(n_blocks=self._next_block_id)
+        # The AllocationStats counters as a plain list: updates are list stores and a history
+        # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
+        self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
         self._history: deque[tuple[int, ...]] = deque(maxlen=DEFAULT_HISTORY_SIZE)
 
     # -- history -------------------------------------------------------------------------------
 
     def _record_history(self) -> None:
-        st = self.stats
-        self._history.append(
-            (
-                st.n_blocks,
-                st.n_allocations,
-                st.n_frees,
-                st.n_reused,
-                st.n_exhausted,
-                st.n_grown,
-                st.n_retired,
-                st.peak_blocks_in_use,
-                st._fragmented_count,
-            )
-        )
+        self._history.append(tuple(self._counts))
+
+    @property
+    def stats(self) -> AllocationStats:
+        """The counters now, as one consistent snapshot (taken under the lock, so never half
+        way through another thread's update)."""
+        with self._lock:
+            return AllocationStats(*self._counts)
 
     @property
     def history(self) -> deque[AllocationStats]:
@@ -415,7 +425,10 @@ class BlockPoolAllocator:
             raise ValueError(f"BlockPoolAllocator: stream must be 'k' or 'v', got {stream!r}")
         block_size = self._block_size
         n_needed = -(-n_tokens // block_size)
-        with self._lock:
+        # acquire/release rather than "with": on this hot path the context manager
+        # protocol costs about as much as the bookkeeping itself.
+        self._lock.acquire()
+        try:
             self._active_owners.add(owner)  # allocate() of an active owner is that owner growing
             free = self._free[stream]
             recycled = free.recycled
@@ -424,11 +437,11 @@ class BlockPoolAllocator:
                 self._try_grow_locked(stream, n_needed)
                 n_free = free.n_free()
                 if n_free < n_needed:
-                    self.stats.n_exhausted += 1
+                    self._counts[_N_EXHAUSTED] += 1
                     self._record_history()
                     raise BlockPoolExhaustedError(
                         f"BlockPoolAllocator: requested {n_needed} block(s) for stream "
-                        f"{stream!r} but only {n_free} free (pool size {self.stats.n_blocks})."
+                        f"{stream!r} but only {n_free} free (pool size {self._counts[_N_BLOCKS]})."
                     )
             # Take from the top: recycled ids first (LIFO), then the fresh range downwards.
             n_reused = n_needed if n_needed <= len(recycled) else len(recycled)
@@ -462,30 +475,21 @@ class BlockPoolAllocator:
             else:
                 self._chunk_of.update(zip(ids, repeat(chunk)))
 
-            st = self.stats
+            counts = self._counts
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
-                st._fragmented_count += 1
-            n_allocations = st.n_allocations = st.n_allocations + n_needed
+                counts[_FRAGMENTED] += 1
+            counts[_N_ALLOCATIONS] += n_needed
             if n_reused:
-                st.n_reused += n_reused
-            if n_allocations - st.n_frees > st.peak_blocks_in_use:
-                st.peak_blocks_in_use = n_allocations - st.n_frees
-            self._history.append(  # _record_history(), inlined on this hot path
-                (
-                    st.n_blocks,
-                    n_allocations,
-                    st.n_frees,
-                    st.n_reused,
-                    st.n_exhausted,
-                    st.n_grown,
-                    st.n_retired,
-                    st.peak_blocks_in_use,
-                    st._fragmented_count,
-                )
-            )
+                counts[_N_REUSED] += n_reused
+            in_use = counts[_N_ALLOCATIONS] - counts[_N_FREES]
+            if in_use > counts[_PEAK_IN_USE]:
+                counts[_PEAK_IN_USE] = in_use
+            self._history.append(tuple(counts))
             return chunk
+        finally:
+            self._lock.release()
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
         """Run several allocate() calls in order; each item succeeds or fails on its own.
@@ -565,7 +569,7 @@ class BlockPoolAllocator:
                     raise ClaimConflictError(
                         f"BlockPoolAllocator: block {block_id} is not a block of stream {s!r} "
                         f"in this pool (retired, another stream's, or beyond the pool's "
-                        f"{self.stats.n_blocks} blocks); nothing was claimed"
+                        f"{self._counts[_N_BLOCKS]} blocks); nothing was claimed"
                     )
             claimed.update(ids)
             chunk = BlockList(self, ids, s, format, owner)
@@ -578,10 +582,11 @@ class BlockPoolAllocator:
                 holdings[id(chunk)] = chunk
             self._chunk_of.update(zip(ids, repeat(chunk)))
             self._active_owners.add(owner)
-            st = self.stats
-            st._fragmented_count += len(fill)
-            st.n_allocations += len(ids)
-            st.peak_blocks_in_use = max(st.peak_blocks_in_use, st.blocks_in_use())
+            counts = self._counts
+            counts[_FRAGMENTED] += len(fill)
+            counts[_N_ALLOCATIONS] += len(ids)
+            in_use = counts[_N_ALLOCATIONS] - counts[_N_FREES]
+            counts[_PEAK_IN_USE] = max(counts[_PEAK_IN_USE], in_use)
             self._record_history()
             return chunk
 
@@ -636,7 +641,7 @@ class BlockPoolAllocator:
         free = self._free[stream]
         n_short = n_needed - free.n_free()
         if self.config.max_blocks is not None:
-            n_short = min(n_short, self.config.max_blocks - self.stats.n_blocks)
+            n_short = min(n_short, self.config.max_blocks - self._counts[_N_BLOCKS])
         if n_short <= 0:
             return
         first = self._next_block_id
@@ -645,8 +650,8 @@ class BlockPoolAllocator:
         free.recycled.extend(new_ids)
         free.total += n_short
         self._grown_unused.update(new_ids)
-        self.stats.n_blocks += n_short
-        self.stats.n_grown += n_short
+        self._counts[_N_BLOCKS] += n_short
+        self._counts[_N_GROWN] += n_short
 
     # -- free ------------------------------------------------------------------------------------
 
@@ -663,7 +668,8 @@ class BlockPoolAllocator:
         marked free (owner None, n_used 0), as the seed's shared objects were.
         """
         if type(blocks) is BlockList:
-            with self._lock:
+            self._lock.acquire()  # not "with": see allocate()
+            try:
                 if blocks.dead or blocks.n_freed:
                     self._free_ids_locked(blocks.block_ids)
                     self._record_history()
@@ -675,31 +681,25 @@ class BlockPoolAllocator:
                 if chunk._blocks is not None:
                     chunk._sync_all_freed()
                 ids = chunk.block_ids
-                self._free[chunk.stream].give_back(ids)
+                free = self._free[chunk.stream]
+                if free.claimed:
+                    free.give_back(ids)
+                else:
+                    free.recycled.extend(ids)
                 owner = chunk.owner
                 chunks = self._holdings[owner]
                 del chunks[id(chunk)]
                 if not chunks:  # the owner's last block: release it, as the seed does
                     del self._holdings[owner]
                     self._active_owners.discard(owner)
-                st = self.stats
-                n_frees = st.n_frees = st.n_frees + len(ids)
+                counts = self._counts
+                counts[_N_FREES] += len(ids)
                 if chunk.fill:
-                    st._fragmented_count -= len(chunk.fill)
-                self._history.append(  # _record_history(), inlined on this hot path
-                    (
-                        st.n_blocks,
-                        st.n_allocations,
-                        n_frees,
-                        st.n_reused,
-                        st.n_exhausted,
-                        st.n_grown,
-                        st.n_retired,
-                        st.peak_blocks_in_use,
-                        st._fragmented_count,
-                    )
-                )
-            return
+                    counts[_FRAGMENTED] -= len(chunk.fill)
+                self._history.append(tuple(counts))
+                return
+            finally:
+                self._lock.release()
         objects = list(blocks)
         with self._lock:
             self._free_ids_locked([b.block_id for b in objects])
@@ -711,7 +711,7 @@ class BlockPoolAllocator:
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
         chunk_of = self._chunk_of
         free_lists = self._free
-        st = self.stats
+        counts = self._counts
         for block_id in ids:
             chunk = chunk_of.get(block_id)
             if chunk is None or chunk.dead:
@@ -721,9 +721,13 @@ class BlockPoolAllocator:
                 chunk._sync_block(block_id, 0, freed=True)
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
-                st._fragmented_count -= 1
-            free_lists[chunk.stream].give_back((block_id,))
-            st.n_frees += 1
+                counts[_FRAGMENTED] -= 1
+            free = free_lists[chunk.stream]
+            if free.claimed and block_id in free.claimed:
+                free.claimed.discard(block_id)  # still listed where it was: free again there
+            else:
+                free.recycled.append(block_id)
+            counts[_N_FREES] += 1
             chunk.n_freed += 1
             if chunk.n_freed == len(chunk.block_ids):
                 chunk.dead = True
@@ -740,7 +744,7 @@ class BlockPoolAllocator:
             chunks = self._holdings.pop(owner, None)
             if chunks is not None:
                 chunk_of = self._chunk_of
-                st = self.stats
+                counts = self._counts
                 for chunk in chunks.values():
                     chunk.dead = True
                     if chunk._blocks is not None:
@@ -751,8 +755,8 @@ class BlockPoolAllocator:
                     else:
                         free.give_back(chunk.block_ids)
                     if chunk.fill:
-                        st._fragmented_count -= len(chunk.fill)
-                    st.n_frees += len(chunk.block_ids) - chunk.n_freed
+                        counts[_FRAGMENTED] -= len(chunk.fill)
+                    counts[_N_FREES] += len(chunk.block_ids) - chunk.n_freed
             self._active_owners.discard(owner)
             self._record_history()
 
@@ -826,8 +830,8 @@ class BlockPoolAllocator:
                         self._chunk_of.pop(block_id, None)
                 free.fresh_hi -= n_retire - from_recycled
                 free.total -= n_retire
-                self.stats.n_blocks -= n_retire
-                self.stats.n_retired += n_retire
+                self._counts[_N_BLOCKS] -= n_retire
+                self._counts[_N_RETIRED] += n_retire
             self._record_history()
             return n_retire
 
@@ -873,11 +877,11 @@ class BlockPoolAllocator:
             if fill is None:
                 fill = chunk.fill = {}
             fill[block_id] = n_used
-            self.stats._fragmented_count += not was_partial
+            self._counts[_FRAGMENTED] += not was_partial
         elif was_partial:
             assert fill is not None
             del fill[block_id]
-            self.stats._fragmented_count -= 1
+            self._counts[_FRAGMENTED] -= 1
 
     # -- audit -----------------------------------------------------------------------------------
 
@@ -926,7 +930,7 @@ class BlockPoolAllocator:
             assert seen_free.isdisjoint(held), "a block is both free and held"
             assert self._grown_unused <= seen_listed, "a never-used id is not listed as free"
 
-            st = self.stats
+            st = AllocationStats(*self._counts)
             assert st._fragmented_count == n_partial, (
                 f"fragmented count {st._fragmented_count} != recount {n_partial}"
             )
