@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a stopped worker keeps its blocks after it was last heard from",
     )
     parser.add_argument(
+        "--claim-grace",
+        type=float,
+        metavar="SECONDS",
+        help="after a restart, the longest to wait for the previous workers to re-declare their "
+        "blocks before serving new allocations (default 5; see docs/reliability.md)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",

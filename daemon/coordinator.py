@@ -16,18 +16,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline
-from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
+from vqpool.shared.allocator import Block, BlockList, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
+    ClaimConflictError,
     NotOwnerError,
     OwnerAlreadyActiveError,
     VqpoolError,
     error_code_for,
 )
-from vqpool.shared.protocol import MAX_BLOCKS_PER_ALLOCATE
+from vqpool.shared.protocol import MAX_BLOCKS_PER_ALLOCATE, ClaimGroup
 
 log = logging.getLogger("vqpoold")
+
+
+def new_boot_id() -> str:
+    """A random id for one daemon lifetime."""
+    return secrets.token_hex(8)
 
 
 class Coordinator:
@@ -41,13 +48,26 @@ class Coordinator:
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
         run_dir: Where the sockets live (for the admin's eyes).
         timeline: Blocks in use per stream over time, sampled by the server loop.
+        claim_period: The claim period of this start (see ``daemon/claims.py``), or None when
+            no worker of a previous daemon was alive at start.
+        claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
+            attribute the request hot path looks at.
     """
 
-    def __init__(self, config: PoolConfig, *, lease: float, run_dir: Path) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        lease: float,
+        run_dir: Path,
+        claim_grace: float = 0.0,
+        boot_id: str | None = None,
+    ) -> None:
         self.allocator = BlockPoolAllocator(config)
         self.sessions = SessionTable()
-        self.boot_id = secrets.token_hex(8)
+        self.boot_id = boot_id or new_boot_id()
         self.lease = lease
+        self.claim_grace = claim_grace
         self.run_dir = run_dir
         self.pid = os.getpid()
         self.started = time.time()
@@ -62,6 +82,22 @@ class Coordinator:
         self.n_sessions_opened = 0
         self.n_sessions_reaped = 0
         self.n_sessions_evicted = 0
+        self.n_owners_claimed = 0
+        self.n_owners_refused = 0
+        self.n_blocks_claimed = 0
+        expected = read_roll(run_dir) if claim_grace > 0 else {}
+        self.claim_period: ClaimPeriod | None = None
+        if expected:
+            self.claim_period = ClaimPeriod(expected, claim_grace, self.started_monotonic)
+            log.info(
+                "%d worker(s) of the previous daemon are alive (pids %s): taking their claims "
+                "for up to %gs before serving allocations",
+                len(expected),
+                sorted(expected),
+                claim_grace,
+            )
+        self.claiming: ClaimPeriod | None = self.claim_period
+        self._write_roll()
 
     # -- owners ------------------------------------------------------------------------------------
 
@@ -213,6 +249,90 @@ class Coordinator:
                 )
         allocator.mark_used_many([(Block(block_id), n_used) for block_id, n_used in updates])
 
+    # -- restart claims ----------------------------------------------------------------------------
+
+    def claim(
+        self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
+    ) -> list[dict[str, Any] | None]:
+        """Take back what a worker of the previous daemon holds, owner by owner.
+
+        Each owner is all or nothing: its blocks are claimed by id (never allocated anew), and
+        if one of them is not free (another owner claimed it first) or not in this pool, or the
+        owner id is already held by another session, none of that owner's claim stands. Per
+        owner: None (accepted) or an ``{code, message}`` error. ``done`` ends this worker's
+        re-sync, which may end the claim period.
+        """
+        results: list[dict[str, Any] | None] = []
+        for owner, groups in owners:
+            try:
+                self._claim_owner(session, owner, groups)
+            except (ValueError, VqpoolError) as exc:
+                self.n_owners_refused += 1
+                log.warning(
+                    "claim refused: owner %r of session %x (pid %d): %s",
+                    owner,
+                    session.sid,
+                    session.pid,
+                    exc,
+                )
+                results.append({"code": int(error_code_for(exc)), "message": str(exc)})
+            else:
+                self.n_owners_claimed += 1
+                results.append(None)
+        if done and self.claiming is not None:
+            self.claiming.note_done(session.pid, time.monotonic())
+            if self.claiming.ended is not None:
+                self._claim_period_over()
+        return results
+
+    def _claim_owner(self, session: Session, owner: Owner, groups: list[ClaimGroup]) -> None:
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise ClaimConflictError(
+                f"claim: owner {owner!r} is already held by another worker session (pid "
+                f"{holder.pid}); this worker's blocks of it were not taken back"
+            )
+        ids = [block_id for group in groups for block_id in group[2]]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"claim: owner {owner!r} lists a block id twice")
+        allocator = self.allocator
+        if holder is None and not groups:
+            allocator.register_owner(owner)
+        claimed: list[BlockList] = []
+        try:
+            for stream, fmt, block_ids, fills in groups:
+                claimed.append(allocator.claim(owner, stream, block_ids, fills, fmt))
+        except BaseException:
+            for chunk in claimed:  # all or nothing per owner
+                allocator.free(chunk)
+            if holder is session and not allocator.is_active(owner):
+                allocator.register_owner(owner)  # it was held with no block: keep it so
+            raise
+        self.n_blocks_claimed += len(ids)
+        if holder is None:
+            self._bind(owner, session)
+
+    def check_claim_period(self, now: float) -> None:
+        """End the claim period once it is over (called by the server loop's tick)."""
+        claiming = self.claiming
+        if claiming is not None and claiming.check(now):
+            self._claim_period_over()
+
+    def _claim_period_over(self) -> None:
+        self.claiming = None
+        self._write_roll()  # drop expected workers that never came back
+
+    def _write_roll(self) -> None:
+        processes = [session.process for session in self.sessions]
+        if self.claiming is not None:  # a restart now must still wait for them
+            processes += self.claiming.expected.values()
+        write_roll(self.run_dir, processes)
+
+    def session_opened(self, session: Session) -> None:
+        """Record a new session in the roll (so a restarted daemon waits for its claims)."""
+        self.n_sessions_opened += 1
+        self._write_roll()
+
     # -- session lifecycle -------------------------------------------------------------------------
 
     def end_session(self, session: Session) -> tuple[int, int]:
@@ -228,6 +348,7 @@ class Coordinator:
             allocator.free_all(owner)
             self._unbind(owner)
         self.sessions.close(session)
+        self._write_roll()
         return len(owners), n_blocks
 
     def reap_dead_sessions(self, now: float) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from vqpool.daemon.admin import AdminRequestHandler
-from vqpool.daemon.coordinator import Coordinator
+from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
@@ -169,12 +169,22 @@ class Server:
             raise StartupError(str(exc)) from exc
         if self.settings.lease <= 0:
             raise StartupError(f"lease must be > 0 seconds, got {self.settings.lease}")
+        if self.settings.claim_grace < 0:
+            raise StartupError(f"claim grace must be >= 0 seconds, got {self.settings.claim_grace}")
         metrics_port = self.settings.metrics_port
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise StartupError(f"metrics port must be in 0..65535, got {metrics_port}")
         prepare_run_dir(run_dir)
-        coord = Coordinator(pool_config, lease=self.settings.lease, run_dir=run_dir)
-        lock_fd = take_lock(run_dir / LOCK_FILE_NAME, coord.boot_id)
+        boot_id = new_boot_id()
+        lock_fd = take_lock(run_dir / LOCK_FILE_NAME, boot_id)
+        # After the lock: the roll of the previous daemon's workers is ours to read only now.
+        coord = Coordinator(
+            pool_config,
+            lease=self.settings.lease,
+            run_dir=run_dir,
+            claim_grace=self.settings.claim_grace,
+            boot_id=boot_id,
+        )
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
@@ -312,6 +322,7 @@ class Server:
             now = time.monotonic()
             if now >= next_check:
                 coord.reap_dead_sessions(now)
+                coord.check_claim_period(now)
                 coord.timeline.sample(coord.allocator)
                 next_check = now + LIVENESS_INTERVAL
 

@@ -26,6 +26,7 @@ from vqpool.shared.errors import (
     BadRequestError,
     DaemonRestartedError,
     NoSessionError,
+    RetryLaterError,
     UnauthorizedError,
     UnknownOpError,
     VqpoolError,
@@ -33,10 +34,13 @@ from vqpool.shared.errors import (
 )
 from vqpool.shared.protocol import (
     ADMIN_OPS,
+    ALLOCATE,
+    ALLOCATE_MANY,
     GOODBYE,
     HELLO,
     MUTATING_OPS,
     PROTOCOL_VERSION,
+    REGISTER_OWNER,
     WORKER_ARGS,
     WORKER_OPS,
     block_rows,
@@ -57,7 +61,12 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     DAEMON_VERSION = "unknown"
 
 HEARTBEATS_PER_LEASE = 4
-"""The client pings every lease / 4, so three lost heartbeats in a row still keep the lease."""
+"""The client pings every min(lease, claim grace) / 4: three lost heartbeats in a row still keep
+the lease, and an idle worker notices a restart well inside the claim period."""
+
+CLAIM_PERIOD_REFUSED = frozenset({ALLOCATE, ALLOCATE_MANY, REGISTER_OWNER})
+"""Ops refused with RETRY_LATER while a restarted daemon takes claims: each could hand out a
+block or owner id that a worker is about to claim back."""
 
 Handler = Callable[[Coordinator, Session, dict[str, Any]], Any]
 
@@ -84,6 +93,7 @@ HANDLERS: dict[str, Handler] = {
     "stats": lambda coord, session, a: stats_to_wire(coord.allocator.stats),
     "history": lambda coord, session, a: [stats_to_wire(s) for s in coord.allocator.history],
     "metrics": lambda coord, session, a: coord.allocator.stats.to_prometheus(),
+    "claim": lambda coord, session, a: coord.claim(session, a["owners"], a["done"]),
 }
 assert HANDLERS.keys() == WORKER_OPS - {HELLO}
 
@@ -145,11 +155,18 @@ class WorkerRequestHandler:
         mutating = op in MUTATING_OPS
         try:
             if mutating:
+                if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
+                    coord.claiming.refuse_allocation(op, now)
+                    coord.check_claim_period(now)  # its time ran out just now
                 cached = session.cached_reply(rid)
                 if cached is not None:
                     return cached
             args = parse_args(op, request.args, WORKER_ARGS[op])
             reply = encode_result(rid, boot, HANDLERS[op](coord, session, args))
+        except RetryLaterError as exc:
+            # Not cached: the same request must be served once the claim period is over.
+            self.last_code = exc.code
+            return error_reply(rid, boot, exc)
         except BadRequestError as exc:
             coord.n_bad_requests += 1
             self._bad_log.note(peer, "worker", str(exc))
@@ -179,7 +196,7 @@ class WorkerRequestHandler:
                 args["nonce"],
                 now,
             )
-            coord.n_sessions_opened += 1
+            coord.session_opened(session)
             log.info(
                 "session %x opened: pid %d, model %r, client %s",
                 session.sid,
@@ -201,7 +218,8 @@ class WorkerRequestHandler:
                 "config": config_to_wire(coord.allocator.config),
                 "streams": list(coord.allocator.streams),
                 "lease": lease,
-                "heartbeat": lease / HEARTBEATS_PER_LEASE,
+                "heartbeat": min(lease, coord.claim_grace or lease) / HEARTBEATS_PER_LEASE,
+                "claim_grace": coord.claim_grace,
                 "daemon_pid": os.getpid(),
                 "daemon_version": DAEMON_VERSION,
                 "started": coord.started,

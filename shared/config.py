@@ -36,6 +36,13 @@ MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" else 107
 DEFAULT_LEASE_SECONDS = 10.0
 DEFAULT_N_BLOCKS = 1024
 
+# After a restart, how long the daemon waits for its previous workers to re-declare their blocks
+# before it serves new allocations (it stops waiting as soon as all of them have). Four heartbeats
+# of a client at the default heartbeat (1.25 s): an idle worker notices the restart by its next
+# heartbeat; and shorter than PoolClient's 10 s call deadline, so a call that waits it out
+# still succeeds.
+DEFAULT_CLAIM_GRACE_SECONDS = 5.0
+
 
 def default_run_dir() -> Path:
     """The run directory to use when none is given (see the module docstring for the order)."""
@@ -92,6 +99,8 @@ class DaemonSettings:
         grow: Grow the pool on exhaustion instead of failing the allocation.
         max_blocks: Cap on total blocks when growing; None means no cap.
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
+        claim_grace: After a restart, the longest the daemon takes claims from its previous
+            workers before serving new allocations (0: no claim period).
         log_level: Python logging level name for the daemon's stderr log.
         metrics_port: Serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free
             port, logged at start); None (the default) serves none.
@@ -104,6 +113,7 @@ class DaemonSettings:
     grow: bool = False
     max_blocks: int | None = None
     lease: float = DEFAULT_LEASE_SECONDS
+    claim_grace: float = DEFAULT_CLAIM_GRACE_SECONDS
     log_level: str = "INFO"
     metrics_port: int | None = None
 
@@ -126,6 +136,7 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "grow": (bool,),
     "max_blocks": (int,),
     "lease": (int, float),
+    "claim_grace": (int, float),
     "log_level": (str,),
     "metrics_port": (int,),
 }

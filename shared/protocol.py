@@ -59,6 +59,9 @@ MAX_TAG_LEN = 32
 MAX_TEXT_LEN = 256
 """Longest free text in a request (model name, client version, boot id, nonce)."""
 
+MAX_CLAIM_GROUPS = 16
+"""Most (stream, format) groups of blocks one owner may claim."""
+
 _MAX_MAP_LEN = 64
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -91,6 +94,7 @@ MARK_USED = "mark_used"
 STATS = "stats"
 HISTORY = "history"
 METRICS = "metrics"
+CLAIM = "claim"
 
 WORKER_OPS = frozenset(
     {
@@ -109,11 +113,12 @@ WORKER_OPS = frozenset(
         STATS,
         HISTORY,
         METRICS,
+        CLAIM,
     }
 )
 
 MUTATING_OPS = frozenset(
-    {ALLOCATE, ALLOCATE_MANY, FREE, FREE_ALL, REGISTER_OWNER, RELEASE_OWNER, MARK_USED}
+    {ALLOCATE, ALLOCATE_MANY, FREE, FREE_ALL, REGISTER_OWNER, RELEASE_OWNER, MARK_USED, CLAIM}
 )
 """Worker ops whose replies the daemon caches per (session, request id): applying one twice
 would change state twice, so a retry must get the first reply instead."""
@@ -250,6 +255,45 @@ def check_allocations(value: Any, name: str = "items") -> list[tuple[str, int, O
     return parsed
 
 
+ClaimGroup = tuple[str, str, list[int], list[int] | None]
+"""Blocks of one owner claimed together: stream, format, block ids, fills (None: all full)."""
+
+
+def check_claims(value: Any, name: str = "owners") -> list[tuple[Owner, list[ClaimGroup]]]:
+    """An array of ``[owner, [[stream, format, block_ids, fills or nil], ...]]`` claims.
+
+    An owner with no group re-declares a registered owner that holds no block. At most
+    MAX_ITEMS block ids in one message, all groups together.
+    """
+    entries = check_list(value, name, MAX_BATCH)
+    parsed: list[tuple[Owner, list[ClaimGroup]]] = []
+    n_ids = 0
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 2:
+            raise BadRequestError(f"{name} items must be [owner, groups], got {_show(entry)}")
+        owner = check_owner(entry[0], f"{name}.owner")
+        groups: list[ClaimGroup] = []
+        for group in check_list(entry[1], f"{name}.groups", MAX_CLAIM_GROUPS):
+            if type(group) is not list or len(group) != 4:
+                raise BadRequestError(
+                    f"{name} groups must be [stream, format, block_ids, fills], got {_show(group)}"
+                )
+            ids = check_block_ids(group[2], f"{name}.block_ids")
+            fills = group[3]
+            if fills is not None:
+                fills = check_list(fills, f"{name}.fills")
+                for n_used in fills:
+                    check_int(n_used, f"{name}.fills", 0, _INT64_MAX)
+            n_ids += len(ids)
+            groups.append(
+                (check_tag(group[0], "stream"), check_tag(group[1], "format"), ids, fills)
+            )
+        parsed.append((owner, groups))
+    if n_ids > MAX_ITEMS:
+        raise BadRequestError(f"{name}: {n_ids} block ids in one claim; at most {MAX_ITEMS}")
+    return parsed
+
+
 def check_bytes_per_block(value: Any, name: str = "bytes_per_block") -> int | dict[str, int]:
     """Bytes one block holds in the worker: one int for every stream, or a map stream -> int."""
     if type(value) is int:
@@ -346,6 +390,16 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
     BLOCKS_FOR: (Field("owner", check_owner),),
     N_FREE: (Field("stream", _stream, required=False, default="k"),),
     MARK_USED: (Field("updates", check_updates),),
+    CLAIM: (
+        Field("owners", check_claims, help="what this worker holds: owners and their blocks"),
+        Field(
+            "done",
+            check_bool,
+            required=False,
+            default=True,
+            help="last claim of this re-sync (ends the claim period early once all are done)",
+        ),
+    ),
     STATS: (),
     HISTORY: (),
     METRICS: (),

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 from daemon_harness import DaemonProcess, RawClient, WorkerProcess
-from vqpool.shared import Block, DaemonRestartedError, DaemonUnavailableError
+from vqpool.shared import Block, DaemonUnavailableError
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import MAX_MESSAGE_BYTES, encode_request
@@ -262,21 +262,29 @@ def test_pool_client_deadline_names_the_run_dir(run_dir: Path) -> None:
     assert "Is vqpoold running" in str(caught.value)
 
 
-def test_restarted_daemon_is_reported_and_stale_requests_refused(
+def test_restarted_daemon_refuses_stale_requests_and_the_client_resyncs(
     start_daemon: StartDaemon,
 ) -> None:
+    """Requests stamped with the old boot id are refused, not applied; a PoolClient re-declares
+    its blocks and carries on (docs/reliability.md; tests/test_daemon_restart.py has more)."""
     daemon = start_daemon("--n-blocks", "64")
     pool = PoolClient(daemon.run_dir, name="survivor", timeout=3.0)
+    raw = RawClient(daemon.run_dir)
     try:
+        raw.hello()
         blocks = pool.allocate("k", 32, "before")
         daemon.stop()
         restarted = start_daemon("--n-blocks", "64", run_dir=daemon.run_dir)
-        with pytest.raises(DaemonRestartedError):
-            pool.allocate("k", 16, "after")
-        with pytest.raises(DaemonRestartedError):  # and it stays reported
-            pool.free(blocks)
-        assert restarted.admin("stats")["stats"]["n_allocations"] == 0
+        stale = raw.call("allocate", {"stream": "k", "n_tokens": 16, "owner": "stale"})
+        assert stale["error"]["code"] == ErrorCode.DAEMON_RESTARTED
+        assert stale["boot"] != raw.boot
+        assert pool.blocks_for("before") == blocks
+        pool.free(blocks)
+        stats = restarted.admin("stats")
+        assert stats["stats"]["n_allocations"] == 2  # the two claimed blocks, nothing else
+        assert stats["stats"]["blocks_in_use"] == 0
     finally:
+        raw.close()
         pool.close()
 
 

@@ -14,9 +14,17 @@ call is one request to ``vqpoold``:
   socket.
 * **Threads.** Calls from several threads are serialized on one lock: each call's request and
   the local bookkeeping it implies happen in daemon order.
-* **Restarts.** The daemon's boot id comes with every reply. Once it differs from the one hello
-  returned, every call raises :class:`DaemonRestartedError`: blocks of two daemon lifetimes are
-  never mixed.
+* **Restarts.** The daemon's boot id comes with every reply. When it changes (the daemon was
+  killed or stopped and started again), the client re-syncs before anything else: it says hello
+  to the new daemon and re-declares (``claim``) every owner it holds with its blocks' ids,
+  streams, fill and format, then repeats the interrupted call. The heartbeat does the same for
+  an idle worker. The caller sees nothing but a slower call; the daemon answers allocations with
+  RETRY_LATER during its claim period, and the client retries those by itself. An owner whose
+  claim the daemon refuses (a block already claimed by another worker, or outside the new
+  pool) is *lost*: its blocks are forgotten here and every call naming it raises
+  :class:`ClaimConflictError` until ``free_all`` or ``release_owner`` forgets it. A daemon
+  restarted with another block size or stream split cannot take claims: every call raises
+  :class:`DaemonRestartedError` from then on. See docs/reliability.md.
 
 The client keeps the :class:`Block` objects it handed out, as the local allocator does, so
 ``free``/``free_all``/``mark_used`` update the caller's objects the same way.
@@ -29,6 +37,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -44,6 +53,8 @@ from vqpool.shared.allocator import (
 )
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint, resolve_run_dir
 from vqpool.shared.errors import (
+    BlockPoolExhaustedError,
+    ClaimConflictError,
     DaemonRestartedError,
     DaemonUnavailableError,
     ErrorCode,
@@ -52,6 +63,7 @@ from vqpool.shared.errors import (
 )
 from vqpool.shared.pool import AllocationRequest, AllocationResult
 from vqpool.shared.protocol import (
+    MAX_BATCH,
     config_from_wire,
     encode_request,
     stats_from_wire,
@@ -67,6 +79,17 @@ DEFAULT_TIMEOUT = 10.0
 """Seconds a call may take, retries included, before DaemonUnavailableError."""
 
 _GOODBYE_TIMEOUT = 1.0
+
+RETRY_LATER_FIRST_WAIT = 0.02
+RETRY_LATER_MAX_WAIT = 0.25
+"""Waits between retries of a call the daemon answered RETRY_LATER (its claim period after a
+restart): short, since the period usually ends as soon as the workers have re-synced."""
+
+CLAIM_IDS_PER_MESSAGE = 16384
+"""Block ids per claim message when re-declaring many blocks (well inside the 1 MiB frame)."""
+
+MAX_RESYNCS_PER_CALL = 3
+"""A call that meets this many daemon restarts in a row gives up with DaemonRestartedError."""
 
 
 class PoolClient:
@@ -108,43 +131,62 @@ class PoolClient:
         self._lock = threading.Lock()
         # One counter for the caller's requests and the heartbeat's (next() on it is atomic).
         self._ids = itertools.count(1)
+        self._bytes_per_block = bytes_per_block
         self._blocks: dict[int, Block] = {}
-        self._owner_blocks: dict[Owner, dict[int, None]] = {}
-        self._restarted: str | None = None
+        # Owners this session holds (registered, or holding blocks) -> their block ids in
+        # allocation order: what a re-sync re-declares.
+        self._owners: dict[Owner, dict[int, None]] = {}
+        self._lost: dict[Owner, str] = {}
+        self._lost_blocks: dict[int, Owner] = {}
+        self._unusable: str | None = None
         self._closed = False
         self.session_id: int | None = None
         self.boot_id: str | None = None
+        # (session id, boot id) as one value, so the heartbeat never reads a half-updated pair.
+        self._session: tuple[int | None, str | None] = (None, None)
+        self.resyncs: list[dict[str, Any]] = []
+        """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
+        blocks_claimed}``."""
         try:
-            hello = self._hello(bytes_per_block)
+            hello = self._hello()
         except BaseException:
             self._connection.close()
             self._context.term()
             raise
-        self.session_id = hello["sid"]
-        self.boot_id = hello["boot"]
         self._config = config_from_wire(hello["config"])
-        self._streams: tuple[str, ...] = tuple(hello["streams"])
-        self.lease: float = hello["lease"]
+        self._adopt(hello)
         self._heartbeat = _Heartbeat(self, hello["heartbeat"])
         self._heartbeat.start()
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _hello(self, bytes_per_block: int | Mapping[str, int] | None) -> dict[str, Any]:
+    def _hello(self) -> dict[str, Any]:
         args: dict[str, Any] = {
             "pid": os.getpid(),
             "model": self.name,
             "nonce": secrets.token_hex(16),
             "client_version": CLIENT_VERSION,
         }
+        bytes_per_block = self._bytes_per_block
         if bytes_per_block is not None:
             args["bytes_per_block"] = (
                 bytes_per_block if isinstance(bytes_per_block, int) else dict(bytes_per_block)
             )
         rid = next(self._ids)
         reply = self._send(encode_request(rid, "hello", args), rid, "hello")
-        result: dict[str, Any] = self._result(reply, expect_boot=False)
+        if not reply["ok"]:
+            error = reply["error"]
+            raise error_from_wire(error["code"], error["message"])
+        result: dict[str, Any] = reply["result"]
         return result
+
+    def _adopt(self, hello: dict[str, Any]) -> None:
+        """Take the session a hello opened as this client's."""
+        self.session_id = hello["sid"]
+        self.boot_id = hello["boot"]
+        self._session = (self.session_id, self.boot_id)
+        self._streams: tuple[str, ...] = tuple(hello["streams"])
+        self.lease: float = hello["lease"]
 
     def _send(self, payload: bytes, rid: int, op: str) -> dict[str, Any]:
         try:
@@ -159,35 +201,167 @@ class PoolClient:
                 f"{self.run_dir} stats`."
             ) from None
 
-    def _result(self, reply: dict[str, Any], expect_boot: bool = True) -> Any:
-        """The result of a reply, or the exception its error names."""
-        if expect_boot and reply.get("boot") != self.boot_id:
-            raise DaemonRestartedError(self._mark_restarted(reply.get("boot")))
-        if reply["ok"]:
-            return reply.get("result")
-        error = reply["error"]
-        if error["code"] == ErrorCode.DAEMON_RESTARTED:
-            self._restarted = error["message"]
-        raise error_from_wire(error["code"], error["message"])
-
-    def _mark_restarted(self, new_boot: object) -> str:
-        """Remember for good that the daemon restarted; the message every call will raise."""
-        self._restarted = (
-            f"vqpoold restarted (boot id {self.boot_id} -> {new_boot}) since this client's "
-            f"session began; blocks of the old daemon lifetime are gone. Open a new PoolClient "
-            f"for {self.run_dir}."
-        )
-        return self._restarted
-
     def _call(self, op: str, args: Mapping[str, Any]) -> Any:
-        """One request/reply; the caller holds ``self._lock``."""
-        if self._restarted is not None:
-            raise DaemonRestartedError(self._restarted)
-        if self._closed:
-            raise NoSessionError(f"PoolClient for {self.run_dir} is closed")
-        rid = next(self._ids)
-        payload = encode_request(rid, op, args, self.session_id, self.boot_id)
-        return self._result(self._send(payload, rid, op))
+        """One request/reply; the caller holds ``self._lock``.
+
+        A reply from another daemon lifetime means the request was refused, not applied: the
+        client re-syncs with that daemon and sends the call again. RETRY_LATER (a restarted
+        daemon's claim period) is retried after a short wait until the call's deadline.
+        """
+        deadline = time.monotonic() + self.timeout
+        wait = RETRY_LATER_FIRST_WAIT
+        n_resyncs = 0
+        while True:
+            if self._unusable is not None:
+                raise DaemonRestartedError(self._unusable)
+            if self._closed:
+                raise NoSessionError(f"PoolClient for {self.run_dir} is closed")
+            rid = next(self._ids)
+            payload = encode_request(rid, op, args, self.session_id, self.boot_id)
+            reply = self._send(payload, rid, op)
+            if reply.get("boot") != self.boot_id:
+                n_resyncs += 1
+                if n_resyncs > MAX_RESYNCS_PER_CALL:
+                    raise DaemonRestartedError(
+                        f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
+                    )
+                self._resync()
+                continue
+            if reply["ok"]:
+                return reply.get("result")
+            error = reply["error"]
+            if error["code"] == ErrorCode.RETRY_LATER and time.monotonic() + wait < deadline:
+                time.sleep(wait)
+                wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
+                continue
+            raise error_from_wire(error["code"], error["message"])
+
+    # -- re-sync after a daemon restart ----------------------------------------------------------
+
+    def _resync(self) -> None:
+        """Open a session with the restarted daemon and claim back everything held here.
+
+        The caller holds ``self._lock``. Owners the daemon refuses become lost.
+
+        Raises:
+            DaemonRestartedError: The new daemon's pool has another block size or stream split:
+                the blocks held here mean nothing to it (the client is unusable from now on).
+            DaemonUnavailableError: The new daemon did not answer.
+        """
+        started = time.monotonic()
+        hello = self._hello()
+        config = config_from_wire(hello["config"])
+        old = self._config
+        if (config.block_size, config.separate_kv) != (old.block_size, old.separate_kv):
+            self._unusable = (
+                f"vqpoold restarted with another pool (block size {config.block_size}, "
+                f"separate_kv {config.separate_kv}; was {old.block_size}, {old.separate_kv}): "
+                f"the blocks this client held cannot be claimed back. Restart vqpoold with the "
+                f"options it had, or open a new PoolClient for {self.run_dir}."
+            )
+            raise DaemonRestartedError(self._unusable)
+        self._config = config
+        self._adopt(hello)
+        self._heartbeat.interval = hello["heartbeat"]
+        n_claimed = n_refused = n_blocks = 0
+        for entries, done in self._claim_messages():
+            rid = next(self._ids)
+            payload = encode_request(
+                rid, "claim", {"owners": entries, "done": done}, self.session_id, self.boot_id
+            )
+            reply = self._send(payload, rid, "claim")
+            if reply.get("boot") != self.boot_id:
+                self._resync()  # restarted again mid-way: start over with that one
+                return
+            # A refused message (not a per-owner refusal) loses every owner in it.
+            results = reply["result"] if reply["ok"] else [reply["error"]] * len(entries)
+            for (owner, groups), result in zip(entries, results, strict=True):
+                if result is None:
+                    n_claimed += 1
+                    n_blocks += sum(len(group[2]) for group in groups)
+                else:
+                    n_refused += 1
+                    self._mark_lost(owner, result["code"], result["message"])
+        self.resyncs.append(
+            {
+                "boot": self.boot_id,
+                "seconds": time.monotonic() - started,
+                "owners_claimed": n_claimed,
+                "owners_refused": n_refused,
+                "blocks_claimed": n_blocks,
+            }
+        )
+
+    def _claim_messages(self) -> Iterator[tuple[list[list[Any]], bool]]:
+        """Claim messages re-declaring every owner held (one, empty, when none is)."""
+        block_size = self._config.block_size
+        entries: list[list[Any]] = []
+        n_ids = 0
+        for owner, ids in self._owners.items():
+            groups: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+            for block_id in ids:
+                block = self._blocks[block_id]
+                group_ids, fills = groups.setdefault((block.stream, block.format), ([], []))
+                group_ids.append(block_id)
+                fills.append(block.n_used)
+            wire = [
+                [stream, fmt, group_ids, None if min(fills) == block_size else fills]
+                for (stream, fmt), (group_ids, fills) in groups.items()
+            ]
+            if entries and (n_ids + len(ids) > CLAIM_IDS_PER_MESSAGE or len(entries) >= MAX_BATCH):
+                yield entries, False
+                entries, n_ids = [], 0
+            entries.append([owner, wire])
+            n_ids += len(ids)
+        yield entries, True
+
+    def _mark_lost(self, owner: Owner, code: int, message: str) -> None:
+        """Forget ``owner``'s blocks: the restarted daemon did not give them back to us."""
+        text = (
+            f"owner {owner!r} was lost in a vqpoold restart: its claim was refused "
+            f"({ErrorCode(code).name if code in ErrorCode._value2member_map_ else code}: "
+            f"{message}). Its blocks are no longer this worker's; free_all({owner!r}) forgets it."
+        )
+        self._lost[owner] = text
+        for block_id in self._owners.pop(owner, {}):
+            self._lost_blocks[block_id] = owner
+            block = self._blocks.pop(block_id, None)
+            if block is not None:
+                block.owner = None
+
+    def _refuse_lost(self, owner: Owner) -> None:
+        message = self._lost.get(owner)
+        if message is not None:
+            raise ClaimConflictError(message)
+
+    def _refuse_lost_blocks(self, block_ids: Iterable[int]) -> None:
+        lost = self._lost_blocks
+        if lost:
+            for block_id in block_ids:
+                owner = lost.get(block_id)
+                if owner is not None:
+                    raise ClaimConflictError(self._lost[owner])
+
+    def _forget_lost(self, owner: Owner) -> bool:
+        """Forget a lost owner (free_all/release_owner of it); whether it was lost."""
+        if self._lost.pop(owner, None) is None:
+            return False
+        for block_id in [b for b, o in self._lost_blocks.items() if o == owner]:
+            del self._lost_blocks[block_id]
+        return True
+
+    def lost_owners(self) -> dict[Owner, str]:
+        """Owners lost in a daemon restart (their claim was refused), with the reason."""
+        with self._lock:
+            return dict(self._lost)
+
+    def resync_from_heartbeat(self, seen_boot: object) -> None:
+        """Re-sync now, for an idle worker whose heartbeat met a restarted daemon."""
+        with self._lock:
+            if self._closed or self._unusable is not None or seen_boot == self.boot_id:
+                return  # done already (by a call of the caller's thread), or pointless
+            with contextlib.suppress(DaemonUnavailableError, DaemonRestartedError):
+                self._resync()
 
     def _blocks_from_ids(
         self, block_ids: list[int], stream: str, n_tokens: int, owner: Owner, fmt: str
@@ -199,7 +373,7 @@ class PoolClient:
         if blocks:
             blocks[-1].n_used = n_tokens - (len(blocks) - 1) * block_size
         held = self._blocks
-        owned = self._owner_blocks.setdefault(owner, {})
+        owned = self._owners.setdefault(owner, {})
         for block in blocks:
             held[block.block_id] = block
             owned[block.block_id] = None
@@ -208,11 +382,11 @@ class PoolClient:
     def _forget(self, block_id: int) -> Block | None:
         block = self._blocks.pop(block_id, None)
         if block is not None:
-            owned = self._owner_blocks.get(block.owner)  # type: ignore[arg-type]
+            owned = self._owners.get(block.owner)  # type: ignore[arg-type]
             if owned is not None:
                 owned.pop(block_id, None)
-                if not owned:
-                    del self._owner_blocks[block.owner]  # type: ignore[arg-type]
+                if not owned:  # its last block: the daemon released the owner too
+                    del self._owners[block.owner]  # type: ignore[arg-type]
             block.owner = None
             block.n_used = 0
         return block
@@ -257,20 +431,32 @@ class PoolClient:
             ValueError: ``n_tokens`` <= 0, or a stream this pool does not have.
             BlockPoolExhaustedError: Too few free blocks; nothing allocated.
             OwnerAlreadyActiveError: Another worker session holds ``owner``.
+            ClaimConflictError: ``owner`` was lost in a daemon restart.
         """
         args = {"stream": stream, "n_tokens": n_tokens, "owner": owner, "format": format}
         with self._lock:
-            block_ids = self._call("allocate", args)
+            self._refuse_lost(owner)
+            try:
+                block_ids = self._call("allocate", args)
+            except BlockPoolExhaustedError:
+                self._owners.setdefault(owner, {})  # the daemon keeps it registered, as locally
+                raise
             return self._blocks_from_ids(block_ids, stream, n_tokens, owner, format)
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
         """Several allocate() calls in one message; per item, its blocks or its exception."""
         items = [AllocationRequest(*request) for request in requests]
-        wire = [[r.stream, r.n_tokens, r.owner, r.format] for r in items]
         with self._lock:
-            replies = self._call("allocate_many", {"items": wire})
+            lost = self._lost
+            sent = [r for r in items if r.owner not in lost] if lost else items
+            wire = [[r.stream, r.n_tokens, r.owner, r.format] for r in sent]
+            replies = iter(self._call("allocate_many", {"items": wire}) if wire else ())
             results: list[AllocationResult] = []
-            for request, reply in zip(items, replies, strict=True):
+            for request in items:
+                if request.owner in lost:
+                    results.append(ClaimConflictError(lost[request.owner]))
+                    continue
+                reply = next(replies)
                 if isinstance(reply, list):
                     results.append(
                         self._blocks_from_ids(
@@ -278,7 +464,10 @@ class PoolClient:
                         )
                     )
                 else:
-                    results.append(error_from_wire(reply["code"], reply["message"]))
+                    error = error_from_wire(reply["code"], reply["message"])
+                    if isinstance(error, BlockPoolExhaustedError):
+                        self._owners.setdefault(request.owner, {})
+                    results.append(error)
             return results
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -286,34 +475,44 @@ class PoolClient:
 
         Raises:
             NotOwnerError: A block is held by another worker session; nothing was freed.
+            ClaimConflictError: A block of an owner lost in a daemon restart; nothing was freed.
         """
         blocks = list(blocks)
         with self._lock:
-            self._call("free", {"block_ids": [block.block_id for block in blocks]})
+            block_ids = [block.block_id for block in blocks]
+            self._refuse_lost_blocks(block_ids)
+            self._call("free", {"block_ids": block_ids})
             for block in blocks:
                 if self._forget(block.block_id) is not None:
                     block.owner = None
                     block.n_used = 0
 
     def free_all(self, owner: Owner) -> None:
-        """Free every block ``owner`` holds and release the owner id.
+        """Free every block ``owner`` holds and release the owner id (for an owner lost in a
+        daemon restart: forget it, with no call to the daemon).
 
         Raises:
             NotOwnerError: Another worker session holds ``owner``; nothing was freed.
         """
         with self._lock:
+            if self._forget_lost(owner):
+                return
             self._call("free_all", {"owner": owner})
-            for block_id in list(self._owner_blocks.get(owner, ())):
+            for block_id in list(self._owners.get(owner, ())):
                 self._forget(block_id)
+            self._owners.pop(owner, None)
 
     def register_owner(self, owner: Owner) -> None:
         """Mark ``owner`` active for this session.
 
         Raises:
             OwnerAlreadyActiveError: ``owner`` is active here or in another worker session.
+            ClaimConflictError: ``owner`` was lost in a daemon restart (free_all it first).
         """
         with self._lock:
+            self._refuse_lost(owner)
             self._call("register_owner", {"owner": owner})
+            self._owners.setdefault(owner, {})
 
     def release_owner(self, owner: Owner) -> None:
         """Release an owner that holds no block (one that holds blocks: use free_all).
@@ -323,15 +522,21 @@ class PoolClient:
             NotOwnerError: Another worker session holds ``owner``.
         """
         with self._lock:
+            if self._forget_lost(owner):
+                return
             self._call("release_owner", {"owner": owner})
+            if not self._owners.get(owner, True):  # held with no block: released now
+                del self._owners[owner]
 
     def blocks_for(self, owner: Owner) -> list[Block]:
         """The blocks ``owner`` holds now, in allocation order (the daemon's view).
 
         Raises:
             NotOwnerError: Another worker session holds ``owner``.
+            ClaimConflictError: ``owner`` was lost in a daemon restart.
         """
         with self._lock:
+            self._refuse_lost(owner)
             rows = self._call("blocks_for", {"owner": owner})
             blocks: list[Block] = []
             for block_id, stream, fmt, n_used in rows:
@@ -371,6 +576,7 @@ class PoolClient:
                     f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
                 )
         with self._lock:
+            self._refuse_lost_blocks(b.block_id for b, _ in updates)
             self._call("mark_used", {"updates": [[b.block_id, n] for b, n in updates]})
             for block, n_used in updates:
                 block.n_used = n_used
@@ -395,7 +601,7 @@ class PoolClient:
             return
         self._heartbeat.stop()
         with self._lock:
-            if self._restarted is None:
+            if self._unusable is None:
                 rid = next(self._ids)
                 payload = encode_request(rid, "goodbye", {}, self.session_id, self.boot_id)
                 # Unanswered: the daemon reaps the session when this process exits.
@@ -403,7 +609,7 @@ class PoolClient:
                     self._connection.request(payload, rid, _GOODBYE_TIMEOUT, "goodbye")
             self._closed = True
             self._blocks.clear()
-            self._owner_blocks.clear()
+            self._owners.clear()
             self._connection.close()
         self._context.term()
 
@@ -423,14 +629,15 @@ class PoolClient:
 class _Heartbeat(threading.Thread):
     """Pings the daemon every ``interval`` seconds on a socket of its own, keeping the lease.
 
-    Stops when the client closes, when the session is gone (evicted), or when it sees a new
-    daemon boot id, which it records so the caller's next call raises DaemonRestartedError.
+    When a reply comes from a new daemon lifetime, it re-syncs the client right away (under the
+    client's lock), so an idle worker re-declares its blocks inside the restarted daemon's claim
+    period. Stops when the client closes or when the session is gone (evicted).
     """
 
     def __init__(self, client: PoolClient, interval: float) -> None:
         super().__init__(name=f"vqpool-heartbeat-{client.session_id}", daemon=True)
         self._client = client
-        self._interval = interval
+        self.interval = interval
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -441,21 +648,24 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         client = self._client
         connection = LazyPirateConnection(
-            client._context, client._endpoint, first_retry=min(0.5, self._interval)
+            client._context, client._endpoint, first_retry=min(0.5, self.interval)
         )
         try:
-            while not self._stopping.wait(self._interval):
+            while not self._stopping.wait(self.interval):
+                session = client._session
                 rid = next(client._ids)
-                payload = encode_request(rid, "ping", {}, client.session_id, client.boot_id)
+                payload = encode_request(rid, "ping", {}, *session)
                 try:
-                    reply = connection.request(payload, rid, self._interval, "heartbeat")
+                    reply = connection.request(payload, rid, self.interval, "heartbeat")
                 except DaemonUnavailableError:
                     continue  # keep trying: a busy or restarting daemon may answer the next one
-                if reply.get("boot") != client.boot_id:
-                    # Sticky from now on: the caller's next call raises without sending.
-                    client._mark_restarted(reply.get("boot"))
-                    return
-                if not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
+                if reply.get("boot") != session[1]:
+                    client.resync_from_heartbeat(reply.get("boot"))
+                elif (
+                    not reply["ok"]
+                    and reply["error"]["code"] == ErrorCode.NO_SESSION
+                    and client._session == session
+                ):
                     return  # evicted: the caller's next call gets NO_SESSION from the daemon
         finally:
             connection.close()

@@ -1,8 +1,10 @@
 """Pool and daemon state: allocator counters, free and total blocks per stream, pool config,
-boot id, pid, version, uptime, sessions and owners, request and error counters."""
+boot id, pid, version, uptime, sessions and owners, request and error counters, and what a
+restart's claim period took back."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vqpool.daemon.coordinator import Coordinator
@@ -42,4 +44,23 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
         "sessions_opened": coord.n_sessions_opened,
         "sessions_reaped": coord.n_sessions_reaped,
         "sessions_evicted": coord.n_sessions_evicted,
+        "claims": claims_view(coord),
+    }
+
+
+def claims_view(coord: Coordinator) -> dict[str, Any]:
+    """What this start took back from the previous daemon's workers (docs/reliability.md)."""
+    period = coord.claim_period
+    return {
+        "grace_s": coord.claim_grace,
+        "period": period is not None,
+        "active": coord.claiming is not None,
+        "period_s": period.duration(time.monotonic()) if period is not None else 0.0,
+        "end_reason": period.end_reason if period is not None else "",
+        "expected": period.n_expected if period is not None else 0,
+        "resynced": len(period.resynced) if period is not None else 0,
+        "waiting": len(period.expected) if period is not None else 0,
+        "owners_claimed": coord.n_owners_claimed,
+        "owners_refused": coord.n_owners_refused,
+        "blocks_claimed": coord.n_blocks_claimed,
     }
