@@ -54,7 +54,7 @@ def read_roll(run_dir: Path) -> dict[int, psutil.Process]:
         try:
             pid, started = int(entry[0]), float(entry[1])
             process = psutil.Process(pid)
-            if abs(process.create_time() - started) < 0.01 and process.is_running():
+            if abs(process.create_time() - started) < 0.01 and _alive(process):
                 alive[pid] = process
         except (psutil.Error, TypeError, ValueError, IndexError):
             continue

@@ -41,6 +41,10 @@ def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
         return stats_to_wire(pool.stats)
     if op == "session":
         return {"sid": pool.session_id, "boot": pool.boot_id}
+    if op == "lost_owners":
+        return {str(owner): message for owner, message in pool.lost_owners().items()}
+    if op == "resyncs":
+        return pool.resyncs
     if op == "hog_gil":
         # One C call that never releases the GIL for about args[0] seconds: the heartbeat thread
         # cannot run meanwhile, as in a long native prefill step that holds the GIL.

@@ -1,0 +1,217 @@
+"""Daemon restarts: workers re-declare what they hold, the claim period, conflicts, stale boots.
+
+Real processes throughout: a vqpoold subprocess SIGKILLed and started again on the same run
+directory, worker subprocesses holding PoolClients (tests/worker_agent.py), and raw DEALER
+clients for the claim op's edge cases. docs/reliability.md describes the design.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
+from vqpool.shared import DaemonRestartedError
+from vqpool.shared.errors import ClaimConflictError, ErrorCode
+from vqpool.worker import PoolClient
+
+StartDaemon = Callable[..., DaemonProcess]
+StartWorker = Callable[[Path, str], WorkerProcess]
+
+
+def owners_view(daemon: DaemonProcess) -> dict[Any, tuple[int, int, dict[str, int], int]]:
+    """owner -> (worker pid, blocks, blocks per stream, tokens): what survives a restart."""
+    return {
+        row["owner"]: (row["pid"], row["n_blocks"], row["blocks"], row["tokens"])
+        for row in daemon.admin("owners")
+    }
+
+
+def claims(daemon: DaemonProcess) -> dict[str, Any]:
+    result: dict[str, Any] = daemon.admin("stats")["claims"]
+    return result
+
+
+def restart(daemon: DaemonProcess, start_daemon: StartDaemon, *args: str) -> DaemonProcess:
+    """SIGKILL ``daemon`` and start a new one on its run directory with ``args``."""
+    daemon.stop(signal.SIGKILL)
+    return start_daemon(*args, run_dir=daemon.run_dir)
+
+
+def test_live_workers_take_back_their_blocks_and_dead_ones_leave_nothing(
+    start_daemon: StartDaemon, start_worker: StartWorker
+) -> None:
+    options = ("--n-blocks", "64", "--lease", "1", "--claim-grace", "5")
+    daemon = start_daemon(*options)
+    w1, w2, w3 = (start_worker(daemon.run_dir, name) for name in ("one", "two", "three"))
+    a1 = w1.call("allocate", "k", 40, "a1", "int4")
+    w1.call("mark_used", [[a1[0], 7]])
+    w1.call("register_owner", "a2")  # holds no block: re-declared all the same
+    w1.call("allocate_many", [["v", 20, "a3", "fp16"]])
+    w2.call("allocate", "k", 16, "b1")
+    w2.call("allocate", "v", 33, 42)
+    w3.call("allocate", "k", 48, "c1")
+    before = owners_view(daemon)
+    held_before = {o: w1.call("blocks_for", o) for o in ("a1", "a2", "a3")}
+
+    daemon.stop(signal.SIGKILL)
+    w3.kill()  # dies while the daemon is down: it never comes back
+    started = time.monotonic()
+    daemon = start_daemon(*options, run_dir=daemon.run_dir)
+    # The period ends as soon as both live workers re-synced (heartbeat every 0.25 s here),
+    # well before the 5 s grace.
+    wait_until(lambda: not claims(daemon)["active"], timeout=4.0)
+    served_after = time.monotonic() - started
+    report = claims(daemon)
+    assert report["period"] and report["expected"] == 2 and report["resynced"] == 2
+    assert (report["owners_claimed"], report["owners_refused"]) == (5, 0)
+    assert report["blocks_claimed"] == 3 + 2 + 1 + 3
+    assert owners_view(daemon) == {o: v for o, v in before.items() if o != "c1"}
+    assert {o: w1.call("blocks_for", o) for o in ("a1", "a2", "a3")} == held_before
+    assert daemon.audit()["blocks_in_use"] == 9
+    print(f"\nrestart: daemon start to claim period over {served_after:.3f}s, {report}")
+
+    # Both carry on: new allocations, frees; nothing of the dead worker anywhere.
+    assert len(w2.call("allocate", "k", 16, "b1")) == 1
+    w1.call("free_all", "a1")
+    w1.call("release_owner", "a2")
+    for worker in (w1, w2):
+        worker.call("close")
+    assert daemon.audit()["blocks_in_use"] == 0
+
+
+def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owner(
+    start_daemon: StartDaemon, start_worker: StartWorker
+) -> None:
+    # k ids 0..7, v ids 8..15. A long lease: the stopped worker is not reaped meanwhile.
+    options = ("--n-blocks", "16", "--lease", "30", "--claim-grace", "1.5")
+    daemon = start_daemon(*options)
+    late, other = start_worker(daemon.run_dir, "late"), start_worker(daemon.run_dir, "other")
+    late_k = late.call("allocate", "k", 64, "late-k")
+    late_v = late.call("allocate", "v", 16, "late-v")
+    other.call("allocate", "k", 16, "other")
+    late.kill(signal.SIGSTOP)
+    try:
+        daemon = restart(daemon, start_daemon, *options)
+        raw = RawClient(daemon.run_dir)
+        try:
+            raw.hello()
+            reply = raw.call("allocate", {"stream": "v", "n_tokens": 1, "owner": "raw"})
+            assert reply["error"]["code"] == ErrorCode.RETRY_LATER, reply
+            assert "retry" in reply["error"]["message"]
+        finally:
+            raw.close()
+        # PoolClient waits the period out by itself: the stopped worker never claims.
+        started = time.monotonic()
+        more = other.call("allocate", "k", 7 * 16, "other-2")  # every free k block
+        waited = time.monotonic() - started
+        assert 0.5 < waited < 5.0
+        assert set(more) >= set(late_k), "the late worker's k ids were free to hand out"
+        report = claims(daemon)
+        assert not report["active"] and "ran out" in report["end_reason"]
+    finally:
+        late.kill(signal.SIGCONT)
+    # The late worker's heartbeat re-syncs it: late-v is taken back, late-k conflicts.
+    wait_until(lambda: claims(daemon)["owners_refused"] == 1, timeout=5.0)
+    assert late.call("blocks_for", "late-v")[0][0] == late_v[0]
+    with pytest.raises(WorkerError) as lost:
+        late.call("allocate", "k", 16, "late-k")
+    assert lost.value.kind == "ClaimConflictError"
+    assert "lost in a vqpoold restart" in str(lost.value)
+    with pytest.raises(WorkerError, match="ClaimConflictError"):
+        late.call("free", late_k)  # its blocks are another owner's now: not freed
+    assert "late-k" in late.call("lost_owners")
+    late.call("free_all", "late-k")  # forgets it
+    assert late.call("lost_owners") == {}
+    assert late.call("allocate", "v", 16, "late-k")  # the id can be used again
+    assert owners_view(daemon)["other-2"][1] == 7
+    daemon.audit()
+    late.call("close")
+    other.call("close")
+    assert daemon.audit()["blocks_in_use"] == 0
+
+
+def test_claims_are_per_owner_all_or_nothing_and_first_come(daemon: DaemonProcess) -> None:
+    first, second = RawClient(daemon.run_dir), RawClient(daemon.run_dir)
+    try:
+        first.hello()
+        second.hello()
+
+        def claim(client: RawClient, owners: list[Any]) -> list[Any]:
+            reply = client.call("claim", {"owners": owners})
+            assert reply["ok"], reply
+            return list(reply["result"])
+
+        assert claim(first, [["x", [["k", "fp16", [1, 2], [16, 5]]]]]) == [None]
+        results = claim(
+            second,
+            [
+                ["y", [["k", "fp16", [3], None], ["k", "fp16", [2], None]]],  # 2 is x's
+                ["x", [["k", "fp16", [4], None]]],  # x is held by the first session
+                ["z", [["k", "fp16", [10_000], None]]],  # not in the pool
+                ["w", [["k", "fp16", [200], None]]],  # a v id (k is 0..127)
+                ["u", [["k", "fp16", [5], [99]]]],  # fill beyond the block size
+                ["ok", [["v", "int4", [130, 131], None], ["k", "fp16", [6], [0]]]],
+                ["registered", []],
+            ],
+        )
+        codes = [None if r is None else r["code"] for r in results]
+        assert codes == [
+            ErrorCode.CLAIM_CONFLICT,
+            ErrorCode.CLAIM_CONFLICT,
+            ErrorCode.CLAIM_CONFLICT,
+            ErrorCode.CLAIM_CONFLICT,
+            ErrorCode.INVALID_VALUE,
+            None,
+            None,
+        ]
+        view = owners_view(daemon)
+        assert set(view) == {"x", "ok", "registered"}  # y left nothing behind (3 is free)
+        assert view["ok"][2] == {"v": 2, "k": 1}
+        assert view["x"][3] == 21
+        # A resent claim (same request id) gets its first reply, not a second application.
+        payload = second.encode("claim", {"owners": [["again", [["k", "fp16", [7], None]]]]})
+        second.send(payload)
+        once = second.recv()
+        second.send(payload)
+        assert second.recv() == once and once["result"] == [None]
+        assert daemon.audit()["blocks_in_use"] == 2 + 3 + 1
+        stats = claims(daemon)
+        assert (stats["owners_claimed"], stats["owners_refused"]) == (4, 5)
+        assert not stats["period"]  # a first start has no claim period
+    finally:
+        first.close()
+        second.close()
+
+
+def test_restart_with_another_pool_refuses_what_does_not_fit(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon("--n-blocks", "64", "--lease", "1")
+    pool = PoolClient(daemon.run_dir, name="resized", timeout=5.0)
+    try:
+        high = pool.allocate("k", 32, "high")  # k ids 31, 30
+        low = pool.allocate("v", 16, "low")  # v id 63
+        pool.allocate("k", 29 * 16, "filler")  # k ids 29..1
+        pool.free_all("filler")
+        pool.allocate("k", 16, "one")  # id 1 again: in both pools' k range
+        daemon = restart(daemon, start_daemon, "--n-blocks", "32", "--lease", "1")
+        # k is now 0..15 and v 16..31: ids 30, 31 are v blocks and 63 is beyond the pool.
+        assert pool.blocks_for("one")[0].block_id == 1
+        for owner in ("high", "low"):
+            with pytest.raises(ClaimConflictError, match="not a block of stream"):
+                pool.blocks_for(owner)
+        assert set(pool.lost_owners()) == {"high", "low"}
+        assert high[0].owner is None and low[0].owner is None
+        assert claims(daemon)["owners_refused"] == 2
+        daemon.audit()
+        # A pool with another block size cannot take any claim: the client stops for good.
+        daemon = restart(daemon, start_daemon, "--n-blocks", "32", "--block-size", "8")
+        with pytest.raises(DaemonRestartedError, match="another pool"):
+            pool.n_free("k")
+        with pytest.raises(DaemonRestartedError):
+            pool.n_free("k")
+    finally:
+        pool.close()
