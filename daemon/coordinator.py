@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
+from vqpool.daemon.peer_auth import PeerAuthenticator
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline
 from vqpool.shared.allocator import Block, BlockList, BlockPoolAllocator, Owner, PoolConfig
@@ -85,6 +86,7 @@ class Coordinator:
         self.n_owners_claimed = 0
         self.n_owners_refused = 0
         self.n_blocks_claimed = 0
+        self.peer_auth: PeerAuthenticator | None = None  # set by the server (connection counts)
         expected = read_roll(run_dir) if claim_grace > 0 else {}
         self.claim_period: ClaimPeriod | None = None
         if expected:

@@ -27,6 +27,7 @@ import zmq
 from vqpool.daemon.admin import AdminRequestHandler
 from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
+from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.config import (
@@ -188,6 +189,8 @@ class Server:
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
+        # Bound before the sockets it guards: libzmq admits anyone while no ZAP handler is bound.
+        auth = coord.peer_auth = PeerAuthenticator(context)
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
             handle_worker: Handle = worker_handler.handle
@@ -200,8 +203,8 @@ class Server:
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
                 path.unlink(missing_ok=True)
-            worker = self._bind(context, worker_path)
-            admin = self._bind(context, admin_path)
+            worker = self._bind(context, worker_path, WORKER_DOMAIN)
+            admin = self._bind(context, admin_path, ADMIN_DOMAIN)
             log.info(
                 "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
                 "(admin); pool: %s; lease %gs",
@@ -213,7 +216,7 @@ class Server:
                 describe_pool(pool_config),
                 coord.lease,
             )
-            self._loop(coord, wake_fd, (worker, handle_worker), (admin, handle_admin))
+            self._loop(coord, wake_fd, auth, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
@@ -222,6 +225,7 @@ class Server:
         finally:
             if self._metrics is not None:
                 self._metrics.stop()
+            auth.close()
             self._release_stop_signals()
             context.term()
             for path in (worker_path, admin_path):
@@ -261,9 +265,12 @@ class Server:
             os.write(self._wake_fds[1], b"\0")
 
     @staticmethod
-    def _bind(context: zmq.Context[Any], path: Path) -> zmq.Socket[bytes]:
+    def _bind(context: zmq.Context[Any], path: Path, zap_domain: bytes) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Every connection is authenticated by the ZAP handler (daemon/peer_auth.py) before
+        # any of its messages reaches us: peers of another uid and non-ZMTP-3 bytes stay out.
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain)
         # Unroutable or queue-full sends fail (and are counted) instead of vanishing silently;
         # the sends are non-blocking, so a full queue never stalls the loop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -295,19 +302,21 @@ class Server:
         self,
         coord: Coordinator,
         wake_fd: int,
+        auth: PeerAuthenticator,
         worker_side: tuple[zmq.Socket[bytes], Handle],
         admin_side: tuple[zmq.Socket[bytes], Handle],
     ) -> None:
         worker, handle_worker = worker_side
         admin, handle_admin = admin_side
+        zap = auth.socket
         poller = select.poll()
-        for fd in (cast(int, worker.getsockopt(zmq.FD)), cast(int, admin.getsockopt(zmq.FD))):
-            poller.register(fd, select.POLLIN)
+        for sock in (worker, admin, zap):
+            poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
         while self._stop_signal is None:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
-            if _input_pending(worker) or _input_pending(admin):
+            if _input_pending(worker) or _input_pending(admin) or _input_pending(zap):
                 timeout_ms = 0
             else:
                 timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
@@ -315,6 +324,8 @@ class Server:
                 if fd == wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_fd, 512)
+            if _input_pending(zap):  # new connections' handshakes, before their requests
+                auth.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
             if self._metrics is not None:

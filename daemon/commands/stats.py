@@ -45,6 +45,10 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
         "sessions_reaped": coord.n_sessions_reaped,
         "sessions_evicted": coord.n_sessions_evicted,
         "claims": claims_view(coord),
+        "connections": {
+            "accepted": coord.peer_auth.n_accepted if coord.peer_auth else 0,
+            "refused": coord.peer_auth.n_refused if coord.peer_auth else 0,
+        },
     }
 
 
