@@ -46,6 +46,14 @@ class PooledCacheSource:
     pooled = True
 
     def __init__(self, model: nn.Module, pool: BlockPool) -> None:
+        """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
+        rather than at each request)."""
+        kinds = {type(cache).__name__ for cache in make_prompt_cache(model)}
+        if kinds != {"KVCache"}:
+            raise ValueError(
+                f"the model's layers use cache kinds {sorted(kinds)}; the pooled cache serves "
+                "full-attention (KVCache) layers only: run this model with --no-pool"
+            )
         self.model = model
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)

@@ -8,9 +8,11 @@ offline model (see :mod:`vqpool.worker.models`). The pool is a ``PoolClient`` se
 daemon of ``--run-dir`` / ``VQPOOL_RUN_DIR`` / the default run directory; ``--no-pool`` serves
 from stock mlx-lm caches through the same code path instead (the benchmark's baseline).
 
-Start-up logs one line ``serving MODEL on http://HOST:PORT`` (with the real port when ``--port
-0``). SIGTERM or SIGINT stops it cleanly: the server stops accepting, every running or queued
-request ends (its blocks go back), the pool session says goodbye, exit status 0.
+Once it serves, it prints one line to stdout, ``vqpool-worker: serving MODEL on
+http://HOST:PORT (...)``, with the real port when ``--port 0``. SIGTERM or SIGINT stops it
+cleanly: the server stops accepting, every running or queued request ends (its blocks go
+back), the pool session says goodbye, exit status 0. Exit status 2 for bad options or a model
+the pooled cache cannot serve, 1 when the daemon does not answer or the port is taken.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from types import FrameType
 from typing import Any, cast
 
 import mlx.nn as nn
+from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
@@ -103,7 +106,7 @@ def open_pool(
     run_dir: str | None, name: str, model: nn.Module, timeout: float
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block, and its cache source."""
-    layout = KVLayout.from_model(model)
+    layout = KVLayout.from_model(model)  # ValueError for a model of another shape
     pool = PoolClient(run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout)
     if pool.config.block_size != layout.block_size:
         # Bytes per block depend on the daemon's block size, known only after hello.
@@ -114,7 +117,11 @@ def open_pool(
         )
     # cast: PoolClient.mark_used_many takes a Sequence where BlockPool says Iterable (it is
     # always given a list); the two are otherwise the same interface.
-    return pool, PooledCacheSource(model, cast(BlockPool, pool))
+    try:
+        return pool, PooledCacheSource(model, cast(BlockPool, pool))
+    except BaseException:
+        pool.close()
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,7 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         def describe_pool() -> dict[str, Any]:
             return {"pool": "off"}
     else:
-        pool, source = open_pool(args.run_dir, loaded.name, loaded.model, args.pool_timeout)
+        try:
+            pool, source = open_pool(args.run_dir, loaded.name, loaded.model, args.pool_timeout)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        except DaemonUnavailableError as exc:
+            log.error("%s", exc)
+            return 1
         session = pool
 
         def describe_pool() -> dict[str, Any]:
@@ -188,9 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="vqpool-http"
     )
     serving.start()
-    host, port = server.server_address[:2]
+    host, port = str(server.server_address[0]), int(server.server_address[1])
     mode = "stock mlx-lm caches (--no-pool)" if pool is None else f"pool at {pool.run_dir}"
-    log.info("serving %s on http://%s:%d (%s)", loaded.name, host, port, mode)
+    # The ready line, on stdout whatever --log-level says: scripts wait for it (and learn the
+    # port it chose with --port 0).
+    print(f"vqpool-worker: serving {loaded.name} on http://{host}:{port} ({mode})", flush=True)
     try:
         while not stop.wait(0.5):
             pass
