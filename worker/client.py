@@ -68,7 +68,7 @@ from vqpool.shared.protocol import (
     encode_request,
     stats_from_wire,
 )
-from vqpool.shared.transport import LazyPirateConnection
+from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
 
 try:
     CLIENT_VERSION = version("vqpool")
@@ -109,6 +109,8 @@ class PoolClient:
         bytes_per_block: Bytes one block holds in this worker, for all streams (int) or per
             stream (map); lets the admin report memory held. None reports 0.
         timeout: Seconds each call may take, retries included.
+        first_retry: Seconds to wait for a reply before the first resend (doubled per silent
+            attempt, up to 2 s).
 
     Raises (from the constructor):
         DaemonUnavailableError: The daemon did not answer hello in ``timeout``.
@@ -121,13 +123,16 @@ class PoolClient:
         name: str,
         bytes_per_block: int | Mapping[str, int] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        first_retry: float = FIRST_RETRY_SECONDS,
     ) -> None:
         self.run_dir = resolve_run_dir(run_dir)
         self.name = name
         self.timeout = timeout
         self._endpoint = endpoint(self.run_dir, WORKER_SOCKET_NAME)
         self._context: zmq.Context[Any] = zmq.Context()
-        self._connection = LazyPirateConnection(self._context, self._endpoint)
+        self._connection = LazyPirateConnection(
+            self._context, self._endpoint, first_retry=first_retry
+        )
         self._lock = threading.Lock()
         # One counter for the caller's requests and the heartbeat's (next() on it is atomic).
         self._ids = itertools.count(1)
