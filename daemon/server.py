@@ -309,6 +309,7 @@ class Server:
         worker, handle_worker = worker_side
         admin, handle_admin = admin_side
         zap = auth.socket
+        zap_fd = cast(int, zap.getsockopt(zmq.FD))
         poller = select.poll()
         for sock in (worker, admin, zap):
             poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
@@ -316,7 +317,11 @@ class Server:
         next_check = time.monotonic() + LIVENESS_INTERVAL
         while self._stop_signal is None:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
-            if _input_pending(worker) or _input_pending(admin) or _input_pending(zap):
+            # The ZAP socket is looked at only when its fd says something changed: reading its
+            # state on every request would tax the hot path for a once-per-connection event.
+            zap_ready = False
+            busy = _input_pending(worker) or _input_pending(admin)
+            if busy or (zap_ready := _input_pending(zap)):
                 timeout_ms = 0
             else:
                 timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
@@ -324,7 +329,9 @@ class Server:
                 if fd == wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_fd, 512)
-            if _input_pending(zap):  # new connections' handshakes, before their requests
+                elif fd == zap_fd:
+                    zap_ready = True
+            if zap_ready:  # new connections' handshakes, before their requests
                 auth.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
