@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
 from vqpool.shared import DaemonRestartedError
-from vqpool.shared.errors import ClaimConflictError, ErrorCode
+from vqpool.shared.errors import ClaimConflictError, ErrorCode, RetryLaterError
 from vqpool.worker import PoolClient
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -105,6 +105,8 @@ def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owne
             assert "retry" in reply["error"]["message"]
         finally:
             raw.close()
+        with pytest.raises(RetryLaterError):  # could retire a block about to be claimed
+            daemon.admin("shrink", stream="k", target_free=0)
         # PoolClient waits the period out by itself: the stopped worker never claims.
         started = time.monotonic()
         more = other.call("allocate", "k", 7 * 16, "other-2")  # every free k block

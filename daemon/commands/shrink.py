@@ -2,6 +2,8 @@
 
 Blocks in use are never touched; retired block ids never come back, so workers may drop their
 buffers. Returns how many blocks were retired and the stream's free and total counts after.
+Refused (retry later) during a restarted daemon's claim period: a free block may be one a
+worker is about to claim back.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.coordinator import Coordinator
+from vqpool.shared.errors import RetryLaterError
 from vqpool.shared.protocol import Field, check_int, check_tag
 
 PARAMS = (
@@ -18,6 +21,11 @@ PARAMS = (
 
 
 def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+    if coord.claiming is not None:
+        raise RetryLaterError(
+            "shrink: vqpoold restarted and is taking back blocks its workers still hold; "
+            "shrinking now could retire one of them: retry when the claim period is over"
+        )
     allocator = coord.allocator
     retired = allocator.shrink(args["stream"], args["target_free"])
     stream = args["stream"] if allocator.config.separate_kv else "kv"
