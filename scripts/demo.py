@@ -45,13 +45,13 @@ from vqpool.shared.admin_client import AdminClient
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.launch import DaemonProcess, WorkerProcess
 
-# The daemon's configuration. 128 blocks = 64 K + 64 V blocks of 16 token slots (1,024 tokens
-# per stream): the demo's requests need ~5-20 blocks per stream each and up to 8 run at once,
-# so the two models contend and some requests wait for blocks.
+# The daemon's configuration. 96 blocks = 48 K + 48 V blocks of 16 token slots (768 tokens per
+# stream): the demo's requests need ~4-13 blocks per stream each and up to 6 run at once, so the
+# two models contend and some requests wait for blocks.
 DAEMON_CONFIG = """\
 # vqpoold configuration written by scripts/demo
 [vqpoold]
-n_blocks = 128
+n_blocks = 96
 block_size = 16
 lease = 5.0
 log_level = "WARNING"
@@ -99,13 +99,13 @@ class ClientTally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def one_request(url: str, rng: random.Random, stream: bool) -> None:
-    """One chat request; raises on anything but a complete answer."""
+def one_request(url: str, rng: random.Random, stream: bool, max_tokens: int) -> None:
+    """One chat request of up to ``max_tokens``; raises on anything but a complete answer."""
     words = rng.randint(4, 30)
     topic = rng.choice(TOPICS)
     body = {
         "messages": [{"role": "user", "content": f"In {words} words: {topic}."}],
-        "max_tokens": rng.randint(32, 160),
+        "max_tokens": rng.randint(max_tokens // 5, max_tokens),
         "temperature": 0.7,
     }
     if stream:
@@ -118,12 +118,12 @@ def one_request(url: str, rng: random.Random, stream: bool) -> None:
         raise HttpStatusError(reply)
 
 
-def client_loop(url: str, seed: int, until: float, tally: ClientTally) -> None:
+def client_loop(url: str, seed: int, until: float, max_tokens: int, tally: ClientTally) -> None:
     rng = random.Random(seed)
     n = 0
     while time.monotonic() < until:
         try:
-            one_request(url, rng, stream=n % 2 == 0)
+            one_request(url, rng, stream=n % 2 == 0, max_tokens=max_tokens)
             with tally.lock:
                 tally.ok += 1
         except HttpStatusError as exc:
@@ -309,6 +309,9 @@ def shrink_pool(run_dir: Path, admin: AdminClient) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace, base: Path) -> bool:
     models = args.model or BUILTIN_MODELS
     duration = args.duration or (6.0 if args.short else 25.0)
+    # Requests in flight when the load ends still finish: short requests keep that tail short
+    # on a slow or busy machine.
+    max_tokens = 96 if args.short else 160
     run_dir = base / "run"
     config = base / "vqpoold.toml"
     config.write_text(DAEMON_CONFIG)
@@ -337,7 +340,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             until = time.monotonic() + duration
             clients = [
                 threading.Thread(
-                    target=client_loop, args=(workers[m].url, 100 * i + c, until, tallies[m])
+                    target=client_loop,
+                    args=(workers[m].url, 100 * i + c, until, max_tokens, tallies[m]),
                 )
                 for i, m in enumerate(models)
                 for c in range(CLIENTS_PER_MODEL)

@@ -6,6 +6,9 @@ Runs ``scripts/demo.py`` with this interpreter: ``scripts/demo`` itself only set
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +16,26 @@ from pathlib import Path
 DEMO = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
 
 
-def test_demo_short_runs_end_to_end() -> None:
-    done = subprocess.run(
-        [sys.executable, str(DEMO), "--short"], capture_output=True, text=True, timeout=120
+def run_demo(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run the demo in its own process group, so a timeout also ends its daemon and workers."""
+    process = subprocess.Popen(
+        [sys.executable, str(DEMO), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"the demo took over {timeout}s:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_demo_short_runs_end_to_end() -> None:
+    done = run_demo("--short", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "builtin:llama" in out and "builtin:qwen3" in out
@@ -24,7 +43,8 @@ def test_demo_short_runs_end_to_end() -> None:
     assert out.count("] pool k:") >= 3
     assert "peak blocks" in out and "exhaustions" in out
     assert "blocks in use after the load: 0; audit: ok" in out
-    assert "Shrink (vqpoolctl shrink): 64 blocks retired" in out
+    shrink = re.search(r"Shrink \(vqpoolctl shrink\): (\d+) blocks retired", out)
+    assert shrink and int(shrink.group(1)) > 0
     assert "stopped workers and vqpoold" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
     summary = {row[0]: row for row in rows if len(row) == 10}
