@@ -686,12 +686,7 @@ class BlockPoolAllocator:
                     free.give_back(ids)
                 else:
                     free.recycled.extend(ids)
-                owner = chunk.owner
-                chunks = self._holdings[owner]
-                del chunks[id(chunk)]
-                if not chunks:  # the owner's last block: release it, as the seed does
-                    del self._holdings[owner]
-                    self._active_owners.discard(owner)
+                self._drop_chunk_locked(chunk)
                 counts = self._counts
                 counts[_N_FREES] += len(ids)
                 if chunk.fill:
@@ -731,12 +726,17 @@ class BlockPoolAllocator:
             chunk.n_freed += 1
             if chunk.n_freed == len(chunk.block_ids):
                 chunk.dead = True
-                owner = chunk.owner
-                chunks = self._holdings[owner]
-                del chunks[id(chunk)]
-                if not chunks:  # the owner's last block: release it, as the seed does
-                    del self._holdings[owner]
-                    self._active_owners.discard(owner)
+                self._drop_chunk_locked(chunk)
+
+    def _drop_chunk_locked(self, chunk: BlockList) -> None:
+        """Forget an allocation none of whose blocks is held any more; with the owner's last
+        one gone, release the owner, as the seed does."""
+        owner = chunk.owner
+        chunks = self._holdings[owner]
+        del chunks[id(chunk)]
+        if not chunks:
+            del self._holdings[owner]
+            self._active_owners.discard(owner)
 
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
