@@ -372,9 +372,10 @@ class Coordinator:
 
     # -- reads for the admin -----------------------------------------------------------------------
 
-    def held_by(self, session: Session) -> dict[Owner, list[Block]]:
-        """Each owner of ``session`` with its blocks (O(blocks held): admin use only)."""
-        return {owner: self.allocator.blocks_for(owner) for owner in session.owners}
+    def usage_by(self, session: Session) -> dict[Owner, dict[str, tuple[int, int]]]:
+        """Each owner of ``session`` with its blocks and used token slots per stream
+        (O(allocations held), no Block objects: admin views and metrics)."""
+        return {owner: self.allocator.usage(owner) for owner in session.owners}
 
     def uptime(self) -> float:
         """Seconds since the daemon started."""

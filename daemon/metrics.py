@@ -184,16 +184,16 @@ class MetricsSnapshot:
 
     @classmethod
     def take(cls, coord: Coordinator, requests: RequestMetrics, version: str) -> MetricsSnapshot:
-        """The daemon's state now. Loop thread only; O(blocks held), paid once per scrape."""
+        """The daemon's state now. Loop thread only; O(allocations held), paid once per scrape."""
         allocator = coord.allocator
         held: dict[tuple[str, str], tuple[int, int]] = {}
         for session in coord.sessions:
-            for blocks in coord.held_by(session).values():
-                for block in blocks:
-                    key = (session.model, block.stream)
+            for usage in coord.usage_by(session).values():
+                for stream, (n_held, _) in usage.items():
+                    key = (session.model, stream)
                     n_blocks, n_bytes = held.get(key, (0, 0))
-                    bytes_per_block = session.bytes_per_block.get(block.stream, 0)
-                    held[key] = (n_blocks + 1, n_bytes + bytes_per_block)
+                    bytes_per_block = session.bytes_per_block.get(stream, 0)
+                    held[key] = (n_blocks + n_held, n_bytes + n_held * bytes_per_block)
         return cls(
             stats=allocator.stats.snapshot(),
             streams={s: (allocator.n_free(s), allocator.n_total(s)) for s in allocator.streams},

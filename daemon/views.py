@@ -1,4 +1,4 @@
-"""How the admin commands show sessions and owners (rich, O(blocks held): never on a hot path)."""
+"""How the admin commands show sessions and owners (O(allocations held): never on a hot path)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ from typing import Any
 
 from vqpool.daemon.coordinator import Coordinator
 from vqpool.daemon.sessions import Session
-from vqpool.shared.allocator import Block, Owner
+from vqpool.shared.allocator import Owner
 
 
-def owner_view(coord: Coordinator, owner: Owner, blocks: list[Block]) -> dict[str, Any]:
+def owner_view(
+    coord: Coordinator, owner: Owner, usage: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
     """One owner: its session, block counts per stream, tokens stored and fill."""
     session = coord.holder_of(owner)
-    per_stream: dict[str, int] = {}
-    tokens = 0
-    for block in blocks:
-        per_stream[block.stream] = per_stream.get(block.stream, 0) + 1
-        tokens += block.n_used
-    capacity = len(blocks) * coord.allocator.config.block_size
+    per_stream = {stream: n_blocks for stream, (n_blocks, _) in usage.items()}
+    n_blocks = sum(per_stream.values())
+    tokens = sum(n_tokens for _, n_tokens in usage.values())
+    capacity = n_blocks * coord.allocator.config.block_size
     return {
         "owner": owner,
         "sid": None if session is None else session.sid,
         "pid": None if session is None else session.pid,
         "model": None if session is None else session.model,
-        "n_blocks": len(blocks),
+        "n_blocks": n_blocks,
         "blocks": per_stream,
         "tokens": tokens,
         "fill": tokens / capacity if capacity else 0.0,
@@ -35,10 +35,10 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
     """One session: its worker, what it holds per stream in blocks and bytes, and its lease."""
     per_stream: dict[str, int] = {}
     tokens = 0
-    for blocks in coord.held_by(session).values():
-        for block in blocks:
-            per_stream[block.stream] = per_stream.get(block.stream, 0) + 1
-            tokens += block.n_used
+    for usage in coord.usage_by(session).values():
+        for stream, (n_blocks, n_tokens) in usage.items():
+            per_stream[stream] = per_stream.get(stream, 0) + n_blocks
+            tokens += n_tokens
     bytes_held = {
         stream: n * session.bytes_per_block.get(stream, 0) for stream, n in per_stream.items()
     }

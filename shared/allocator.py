@@ -776,6 +776,19 @@ class BlockPoolAllocator:
                 if chunk_of.get(bid) is chunk
             ]
 
+    def usage(self, owner: Owner) -> dict[str, tuple[int, int]]:
+        """Per stream, how many blocks ``owner`` holds and how many token slots of them are
+        used. O(allocations the owner holds), no Block objects: for admin views and metrics."""
+        with self._lock:
+            size = self._block_size
+            usage: dict[str, tuple[int, int]] = {}
+            for chunk in self._holdings.get(owner, {}).values():
+                n_held = len(chunk.block_ids) - chunk.n_freed
+                unused = sum(size - n for n in chunk.fill.values()) if chunk.fill else 0
+                n_blocks, n_tokens = usage.get(chunk.stream, (0, 0))
+                usage[chunk.stream] = (n_blocks + n_held, n_tokens + n_held * size - unused)
+            return usage
+
     def n_blocks_for(self, owner: Owner) -> int:
         """How many blocks ``owner`` holds now."""
         with self._lock:

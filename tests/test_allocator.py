@@ -180,6 +180,17 @@ def test_free_all_after_a_partial_free_returns_each_block_once() -> None:
     assert sorted(again.block_ids) == list(range(8))
 
 
+def test_usage_counts_blocks_and_used_slots_per_stream() -> None:
+    pool = pool_of(n_blocks=32, block_size=4)
+    k = pool.allocate("k", 10, owner=1)  # 4 + 4 + 2
+    pool.allocate("v", 3, owner=1)
+    pool.mark_used(k[0], 1)
+    pool.free([k[1]])
+    assert pool.usage(1) == {"k": (2, 3), "v": (1, 3)}
+    assert pool.usage(1)["k"][1] == sum(b.n_used for b in pool.blocks_for(1) if b.stream == "k")
+    assert pool.usage(2) == {}
+
+
 def test_free_all() -> None:
     pool = pool_of(n_blocks=8)
     pool.allocate("k", 40, owner=1)

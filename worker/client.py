@@ -572,8 +572,9 @@ class PoolClient:
         """
         self.mark_used_many([(block, n_used)])
 
-    def mark_used_many(self, updates: Sequence[tuple[Block, int]]) -> None:
+    def mark_used_many(self, updates: Iterable[tuple[Block, int]]) -> None:
         """mark_used() for several blocks in one message; all checked before any is applied."""
+        updates = list(updates)
         block_size = self._config.block_size
         for _, n_used in updates:
             if not 0 <= n_used <= block_size:

@@ -25,11 +25,10 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
-from vqpool.shared.pool import BlockPool
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, make_server
@@ -115,10 +114,8 @@ def open_pool(
         pool = PoolClient(
             run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout
         )
-    # cast: PoolClient.mark_used_many takes a Sequence where BlockPool says Iterable (it is
-    # always given a list); the two are otherwise the same interface.
     try:
-        return pool, PooledCacheSource(model, cast(BlockPool, pool))
+        return pool, PooledCacheSource(model, pool)
     except BaseException:
         pool.close()
         raise

@@ -22,7 +22,7 @@ def run(coord: Coordinator, args: dict[str, Any]) -> list[dict[str, Any]]:
             raise NoSessionError(f"owners: no session {args['sid']}")
         sessions = [session]
     return [
-        owner_view(coord, owner, blocks)
+        owner_view(coord, owner, usage)
         for session in sessions
-        for owner, blocks in coord.held_by(session).items()
+        for owner, usage in coord.usage_by(session).items()
     ]
