@@ -39,4 +39,9 @@ def test_wheel_contains_every_module_and_command(tmp_path: Path) -> None:
     assert not any(n.startswith("vqpool/__init__") for n in names), "vqpool must stay a namespace"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "vqpoold = vqpool.daemon.__main__:main" in text
+    for command in (
+        "vqpoold = vqpool.daemon.__main__:main",
+        "vqpoolctl = vqpool.daemon.ctl.cli:main",
+        "vqpool-worker = vqpool.worker.serve:main",
+    ):
+        assert command in text, f"{command!r} is missing from the entry points"
