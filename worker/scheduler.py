@@ -159,7 +159,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
-        self._stopping = False
+        self._stopping = False  # guarded by _cond
+        self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
 
@@ -177,7 +178,11 @@ class Scheduler:
         """
         with self._cond:
             if self._stopping:
-                raise ShuttingDownError("the worker is shutting down")
+                raise ShuttingDownError(
+                    "the worker's generation thread failed (see its log)"
+                    if self._failed
+                    else "the worker is shutting down"
+                )
             if len(self._waiting) >= self.max_queue:
                 self.stats.add(rejected_queue_full=1)
                 raise QueueFullError(
@@ -217,8 +222,12 @@ class Scheduler:
                     self._idle_wait()
         except BaseException:
             log.exception("generation thread failed")
+            self._failed = True
             raise
         finally:
+            with self._cond:
+                # No new job may be queued once this thread is gone: nothing would run it.
+                self._stopping = True
             for job in list(self._active):
                 self._end(job, "error", "the worker is shutting down", status=503)
             with self._cond:
