@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vqpool.daemon.ctl.render import bar, human_bytes, table
+from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.launch import DaemonProcess, WorkerProcess
@@ -141,31 +144,14 @@ def client_loop(url: str, seed: int, until: float, max_tokens: int, tally: Clien
 # -- live view -------------------------------------------------------------------------------------
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def bar(used: int, total: int, width: int = 32) -> str:
-    filled = round(width * used / total) if total else 0
-    return "#" * filled + "." * (width - filled)
-
-
 def pool_snapshot(admin: AdminClient, workers: dict[str, WorkerProcess]) -> dict[str, Any]:
     """The pool as the daemon sees it, plus each worker's queue."""
     streams = admin.call("stats")["streams"]
-    held: dict[str, dict[str, Any]] = {m: {"blocks": {}, "bytes": 0} for m in workers}
-    for session in admin.call("sessions"):
-        entry = held.setdefault(session["model"], {"blocks": {}, "bytes": 0})
-        for stream, n in session["blocks"].items():
-            entry["blocks"][stream] = entry["blocks"].get(stream, 0) + n
-        entry["bytes"] += session["bytes_total"]
+    held = per_model(admin.call("sessions"))
     for model, worker in workers.items():
         stats = request_json(worker.url, "GET", "/v1/stats", timeout=5).body
-        held[model].update(active=stats["active"], queued=stats["queue_length"])
+        entry = held.setdefault(model, {"blocks": {}, "bytes_total": 0})
+        entry.update(active=stats["active"], queued=stats["queue_length"])
     return {"streams": streams, "models": held}
 
 
@@ -176,14 +162,15 @@ def render_screen(snap: dict[str, Any], elapsed: float, duration: float) -> str:
     ]
     for name, s in snap["streams"].items():
         used = s["total"] - s["free"]
+        fraction = used / s["total"] if s["total"] else 0.0
         lines.append(
-            f"  pool {name:>2}  [{bar(used, s['total'])}] {used:4d} in use {s['free']:4d} free"
+            f"  pool {name:>2}  [{bar(fraction, 32)}] {used:4d} in use {s['free']:4d} free"
         )
     lines.append("")
     for model, m in snap["models"].items():
         blocks = "  ".join(f"{k} {v:3d}" for k, v in sorted(m["blocks"].items())) or "-"
         lines.append(
-            f"  {model:<28} blocks {blocks:<14} {fmt_bytes(m['bytes']):>10}   "
+            f"  {model:<28} blocks {blocks:<14} {human_bytes(m['bytes_total']):>10}   "
             f"running {m.get('active', 0)}  queued {m.get('queued', 0)}"
         )
     return "\n".join(lines)
@@ -221,55 +208,39 @@ def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, durat
 # -- summary ---------------------------------------------------------------------------------------
 
 
-def print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for n, row in enumerate(rows):
-        print(
-            "  "
-            + "  ".join(
-                c.rjust(w) if i else c.ljust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-        if n == 0:
-            print("  " + "  ".join("-" * w for w in widths))
-
-
 def summary(
     workers: dict[str, WorkerProcess], tallies: dict[str, ClientTally], shrink: list[dict[str, Any]]
 ) -> None:
-    rows = [
-        [
-            "model",
-            "requests",
-            "tokens",
-            "tokens/s",
-            "peak blocks",
-            "peak bytes",
-            "waits",
-            "exhaustions",
-            "503s",
-        ]
+    headers = [
+        "model",
+        "requests",
+        "tokens",
+        "tokens/s",
+        "peak blocks",
+        "peak bytes",
+        "waits",
+        "exhaustions",
+        "503s",
     ]
+    rows: list[list[object]] = []
     for model, worker in workers.items():
         stats = request_json(worker.url, "GET", "/v1/stats").body
-        done = stats["ended_stop"] + stats["ended_length"]
         rows.append(
             [
                 model,
-                str(done),
-                str(stats["completion_tokens"]),
-                f"{stats['tokens_per_s']:.0f}",
-                str(stats["peak_blocks"]),
-                fmt_bytes(stats["peak_bytes"]),
-                str(stats["waits"]),
-                str(stats["exhaustions"]),
-                str(tallies[model].refused),
+                stats["ended_stop"] + stats["ended_length"],
+                stats["completion_tokens"],
+                round(stats["tokens_per_s"]),
+                stats["peak_blocks"],
+                human_bytes(stats["peak_bytes"]),
+                stats["waits"],
+                stats["exhaustions"],
+                tallies[model].refused,
             ]
         )
     print("\nPer model (tokens/s: generated tokens per busy second of the worker; blocks count")
     print("K and V blocks apart; waits: requests that queued for free blocks):\n")
-    print_table(rows)
+    print(textwrap.indent(table(headers, rows, right=["peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(
         f"{r['stream']}: {r['retired']} retired, {r['n_total']} left" for r in shrink
