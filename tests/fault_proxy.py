@@ -5,7 +5,8 @@ It stands where the daemon's worker socket would be (``<proxy dir>/worker.sock``
 on a DEALER of that client's own (the daemon tells sessions apart by their session id, and
 replies must find their way back). Every request and every reply independently may be dropped,
 duplicated, or delayed (which also reorders it behind later messages), with the given
-probabilities. It runs in a thread of the test process; ``counts`` says what it did.
+probabilities; requests whose op is in ``drop_ops`` are always dropped (a fault aimed at one
+step). It runs in a thread of the test process; ``counts`` says what it did.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 from vqpool.shared.config import WORKER_SOCKET_NAME
 
@@ -42,6 +44,7 @@ class FaultyProxy(threading.Thread):
         self.max_delay = max_delay
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()
+        self.drop_ops: set[str] = set()
         self._stopping = threading.Event()
         self._ready = threading.Event()
 
@@ -75,6 +78,9 @@ class FaultyProxy(threading.Thread):
 
         def forward(way: str, client: bytes, frame: bytes, now: float) -> None:
             kind = "requests" if way == "request" else "replies"
+            if way == "request" and self.drop_ops and msgpack.unpackb(frame)["op"] in self.drop_ops:
+                self.counts[f"{kind} dropped"] += 1
+                return
             roll = self.rng.random()
             if roll < self.drop:
                 self.counts[f"{kind} dropped"] += 1

@@ -7,12 +7,16 @@ must take effect exactly once or raise; no block may be leaked or given to two o
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
+from daemon_harness import DaemonProcess, remove_tree, short_tmpdir, wait_until
 from fault_proxy import FaultyProxy
 from vqpool.shared import Block, BlockPoolExhaustedError, DaemonUnavailableError
 from vqpool.worker import PoolClient
@@ -106,5 +110,51 @@ def test_lost_duplicated_and_delayed_messages_leak_nothing_and_apply_once(
     finally:
         for pool in clients:
             pool.close()
+        proxy.stop()
+        remove_tree(Path(proxy_base))
+
+
+def test_a_resync_cut_short_by_lost_claims_is_finished_before_the_blocks_are_used(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    # k ids 0..7. The client's deadline (1 s) is shorter than the claim grace (5 s).
+    options = ("--n-blocks", "16", "--lease", "30", "--claim-grace", "5")
+    daemon = start_daemon(*options)
+    proxy_base = short_tmpdir()
+    proxy_dir = proxy_base / "run"
+    proxy_dir.mkdir(mode=0o700)
+    proxy = FaultyProxy(proxy_dir, daemon.run_dir, drop=0, duplicate=0, delay=0).start_and_wait()
+    pool = PoolClient(proxy_dir, name="cut-short", timeout=1.0, first_retry=0.1)
+    other: PoolClient | None = None
+    try:
+        mine = {b.block_id for b in pool.allocate("k", 64, "mine")}
+        daemon.stop(signal.SIGKILL)
+        proxy.drop_ops = {"claim"}  # the new daemon answers hello, but no claim reaches it
+        daemon = start_daemon(*options, run_dir=daemon.run_dir)
+        # The re-sync (by this call or the heartbeat) says hello, then times out claiming.
+        with contextlib.suppress(DaemonUnavailableError):
+            pool.n_free("k")
+        wait_until(lambda: proxy.counts["requests dropped"] > 0, timeout=3.0)
+        time.sleep(1.2)  # past the deadline of any re-sync in flight
+        proxy.drop_ops = set()
+        pool.ping()
+        # Whatever the client still takes for its own, the daemon holds for it.
+        held = {b.block_id for b in pool.held_blocks()}
+        assert held <= mine
+        if held:
+            assert {b.block_id for b in pool.blocks_for("mine")} == held
+        wait_until(lambda: not daemon.admin("stats")["claims"]["active"], timeout=8.0)
+        other = PoolClient(daemon.run_dir, name="other")
+        n_free = other.n_free("k")
+        taken = set()
+        if n_free:
+            taken = {b.block_id for b in other.allocate("k", n_free * 16, "theirs")}
+        assert not taken & held, f"blocks {sorted(taken & held)} given to two owners"
+        assert taken | held == set(range(8))
+        daemon.audit()
+    finally:
+        pool.close()
+        if other is not None:
+            other.close()
         proxy.stop()
         remove_tree(Path(proxy_base))

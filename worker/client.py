@@ -145,6 +145,10 @@ class PoolClient:
         self._lost_blocks: dict[int, Owner] = {}
         self._unusable: str | None = None
         self._closed = False
+        # The claims of a re-sync not answered yet: (request id, owners, done) per message.
+        self._claims_due: list[tuple[int, list[list[Any]], bool]] = []
+        self._resync_record: dict[str, Any] = {}
+        self._resync_started = 0.0
         self.session_id: int | None = None
         self.boot_id: str | None = None
         # (session id, boot id) as one value, so the heartbeat never reads a half-updated pair.
@@ -221,6 +225,9 @@ class PoolClient:
                 raise DaemonRestartedError(self._unusable)
             if self._closed:
                 raise NoSessionError(f"PoolClient for {self.run_dir} is closed")
+            if self._claims_due:
+                self._send_claims()
+                continue
             rid = next(self._ids)
             payload = encode_request(rid, op, args, self.session_id, self.boot_id)
             reply = self._send(payload, rid, op)
@@ -251,7 +258,8 @@ class PoolClient:
         Raises:
             DaemonRestartedError: The new daemon's pool has another block size or stream split:
                 the blocks held here mean nothing to it (the client is unusable from now on).
-            DaemonUnavailableError: The new daemon did not answer.
+            DaemonUnavailableError: The new daemon did not answer (claims not answered yet stay
+                due: see :meth:`_send_claims`).
         """
         started = time.monotonic()
         hello = self._hello()
@@ -268,9 +276,35 @@ class PoolClient:
         self._config = config
         self._adopt(hello)
         self._heartbeat.interval = hello["heartbeat"]
-        n_claimed = n_refused = n_blocks = 0
-        for entries, done in self._claim_messages():
-            rid = next(self._ids)
+        # Encoded once, ids fixed: a claim whose reply is lost is resent as the same request,
+        # which the daemon answers from its reply cache instead of claiming twice.
+        self._claims_due = [
+            (next(self._ids), entries, done) for entries, done in self._claim_messages()
+        ]
+        self._resync_record = {
+            "boot": self.boot_id,
+            "seconds": 0.0,
+            "owners_claimed": 0,
+            "owners_refused": 0,
+            "blocks_claimed": 0,
+        }
+        self._resync_started = started
+        self._send_claims()
+
+    def _send_claims(self) -> None:
+        """Send the claims of the current re-sync that are still unanswered.
+
+        The caller holds ``self._lock``. Until every claim is answered, the client must send
+        nothing else: its blocks are free in the new daemon's eyes, so a free or fill update of
+        one would be skipped there and the claim would then take it back unknown to the caller.
+        A call that times out here leaves the rest due; the next call (or heartbeat) sends it.
+
+        Raises:
+            DaemonUnavailableError: A claim went unanswered (the rest stays due).
+        """
+        record = self._resync_record
+        while self._claims_due:
+            rid, entries, done = self._claims_due[0]
             payload = encode_request(
                 rid, "claim", {"owners": entries, "done": done}, self.session_id, self.boot_id
             )
@@ -278,24 +312,18 @@ class PoolClient:
             if reply.get("boot") != self.boot_id:
                 self._resync()  # restarted again mid-way: start over with that one
                 return
+            del self._claims_due[0]
             # A refused message (not a per-owner refusal) loses every owner in it.
             results = reply["result"] if reply["ok"] else [reply["error"]] * len(entries)
             for (owner, groups), result in zip(entries, results, strict=True):
                 if result is None:
-                    n_claimed += 1
-                    n_blocks += sum(len(group[2]) for group in groups)
+                    record["owners_claimed"] += 1
+                    record["blocks_claimed"] += sum(len(group[2]) for group in groups)
                 else:
-                    n_refused += 1
+                    record["owners_refused"] += 1
                     self._mark_lost(owner, result["code"], result["message"])
-        self.resyncs.append(
-            {
-                "boot": self.boot_id,
-                "seconds": time.monotonic() - started,
-                "owners_claimed": n_claimed,
-                "owners_refused": n_refused,
-                "blocks_claimed": n_blocks,
-            }
-        )
+        record["seconds"] = time.monotonic() - self._resync_started
+        self.resyncs.append(record)
 
     def _claim_messages(self) -> Iterator[tuple[list[list[Any]], bool]]:
         """Claim messages re-declaring every owner held (one, empty, when none is)."""
@@ -363,10 +391,13 @@ class PoolClient:
     def resync_from_heartbeat(self, seen_boot: object) -> None:
         """Re-sync now, for an idle worker whose heartbeat met a restarted daemon."""
         with self._lock:
-            if self._closed or self._unusable is not None or seen_boot == self.boot_id:
-                return  # done already (by a call of the caller's thread), or pointless
+            if self._closed or self._unusable is not None:
+                return  # pointless
             with contextlib.suppress(DaemonUnavailableError, DaemonRestartedError):
-                self._resync()
+                if seen_boot != self.boot_id:
+                    self._resync()
+                elif self._claims_due:  # a re-sync cut short by a timeout
+                    self._send_claims()
 
     def _blocks_from_ids(
         self, block_ids: list[int], stream: str, n_tokens: int, owner: Owner, fmt: str
@@ -665,7 +696,7 @@ class _Heartbeat(threading.Thread):
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
                 except DaemonUnavailableError:
                     continue  # keep trying: a busy or restarting daemon may answer the next one
-                if reply.get("boot") != session[1]:
+                if reply.get("boot") != session[1] or client._claims_due:
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif (
                     not reply["ok"]
