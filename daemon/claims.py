@@ -100,10 +100,6 @@ class ClaimPeriod:
         self.ended: float | None = None
         self.end_reason = ""
 
-    @property
-    def active(self) -> bool:
-        return self.ended is None
-
     def refuse_allocation(self, op: str, now: float) -> None:
         """Raise RetryLaterError while the period runs (it may end here, if its time is up).
 

@@ -13,7 +13,6 @@ Order of checks for one request (each refusal changes nothing):
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -220,7 +219,7 @@ class WorkerRequestHandler:
                 "lease": lease,
                 "heartbeat": min(lease, coord.claim_grace or lease) / HEARTBEATS_PER_LEASE,
                 "claim_grace": coord.claim_grace,
-                "daemon_pid": os.getpid(),
+                "daemon_pid": coord.pid,
                 "daemon_version": DAEMON_VERSION,
                 "started": coord.started,
                 "time": time.time(),
