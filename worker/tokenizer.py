@@ -71,8 +71,6 @@ class ByteTextStream:
 class ByteTokenizer:
     """Byte-level tokenizer for the built-in models: ids 0..255 are the UTF-8 bytes."""
 
-    vocab_size = 256
-
     @property
     def eos_token_ids(self) -> frozenset[int]:
         # Random-weight models have no notion of an end; every request runs to max_tokens.
@@ -126,5 +124,7 @@ class HFTokenizer:
         return [int(t) for t in tokens]
 
     def text_stream(self) -> TextStream:
+        # Each access gives a fresh copy (mlx-lm's TokenizerWrapper), so concurrent requests
+        # do not share one detokenizer's state.
         stream: TextStream = self._wrapper.detokenizer
         return stream
