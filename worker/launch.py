@@ -1,8 +1,8 @@
 """Start and stop vqpoold and vqpool-worker processes from Python (the demo, the benchmark, tests).
 
 Both run as real subprocesses of the current interpreter (``python -m vqpool.daemon``,
-``python -m vqpool.worker.serve``) with their stderr in a log file, so a caller that fails can
-show what the process said.
+``python -m vqpool.worker.serve``) with their stdout and stderr in a log file, so a caller that
+fails can show what the process said (and a worker's ready line is read from there).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.config import ADMIN_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
 
 READY_TIMEOUT = 60.0
@@ -79,7 +80,7 @@ class DaemonProcess(_Process):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive("vqpoold")
-            if (self.run_dir / "admin.sock").exists():
+            if (self.run_dir / ADMIN_SOCKET_NAME).exists():
                 try:
                     with AdminClient(self.run_dir, timeout=0.5) as admin:
                         admin.call("ping")
@@ -95,7 +96,7 @@ class WorkerProcess(_Process):
 
     Args:
         model: ``--model``.
-        log_path: Where its stderr goes.
+        log_path: Where its stdout and stderr go.
         run_dir: ``--run-dir`` (None: the worker's default); ignored with ``no_pool``.
         no_pool: Serve from stock caches (``--no-pool``).
         args: More options (``--max-concurrent``, ``--queue-timeout``, ...).
