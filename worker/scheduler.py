@@ -25,7 +25,8 @@ read its token ids from the job's event queue. One generation thread does the re
   ``BlockPoolExhaustedError`` before anything was written), when its client went away
   (``cancelled``), on any other error (``error``) and when the worker stops. Every ending goes
   through :meth:`Scheduler._end`, which releases the cache: the blocks go back to the pool
-  however the request ended.
+  however the request ended. If the generation thread itself fails, its jobs end as when the
+  worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing would run them).
 
 Per-request prefill runs to completion inside one round, so a long prompt delays the other
 jobs' next tokens by its prefill time; chunked interleaving is left for later.
