@@ -207,7 +207,7 @@ class ServingHandler(BaseHTTPRequestHandler):
                 self._complete(job, request)
         except ApiError as error:
             self._send_error(error)
-        except (_ClientGone, BrokenPipeError, ConnectionResetError):
+        except (_ClientGone, OSError):  # a reset, a broken pipe, or a write that timed out
             log.info("client %s went away; its request was cancelled", self.address_string())
 
     def _method_not_allowed(self) -> None:
@@ -286,7 +286,7 @@ class ServingHandler(BaseHTTPRequestHandler):
                         builder.usage_chunk(event.prompt_tokens, event.completion_tokens)
                     )
             self._write_event("[DONE]")
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # a client that left, or stopped reading until the write timed out
             self.app.scheduler.cancel(job)
             raise
 
