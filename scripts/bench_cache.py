@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Decode speed and memory of the pooled KV cache against mlx-lm's stock KVCache, same run.
 
 For each model and context: a stock ``KVCache`` and a pooled cache are both filled to the context
