@@ -155,14 +155,7 @@ class BlockList(Sequence[Block]):
     wire, never pays for them. ``block_ids`` gives the ids directly.
     """
 
-    # Attributes that most allocations never change live on the class, so __init__ sets only
-    # five: this object is the per-call cost of allocate().
-    fill: dict[int, int] | None = None  # block id -> n_used, for blocks that are not full
-    n_freed: int = 0  # blocks of this allocation freed one by one
-    dead: bool = False  # every block freed: entries still naming this chunk are stale
-    _blocks: list[Block] | None = None
     _positions: dict[int, int] | None = None  # block id -> index, built when first needed
-    _pool: BlockPoolAllocator
 
     def __init__(
         self, pool: BlockPoolAllocator, ids: tuple[int, ...], stream: str, format: str, owner: Owner
@@ -172,6 +165,10 @@ class BlockList(Sequence[Block]):
         self.stream = stream
         self.format = format
         self.owner = owner
+        self.fill: dict[int, int] | None = None  # block id -> n_used, for blocks not full
+        self.n_freed = 0  # blocks of this allocation freed one by one
+        self.dead = False  # every block freed: map entries still naming this chunk are stale
+        self._blocks: list[Block] | None = None  # the Block objects, once someone looked
 
     def holds(self, block_id: int) -> bool:
         """Whether ``block_id`` is still allocated through this allocation."""
