@@ -683,7 +683,13 @@ class BlockPoolAllocator:
                     free.give_back(ids)
                 else:
                     free.recycled.extend(ids)
-                self._drop_chunk_locked(chunk)
+                # _drop_chunk_locked(chunk), inlined: the call alone is 3% of allocate+free.
+                owner = chunk.owner
+                chunks = self._holdings[owner]
+                del chunks[id(chunk)]
+                if not chunks:
+                    del self._holdings[owner]
+                    self._active_owners.discard(owner)
                 counts = self._counts
                 counts[_N_FREES] += len(ids)
                 if chunk.fill:
