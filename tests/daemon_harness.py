@@ -31,6 +31,7 @@ from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import decode_reply, encode_request
+from vqpool.worker.launch import stop_process
 
 WORKER_AGENT = Path(__file__).with_name("worker_agent.py")
 READY_TIMEOUT = 15.0
@@ -132,14 +133,7 @@ class DaemonProcess:
         """Send ``sig`` and wait for the exit status (SIGKILL after ``timeout``)."""
         self._close_admin()
         assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, sig, timeout)
 
     def __enter__(self) -> DaemonProcess:
         return self.start()

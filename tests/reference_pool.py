@@ -110,6 +110,11 @@ class ReferencePool:
             block.format = fmt
             block.n_used = size if fills is None else fills[i]
             self.counters.n_allocations += 1
+        return self._hand_out(owner, ids)
+
+    def _hand_out(self, owner: Owner, ids: list[int]) -> list[int]:
+        """What allocate and claim share once their blocks are set: the owner's list, the peak,
+        the history row."""
         self.owner_blocks.setdefault(owner, []).extend(ids)
         c = self.counters
         c.peak_blocks_in_use = max(c.peak_blocks_in_use, c.n_allocations - c.n_frees)
@@ -162,11 +167,7 @@ class ReferencePool:
             remaining -= block.n_used
             ids.append(bid)
             self.counters.n_allocations += 1
-        self.owner_blocks.setdefault(owner, []).extend(ids)
-        c = self.counters
-        c.peak_blocks_in_use = max(c.peak_blocks_in_use, c.n_allocations - c.n_frees)
-        self.record()
-        return ids
+        return self._hand_out(owner, ids)
 
     def _free_one(self, bid: int) -> None:
         block = self.blocks.get(bid)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME
@@ -21,6 +22,19 @@ from vqpool.shared.errors import DaemonUnavailableError
 
 READY_TIMEOUT = 60.0
 _SERVING_LINE = re.compile(r"serving (\S+) on (http://[\w.:\[\]-]+)")
+
+
+def stop_process(process: subprocess.Popen[Any], sig: int, timeout: float) -> int:
+    """Send ``sig`` to ``process`` (if it still runs), wait for its exit status, SIGKILL it
+    after ``timeout`` seconds."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 class _Process:
@@ -54,14 +68,7 @@ class _Process:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Send ``sig``, wait for the exit status (SIGKILL after ``timeout``)."""
         assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, sig, timeout)
 
 
 class DaemonProcess(_Process):
