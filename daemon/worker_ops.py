@@ -49,6 +49,7 @@ from vqpool.shared.protocol import (
     parse_args,
     parse_envelope,
     request_id_of,
+    session_label,
     stats_to_wire,
 )
 
@@ -137,10 +138,11 @@ class WorkerRequestHandler:
                 )
             session = coord.sessions.get(request.sid)
             if session is None:
+                sid_text = "given" if request.sid is None else session_label(request.sid)
                 if op == GOODBYE:  # a retried goodbye whose first reply was lost
                     return encode_result(request.id, boot, {"ended": False})
                 raise NoSessionError(
-                    f"{op}: no session {request.sid!r} (say hello first; sessions end on goodbye, "
+                    f"{op}: no session {sid_text} (say hello first; sessions end on goodbye, "
                     "eviction, or when the worker process is gone)"
                 )
         except (VqpoolError, ValueError) as exc:

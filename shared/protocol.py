@@ -309,6 +309,12 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
+def session_label(sid: int) -> str:
+    """How a session id is shown to people: hex, the same in the daemon's log, its error
+    messages, vqpoolctl and the worker's ``/health`` (the wire carries the int)."""
+    return f"{sid:x}"
+
+
 # -- argument schemas ------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from serving_harness import ServingStack
+from vqpool.shared.protocol import session_label
 from vqpool.worker.http_client import request_json, stream_events
 from vqpool.worker.tiny_models import build_tiny_model
 from vqpool.worker.tokenizer import ByteTokenizer
@@ -149,7 +150,7 @@ def test_info_routes(stack: ServingStack) -> None:
         assert key in stats
     sessions = {s["model"]: s for s in stack.daemon.admin("sessions")}
     assert set(sessions) == {LLAMA, QWEN3}
-    assert sessions[LLAMA]["sid"] == health["session"]
+    assert session_label(sessions[LLAMA]["sid"]) == health["session"]
 
 
 def raw_exchange(url: str, data: bytes) -> tuple[int, Any]:

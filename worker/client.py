@@ -66,6 +66,7 @@ from vqpool.shared.protocol import (
     MAX_BATCH,
     config_from_wire,
     encode_request,
+    session_label,
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
@@ -659,7 +660,8 @@ class PoolClient:
     def __repr__(self) -> str:
         return (
             f"PoolClient(run_dir={str(self.run_dir)!r}, name={self.name!r}, "
-            f"session={self.session_id}, boot={self.boot_id})"
+            f"session={session_label(self.session_id) if self.session_id is not None else None}, "
+            f"boot={self.boot_id})"
         )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.protocol import session_label
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, make_server
@@ -169,10 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = pool
 
         def describe_pool() -> dict[str, Any]:
+            sid = session.session_id
             return {
                 "pool": "vqpoold",
                 "run_dir": str(session.run_dir),
-                "session": session.session_id,
+                "session": None if sid is None else session_label(sid),
                 "block_size": session.config.block_size,
             }
 

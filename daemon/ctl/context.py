@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vqpool.daemon.ctl.exits import CtlError, Exit
-from vqpool.daemon.ctl.render import session_label
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.protocol import session_label
 
 
 class Ctl:

@@ -71,8 +71,3 @@ def bar(fraction: float, width: int) -> str:
     full, empty = ("█", "░") if _unicode_ok() else ("#", ".")
     filled = round(max(0.0, min(1.0, fraction)) * width)
     return full * filled + empty * (width - filled)
-
-
-def session_label(sid: int) -> str:
-    """How vqpoolctl and the daemon's log show a session id (hex)."""
-    return f"{sid:x}"

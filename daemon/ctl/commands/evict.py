@@ -14,7 +14,8 @@ import sys
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import CtlError, Exit
 from vqpool.daemon.ctl.options import add_json
-from vqpool.daemon.ctl.render import human_bytes, session_label
+from vqpool.daemon.ctl.render import human_bytes
+from vqpool.shared.protocol import session_label
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

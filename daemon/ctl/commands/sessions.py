@@ -14,7 +14,8 @@ import argparse
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json
-from vqpool.daemon.ctl.render import duration, human_bytes, session_label, table
+from vqpool.daemon.ctl.render import duration, human_bytes, table
+from vqpool.shared.protocol import session_label
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
