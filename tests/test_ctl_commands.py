@@ -76,12 +76,15 @@ def test_sessions(pool: LivePool) -> None:
     assert alpha["blocks"] == {"k": 4, "v": 3} and beta["blocks"] == {"k": 7, "v": 7}
     assert alpha["bytes"] == {"k": 16384, "v": 12288} and beta["bytes_total"] == 14 * 4096
     assert alpha["n_owners"] == 2 and beta["n_owners"] == 1
-    assert alpha["tokens"] == 40 + 40 + 16 and beta["tokens"] == 200
+    # Tokens per sequence: K and V hold the same 40 (a1) and 100 (7) tokens, counted once.
+    assert alpha["tokens"] == 40 + 16 and beta["tokens"] == 100
     assert alpha["lease"]["state"] == "ok"
 
     result = run_ctl(pool.run_dir, "sessions")
     assert result.returncode == 0, result.stderr
-    header, *lines = result.stdout.splitlines()
+    rows, legend = result.stdout.split("\n\n")
+    assert legend.startswith("TOKENS: token slots per sequence marked used (K and V count once)")
+    header, *lines = rows.splitlines()
     assert header.split()[:8] == [
         "SESSION",
         "PID",
@@ -95,15 +98,15 @@ def test_sessions(pool: LivePool) -> None:
     by_model = {line.split()[2]: line.split() for line in lines}
     assert by_model["alpha"][:2] == [session_hex(pool.alpha), str(pool.alpha.pid)]
     assert by_model["alpha"][4:8] == ["4", "3", "28.0", "KiB"]
-    assert by_model["beta"][4:10] == ["7", "7", "56.0", "KiB", "1", "200"]
+    assert by_model["beta"][4:10] == ["7", "7", "56.0", "KiB", "1", "100"]
     assert by_model["beta"][-1] == "ok"
 
 
 def test_owners_all_and_per_session(pool: LivePool) -> None:
     owners = {o["owner"]: o for o in ctl_json(pool.run_dir, "owners")}
     assert set(owners) == {"a1", "a2", 7}
-    assert owners["a1"]["blocks"] == {"k": 3, "v": 3} and owners["a1"]["tokens"] == 80
-    assert owners["a1"]["fill"] == pytest.approx(80 / (6 * 16))
+    assert owners["a1"]["blocks"] == {"k": 3, "v": 3} and owners["a1"]["tokens"] == 40
+    assert owners["a1"]["fill"] == pytest.approx(40 / (3 * 16))
     assert owners["a2"]["fill"] == 1.0
     assert owners[7]["session"] == session_hex(pool.beta) and owners[7]["model"] == "beta"
 
@@ -113,7 +116,10 @@ def test_owners_all_and_per_session(pool: LivePool) -> None:
 
     result = run_ctl(pool.run_dir, "owners", "--session", session_hex(pool.beta))
     assert result.returncode == 0, result.stderr
-    header, row = result.stdout.splitlines()
+    rows, legend = result.stdout.split("\n\n")
+    assert legend.startswith("TOKENS: token slots per sequence marked used")
+    assert "\nFILL: TOKENS / the slots of the blocks held" in legend
+    header, row = rows.splitlines()
     assert header.split() == [
         "OWNER",
         "SESSION",
@@ -127,7 +133,7 @@ def test_owners_all_and_per_session(pool: LivePool) -> None:
         "FILL",
     ]
     beta = [session_hex(pool.beta), str(pool.beta.pid), "beta"]
-    assert row.split() == ["7", *beta, "7", "7", "200", "89.3%"]
+    assert row.split() == ["7", *beta, "7", "7", "100", "89.3%"]
 
 
 def test_owners_of_an_unknown_session_is_refused(pool: LivePool) -> None:
