@@ -72,4 +72,6 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
         "bytes_total": sum(bytes_held.values()),
         "tokens": tokens,
         "requests": session.n_requests,
+        "running": session.running,
+        "queued": session.queued,
     }

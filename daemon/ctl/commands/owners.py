@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 
+from vqpool.daemon.ctl.commands.sessions import TOKENS_LEGEND
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json
-from vqpool.daemon.ctl.commands.sessions import TOKENS_LEGEND
 from vqpool.daemon.ctl.render import percent, session_label, table
 
 FILL_LEGEND = (
