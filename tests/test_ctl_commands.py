@@ -160,6 +160,10 @@ def test_history_table_json_and_plot(pool: LivePool, tmp_path: Path) -> None:
     assert len(timeline) >= 3, timeline  # the pool grew over several 0.25 s ticks
     assert timeline[-1]["in_use"] == {"k": 11, "v": 10}
     assert timeline[-1]["total"] == {"k": 128, "v": 128}
+    # Per model: blocks its workers hold, K and V counted apart (as the streams count them).
+    assert timeline[-1]["models"] == {"alpha": 4 + 3, "beta": 7 + 7}
+    held_by_beta = [t["models"].get("beta", 0) for t in timeline]
+    assert held_by_beta[0] == 0 and held_by_beta == sorted(held_by_beta)  # beta came last
     in_use_totals = [sum(t["in_use"].values()) for t in timeline]
     assert in_use_totals == sorted(in_use_totals)  # only allocations happened
     assert [t["time"] for t in timeline] == sorted(t["time"] for t in timeline)
@@ -172,6 +176,13 @@ def test_history_table_json_and_plot(pool: LivePool, tmp_path: Path) -> None:
 
     pixels = matplotlib.image.imread(png)  # decodes the whole image
     assert pixels.shape[:2] == (450, 900) and pixels.std() > 0  # not a blank canvas
+
+    result = run_ctl(pool.run_dir, "history", "--limit", "1", "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"wrote {png}: 1 samples over 0.0s; lines: k in use, k total, v in use, v total, "
+        "alpha (blocks held), beta (blocks held)"
+    )
 
     result = run_ctl(pool.run_dir, "history", "--limit", "2")
     assert result.returncode == 0, result.stderr
@@ -188,6 +199,14 @@ def test_metrics_text_and_json(pool: LivePool) -> None:
     assert samples["veloxquant_block_pool_blocks_in_use"] == 21
     assert samples["veloxquant_block_pool_blocks_total"] == 256
     assert samples["veloxquant_block_pool_allocations_total"] == 21
+
+
+def test_metrics_help_describes_the_metrics_in_the_users_terms(pool: LivePool) -> None:
+    result = run_ctl(pool.run_dir, "help", "metrics")
+    assert result.returncode == 0, result.stderr
+    assert "seed" not in result.stdout
+    for name in ("blocks_in_use", "allocations_total", "exhausted_total", "retired_total"):
+        assert f"veloxquant_block_pool_{name}" in result.stdout
 
 
 def test_help_comes_from_the_command_modules(pool: LivePool) -> None:
