@@ -56,23 +56,23 @@ def test_bad_load_counts_are_refused_and_change_nothing(daemon: DaemonProcess) -
 def test_serving_worker_reports_running_and_queued_requests() -> None:
     stack = ServingStack(["builtin:llama"], worker_args=["--max-concurrent", "1"]).start()
     try:
-        url = stack.url("builtin:llama")
-        body = {"prompt": "count the blocks " * 4, "max_tokens": 400, "stream": True}
-        started = [threading.Event() for _ in range(3)]
-
-        def client(i: int) -> None:
-            for _ in stream_events(url, "/v1/completions", body):
-                started[i].set()
-
-        clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-        for thread in clients:
-            thread.start()
         pid = stack.workers["builtin:llama"].pid
 
         def load() -> tuple[int, int]:
             session = _session(stack.daemon, pid)
             return session["running"], session["queued"]
 
+        wait_until(lambda: load() == (0, 0), timeout=5.0)  # reported from the start
+        url = stack.url("builtin:llama")
+        body = {"prompt": "count the blocks " * 4, "max_tokens": 400, "stream": True}
+
+        def client() -> None:
+            for _ in stream_events(url, "/v1/completions", body):
+                pass
+
+        clients = [threading.Thread(target=client) for _ in range(3)]
+        for thread in clients:
+            thread.start()
         wait_until(lambda: load() == (1, 2), timeout=20.0)
         for thread in clients:
             thread.join()

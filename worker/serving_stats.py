@@ -57,6 +57,8 @@ class ServingStats:
         self._peak_blocks = 0
         self._bytes = 0
         self._peak_bytes = 0
+        if on_load is not None:  # idle to start with: "0 running" rather than "not reported"
+            on_load(0, 0)
 
     def add(self, **deltas: float) -> None:
         """Add to named counters (names from the module's list; others raise KeyError)."""
