@@ -81,10 +81,15 @@ def _count(value: int | None) -> str:
 
 
 def _bar_lines(heads: list[str], fractions: list[float], tails: list[str], width: int) -> list[str]:
-    """``head [bar] tail`` lines whose bars line up and take the width the texts leave."""
+    """``head [bar] tail`` lines whose bars line up and take the width the texts leave; with
+    less than 5 columns left for the bars, ``head tail`` lines (the numbers matter more)."""
     head_width = max(len(h) for h in heads)
     tail_width = max(len(t) for t in tails)
-    bar_width = max(5, width - head_width - tail_width - 4)
+    bar_width = width - head_width - tail_width - 4
+    if bar_width < 5:
+        return [
+            f"{head:<{head_width}} {tail}".rstrip() for head, tail in zip(heads, tails, strict=True)
+        ]
     return [
         f"{head:<{head_width}} [{bar(fraction, bar_width)}] {tail}".rstrip()
         for head, fraction, tail in zip(heads, fractions, tails, strict=True)
@@ -133,19 +138,22 @@ def render(reading: Reading, previous: Reading | None, width: int, interval: flo
         return lines
     labels = model_labels(list(models), max(12, width // 3), ellipsis())
     label_width = max(len(label) for label in labels.values())
-    heads, fractions, tails = [], [], []
+    heads: list[str] = []
+    fractions: list[float] = []
+    held_texts: list[str] = []
+    loads: list[str] = []
     for name, model in models.items():
+        running, queued = f"running {_count(model['running'])}", f"queued {_count(model['queued'])}"
+        # One count per stream line keeps the lines short; a shared-kv pool has one line.
+        model_loads = [running, queued] if len(streams) > 1 else [f"{running}, {queued}"]
         for i, (stream, counts) in enumerate(streams.items()):
             held = model["blocks"].get(stream, 0)
             heads.append(f"{labels[name]:<{label_width}} {stream}")
             fractions.append(held / counts["total"] if counts["total"] else 0.0)
-            load = (
-                f"running {_count(model['running'])}, queued {_count(model['queued'])}"
-                if i == 0
-                else ""
-            )
-            blocks = f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}"
-            tails.append(f"{blocks:<22}{load}")
+            held_texts.append(f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}")
+            loads.append(model_loads[i] if i < len(model_loads) else "")
+    held_width = max(len(text) for text in held_texts)
+    tails = [f"{text:<{held_width}}  {load}" for text, load in zip(held_texts, loads, strict=True)]
     return lines + _bar_lines(heads, fractions, tails, width)
 
 
