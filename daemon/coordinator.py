@@ -377,6 +377,15 @@ class Coordinator:
         (O(allocations held), no Block objects: admin views and metrics)."""
         return {owner: self.allocator.usage(owner) for owner in session.owners}
 
+    def blocks_by_model(self) -> dict[str, int]:
+        """Blocks the sessions of each model hold now, all streams together (O(chunks held):
+        for the timeline's tick, never per request)."""
+        held: dict[str, int] = {}
+        for session in self.sessions:
+            n = sum(self.allocator.n_blocks_for(owner) for owner in session.owners)
+            held[session.model] = held.get(session.model, 0) + n
+        return held
+
     def uptime(self) -> float:
         """Seconds since the daemon started."""
         return time.monotonic() - self.started_monotonic

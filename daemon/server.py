@@ -341,7 +341,7 @@ class Server:
             if now >= next_check:
                 coord.reap_dead_sessions(now)
                 coord.check_claim_period(now)
-                coord.timeline.sample(coord.allocator)
+                coord.timeline.sample(coord.allocator, coord.blocks_by_model)
                 next_check = now + LIVENESS_INTERVAL
 
     def _serve(

@@ -50,6 +50,8 @@ class Session:
         replies: Encoded replies to recent mutating requests, by request id.
         reply_floor: Highest request id evicted from ``replies``; older ids are refused.
         n_requests: Requests served.
+        running: Requests the worker said it runs, in its last ``ping`` that said (None: never).
+        queued: Requests the worker said it queues, likewise.
     """
 
     sid: int
@@ -65,6 +67,8 @@ class Session:
     replies: dict[int, bytes] = field(default_factory=dict)
     reply_floor: int = -1
     n_requests: int = 0
+    running: int | None = None
+    queued: int | None = None
 
     def cached_reply(self, rid: int) -> bytes | None:
         """The reply already sent for ``rid``, or None if ``rid`` is new.

@@ -1,21 +1,29 @@
-"""Blocks in use per stream over time, sampled by the daemon loop (for ``vqpoolctl history``).
+"""Blocks in use per stream and per model over time, sampled by the daemon loop (for
+``vqpoolctl history``).
 
 The allocator's own history has one snapshot per mutating call, pool-wide counters only and no
 clock: under load its 256 entries cover milliseconds, and it cannot tell keys from values. This
 timeline is sampled by the loop's liveness tick (every 0.25 s), only when the pool changed since
-the last sample, so it costs nothing per request and an idle daemon records nothing.
+the last sample, so it costs nothing per request and an idle daemon records nothing. A changed
+tick also counts the blocks each model's sessions hold (O(allocation chunks held), four times
+a second at most).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from vqpool.shared.allocator import BlockPoolAllocator
 
 TIMELINE_SIZE = 3600
 """Samples kept: at least 15 minutes of a pool that changes on every tick."""
+
+TIMELINE_MODELS = 16
+"""Models kept per sample (those holding the most blocks): bounds a sample's size whatever
+model names workers announce."""
 
 
 class TimelineSample(NamedTuple):
@@ -26,18 +34,26 @@ class TimelineSample(NamedTuple):
     total: tuple[int, ...]
     n_allocations: int
     n_exhausted: int
+    models: tuple[tuple[str, int], ...] = ()
+    """(model, blocks its sessions hold) pairs, K and V blocks counted apart."""
 
 
 class StreamTimeline:
-    """A bounded record of blocks in use and total per stream, with wall-clock times."""
+    """A bounded record of blocks in use and total per stream, and held per model, with
+    wall-clock times."""
 
     def __init__(self, streams: tuple[str, ...], size: int = TIMELINE_SIZE) -> None:
         self.streams = streams
         self._samples: deque[TimelineSample] = deque(maxlen=size)
         self._last_key: tuple[int, ...] | None = None
 
-    def sample(self, allocator: BlockPoolAllocator) -> None:
-        """Record the pool now, unless nothing changed since the last sample."""
+    def sample(
+        self,
+        allocator: BlockPoolAllocator,
+        blocks_by_model: Callable[[], Mapping[str, int]],
+    ) -> None:
+        """Record the pool now, unless nothing changed since the last sample; the blocks per
+        model come from ``blocks_by_model()`` (called only then)."""
         st = allocator.stats
         key = (st.n_allocations, st.n_frees, st.n_blocks, st.n_exhausted)
         if key == self._last_key:
@@ -46,6 +62,7 @@ class StreamTimeline:
         totals = tuple(allocator.n_total(s) for s in self.streams)
         pairs = zip(self.streams, totals, strict=True)
         in_use = tuple(total - allocator.n_free(stream) for stream, total in pairs)
+        by_model = sorted(blocks_by_model().items(), key=lambda item: (-item[1], item[0]))
         self._samples.append(
             TimelineSample(
                 time=time.time(),
@@ -53,6 +70,7 @@ class StreamTimeline:
                 total=totals,
                 n_allocations=st.n_allocations,
                 n_exhausted=st.n_exhausted,
+                models=tuple(by_model[:TIMELINE_MODELS]),
             )
         )
 
@@ -71,6 +89,7 @@ class StreamTimeline:
                 "total": dict(zip(self.streams, s.total, strict=True)),
                 "n_allocations": s.n_allocations,
                 "n_exhausted": s.n_exhausted,
+                "models": dict(s.models),
             }
             for s in samples
         ]

@@ -10,15 +10,22 @@ from vqpool.daemon.sessions import Session
 from vqpool.shared.allocator import Owner
 
 
+def sequence_tokens(usage: dict[str, tuple[int, int]]) -> int:
+    """Token slots one owner's sequence has marked used: the K and V streams hold the same
+    tokens, so the larger of the two counts, not their sum."""
+    return max((n_tokens for _, n_tokens in usage.values()), default=0)
+
+
 def owner_view(
     coord: Coordinator, owner: Owner, usage: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
-    """One owner: its session, block counts per stream, tokens stored and fill."""
+    """One owner: its session, block counts per stream, token slots marked used per sequence,
+    and fill (those slots over the slots of the blocks that hold the sequence)."""
     session = coord.holder_of(owner)
     per_stream = {stream: n_blocks for stream, (n_blocks, _) in usage.items()}
     n_blocks = sum(per_stream.values())
-    tokens = sum(n_tokens for _, n_tokens in usage.values())
-    capacity = n_blocks * coord.allocator.config.block_size
+    tokens = sequence_tokens(usage)
+    capacity = max(per_stream.values(), default=0) * coord.allocator.config.block_size
     return {
         "owner": owner,
         "sid": None if session is None else session.sid,
@@ -36,9 +43,9 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
     per_stream: dict[str, int] = {}
     tokens = 0
     for usage in coord.usage_by(session).values():
-        for stream, (n_blocks, n_tokens) in usage.items():
+        for stream, (n_blocks, _) in usage.items():
             per_stream[stream] = per_stream.get(stream, 0) + n_blocks
-            tokens += n_tokens
+        tokens += sequence_tokens(usage)
     bytes_held = {
         stream: n * session.bytes_per_block.get(stream, 0) for stream, n in per_stream.items()
     }
@@ -65,4 +72,6 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
         "bytes_total": sum(bytes_held.values()),
         "tokens": tokens,
         "requests": session.n_requests,
+        "running": session.running,
+        "queued": session.queued,
     }

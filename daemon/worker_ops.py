@@ -76,9 +76,17 @@ def _goodbye(coord: Coordinator, session: Session, args: dict[str, Any]) -> Any:
     return {"ended": True, "owners_released": n_owners, "blocks_freed": n_blocks}
 
 
+def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> None:
+    # The lease is refreshed by any request; a ping may also carry the worker's load.
+    if args["running"] is not None:
+        session.running = args["running"]
+    if args["queued"] is not None:
+        session.queued = args["queued"]
+
+
 HANDLERS: dict[str, Handler] = {
     GOODBYE: _goodbye,
-    "ping": lambda coord, session, args: None,
+    "ping": _ping,
     "allocate": lambda coord, session, a: coord.allocate(
         session, a["stream"], a["n_tokens"], a["owner"], a["format"]
     ),

@@ -12,8 +12,9 @@ What it does, end to end, with real processes:
    (half of them streamed) for a fixed time; the pool is small enough that the two models
    contend for blocks and requests wait in the workers' queues;
 4. shows the pool live while it runs: per stream, blocks in use and free; per model, blocks
-   held per stream, bytes, requests running and queued (a redrawn view on a terminal, one line
-   per second otherwise);
+   held per stream, bytes, requests running and queued, all as the daemon knows them (the
+   workers report their requests in their heartbeat): a redrawn view on a terminal, otherwise
+   one line per second, printed only when something in it changed;
 5. once the load is done, checks that no block is held, shrinks the pool with
    ``vqpoolctl shrink``, prints a summary table, and stops everything cleanly.
 
@@ -144,15 +145,13 @@ def client_loop(url: str, seed: int, until: float, max_tokens: int, tally: Clien
 # -- live view -------------------------------------------------------------------------------------
 
 
-def pool_snapshot(admin: AdminClient, workers: dict[str, WorkerProcess]) -> dict[str, Any]:
-    """The pool as the daemon sees it, plus each worker's queue."""
-    streams = admin.call("stats")["streams"]
-    held = per_model(admin.call("sessions"))
-    for model, worker in workers.items():
-        stats = request_json(worker.url, "GET", "/v1/stats", timeout=5).body
-        entry = held.setdefault(model, {"blocks": {}, "bytes_total": 0})
-        entry.update(active=stats["active"], queued=stats["queue_length"])
-    return {"streams": streams, "models": held}
+def pool_snapshot(admin: AdminClient) -> dict[str, Any]:
+    """The pool and each model's blocks and requests, as the daemon sees them."""
+    return {"streams": admin.call("stats")["streams"], "models": per_model(admin.call("sessions"))}
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def render_screen(snap: dict[str, Any], elapsed: float, duration: float) -> str:
@@ -171,26 +170,28 @@ def render_screen(snap: dict[str, Any], elapsed: float, duration: float) -> str:
         blocks = "  ".join(f"{k} {v:3d}" for k, v in sorted(m["blocks"].items())) or "-"
         lines.append(
             f"  {model:<28} blocks {blocks:<14} {human_bytes(m['bytes_total']):>10}   "
-            f"running {m.get('active', 0)}  queued {m.get('queued', 0)}"
+            f"running {_count(m['running'])}  queued {_count(m['queued'])}"
         )
     return "\n".join(lines)
 
 
-def render_line(snap: dict[str, Any], elapsed: float) -> str:
-    pool = " ".join(
-        f"{n}:{s['total'] - s['free']}/{s['total']}" for n, s in snap["streams"].items()
+def render_line(snap: dict[str, Any]) -> str:
+    """The pool in one line (without the time, so that two lines can be compared)."""
+    pool = ", ".join(
+        f"{n} in use {s['total'] - s['free']}/{s['total']}" for n, s in snap["streams"].items()
     )
     models = " | ".join(
-        f"{model} blocks {sum(m['blocks'].values())} run {m.get('active', 0)} "
-        f"queue {m.get('queued', 0)}"
+        f"{model}: blocks {sum(m['blocks'].values())}, running {_count(m['running'])}, "
+        f"queued {_count(m['queued'])}"
         for model, m in snap["models"].items()
     )
-    return f"[{elapsed:5.1f}s] pool {pool} | {models}"
+    return f"pool {pool} | {models}"
 
 
 def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, duration: float) -> None:
     tty = sys.stdout.isatty()
     started = time.monotonic()
+    last_line = ""
     while not stop.is_set():
         elapsed = time.monotonic() - started
         try:
@@ -200,8 +201,9 @@ def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, durat
         else:
             if tty:
                 print("\x1b[H\x1b[2J" + render_screen(snap, elapsed, duration), flush=True)
-            else:
-                print(render_line(snap, elapsed), flush=True)
+            elif (line := render_line(snap)) != last_line:  # a log, not a ticker
+                print(f"[{elapsed:5.1f}s] {line}", flush=True)
+                last_line = line
         stop.wait(0.5 if tty else 1.0)
 
 
@@ -321,7 +323,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             stop_view = threading.Event()
             view = threading.Thread(
                 target=live_view,
-                args=(lambda: pool_snapshot(admin, workers), stop_view, duration),
+                args=(lambda: pool_snapshot(admin), stop_view, duration),
             )
             view.start()
             for client in clients:

@@ -59,6 +59,9 @@ MAX_TAG_LEN = 32
 MAX_TEXT_LEN = 256
 """Longest free text in a request (model name, client version, boot id, nonce)."""
 
+MAX_LOAD = (1 << 31) - 1
+"""Largest running or queued request count a worker may report in ``ping``."""
+
 MAX_CLAIM_GROUPS = 16
 """Most (stream, format) groups of blocks one owner may claim."""
 
@@ -381,7 +384,20 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
         Field("client_version", _text, required=False, default=""),
     ),
     GOODBYE: (),
-    PING: (),
+    PING: (
+        Field(
+            "running",
+            lambda v, n: check_int(v, n, 0, MAX_LOAD),
+            required=False,
+            help="requests the worker is running now",
+        ),
+        Field(
+            "queued",
+            lambda v, n: check_int(v, n, 0, MAX_LOAD),
+            required=False,
+            help="requests waiting in the worker's queue now",
+        ),
+    ),
     ALLOCATE: (
         Field("stream", _stream),
         Field("n_tokens", check_int),

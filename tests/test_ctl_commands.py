@@ -34,12 +34,16 @@ def test_status_json_matches_the_daemon(pool: LivePool) -> None:
             "blocks": {"k": 4, "v": 3},
             "bytes": {"k": 4 * 4096, "v": 3 * 4096},
             "bytes_total": 7 * 4096,
+            "running": None,  # the test workers never report their requests
+            "queued": None,
         },
         "beta": {
             "sessions": 1,
             "blocks": {"k": 7, "v": 7},
             "bytes": {"k": 7 * 4096, "v": 7 * 4096},
             "bytes_total": 14 * 4096,
+            "running": None,
+            "queued": None,
         },
     }
     assert status["uptime_s"] > 0
@@ -76,12 +80,15 @@ def test_sessions(pool: LivePool) -> None:
     assert alpha["blocks"] == {"k": 4, "v": 3} and beta["blocks"] == {"k": 7, "v": 7}
     assert alpha["bytes"] == {"k": 16384, "v": 12288} and beta["bytes_total"] == 14 * 4096
     assert alpha["n_owners"] == 2 and beta["n_owners"] == 1
-    assert alpha["tokens"] == 40 + 40 + 16 and beta["tokens"] == 200
+    # Tokens per sequence: K and V hold the same 40 (a1) and 100 (7) tokens, counted once.
+    assert alpha["tokens"] == 40 + 16 and beta["tokens"] == 100
     assert alpha["lease"]["state"] == "ok"
 
     result = run_ctl(pool.run_dir, "sessions")
     assert result.returncode == 0, result.stderr
-    header, *lines = result.stdout.splitlines()
+    rows, legend = result.stdout.split("\n\n")
+    assert legend.startswith("TOKENS: token slots per sequence marked used (K and V count once)")
+    header, *lines = rows.splitlines()
     assert header.split()[:8] == [
         "SESSION",
         "PID",
@@ -95,15 +102,15 @@ def test_sessions(pool: LivePool) -> None:
     by_model = {line.split()[2]: line.split() for line in lines}
     assert by_model["alpha"][:2] == [session_hex(pool.alpha), str(pool.alpha.pid)]
     assert by_model["alpha"][4:8] == ["4", "3", "28.0", "KiB"]
-    assert by_model["beta"][4:10] == ["7", "7", "56.0", "KiB", "1", "200"]
+    assert by_model["beta"][4:10] == ["7", "7", "56.0", "KiB", "1", "100"]
     assert by_model["beta"][-1] == "ok"
 
 
 def test_owners_all_and_per_session(pool: LivePool) -> None:
     owners = {o["owner"]: o for o in ctl_json(pool.run_dir, "owners")}
     assert set(owners) == {"a1", "a2", 7}
-    assert owners["a1"]["blocks"] == {"k": 3, "v": 3} and owners["a1"]["tokens"] == 80
-    assert owners["a1"]["fill"] == pytest.approx(80 / (6 * 16))
+    assert owners["a1"]["blocks"] == {"k": 3, "v": 3} and owners["a1"]["tokens"] == 40
+    assert owners["a1"]["fill"] == pytest.approx(40 / (3 * 16))
     assert owners["a2"]["fill"] == 1.0
     assert owners[7]["session"] == session_hex(pool.beta) and owners[7]["model"] == "beta"
 
@@ -113,7 +120,10 @@ def test_owners_all_and_per_session(pool: LivePool) -> None:
 
     result = run_ctl(pool.run_dir, "owners", "--session", session_hex(pool.beta))
     assert result.returncode == 0, result.stderr
-    header, row = result.stdout.splitlines()
+    rows, legend = result.stdout.split("\n\n")
+    assert legend.startswith("TOKENS: token slots per sequence marked used")
+    assert "\nFILL: TOKENS / the slots of the blocks held" in legend
+    header, row = rows.splitlines()
     assert header.split() == [
         "OWNER",
         "SESSION",
@@ -127,7 +137,7 @@ def test_owners_all_and_per_session(pool: LivePool) -> None:
         "FILL",
     ]
     beta = [session_hex(pool.beta), str(pool.beta.pid), "beta"]
-    assert row.split() == ["7", *beta, "7", "7", "200", "89.3%"]
+    assert row.split() == ["7", *beta, "7", "7", "100", "89.3%"]
 
 
 def test_owners_of_an_unknown_session_is_refused(pool: LivePool) -> None:
@@ -150,6 +160,10 @@ def test_history_table_json_and_plot(pool: LivePool, tmp_path: Path) -> None:
     assert len(timeline) >= 3, timeline  # the pool grew over several 0.25 s ticks
     assert timeline[-1]["in_use"] == {"k": 11, "v": 10}
     assert timeline[-1]["total"] == {"k": 128, "v": 128}
+    # Per model: blocks its workers hold, K and V counted apart (as the streams count them).
+    assert timeline[-1]["models"] == {"alpha": 4 + 3, "beta": 7 + 7}
+    held_by_beta = [t["models"].get("beta", 0) for t in timeline]
+    assert held_by_beta[0] == 0 and held_by_beta == sorted(held_by_beta)  # beta came last
     in_use_totals = [sum(t["in_use"].values()) for t in timeline]
     assert in_use_totals == sorted(in_use_totals)  # only allocations happened
     assert [t["time"] for t in timeline] == sorted(t["time"] for t in timeline)
@@ -162,6 +176,13 @@ def test_history_table_json_and_plot(pool: LivePool, tmp_path: Path) -> None:
 
     pixels = matplotlib.image.imread(png)  # decodes the whole image
     assert pixels.shape[:2] == (450, 900) and pixels.std() > 0  # not a blank canvas
+
+    result = run_ctl(pool.run_dir, "history", "--limit", "1", "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"wrote {png}: 1 samples over 0.0s; lines: k in use, k total, v in use, v total, "
+        "alpha (blocks held), beta (blocks held)"
+    )
 
     result = run_ctl(pool.run_dir, "history", "--limit", "2")
     assert result.returncode == 0, result.stderr
@@ -178,6 +199,14 @@ def test_metrics_text_and_json(pool: LivePool) -> None:
     assert samples["veloxquant_block_pool_blocks_in_use"] == 21
     assert samples["veloxquant_block_pool_blocks_total"] == 256
     assert samples["veloxquant_block_pool_allocations_total"] == 21
+
+
+def test_metrics_help_describes_the_metrics_in_the_users_terms(pool: LivePool) -> None:
+    result = run_ctl(pool.run_dir, "help", "metrics")
+    assert result.returncode == 0, result.stderr
+    assert "seed" not in result.stdout
+    for name in ("blocks_in_use", "allocations_total", "exhausted_total", "retired_total"):
+        assert f"veloxquant_block_pool_{name}" in result.stdout
 
 
 def test_help_comes_from_the_command_modules(pool: LivePool) -> None:

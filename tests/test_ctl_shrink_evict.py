@@ -29,26 +29,29 @@ def _held(pool: LivePool) -> dict[object, list[list[object]]]:
 def test_shrink_retires_exactly_the_free_blocks_asked_for(pool: LivePool) -> None:
     held_before = _held(pool)
     # k: 32 blocks, 11 in use (alpha 4, beta 7), 21 free.
-    result = run_ctl(pool.run_dir, "shrink", "--stream", "k", "--target-free", "5")
+    result = run_ctl(pool.run_dir, "shrink", "--only-stream", "k", "--target-free", "5")
     assert result.returncode == 0, result.stderr
     assert (
         result.stdout.strip() == "stream k: retired 16 free block(s); now 5 free of 16 (11 in use)"
     )
+    assert "warning: only stream k shrunk" in result.stderr
     streams = pool.daemon.admin("stats")["streams"]
     assert streams == {"k": {"free": 5, "total": 16}, "v": {"free": 22, "total": 32}}
 
     # Down to zero free: every remaining free block goes, no block in use does.
-    results = ctl_json(pool.run_dir, "shrink", "--stream", "k", "--target-free", "0")
+    results = ctl_json(pool.run_dir, "shrink", "--only-stream", "k", "--target-free", "0")
     assert results == [{"stream": "k", "retired": 5, "n_free": 0, "n_total": 11}]
     assert _held(pool) == held_before
     pool.daemon.audit()
 
     # Asking again retires nothing; asking for more free than there are retires nothing.
     assert (
-        ctl_json(pool.run_dir, "shrink", "--stream", "k", "--target-free", "0")[0]["retired"] == 0
+        ctl_json(pool.run_dir, "shrink", "--only-stream", "k", "--target-free", "0")[0]["retired"]
+        == 0
     )
     assert (
-        ctl_json(pool.run_dir, "shrink", "--stream", "k", "--target-free", "50")[0]["retired"] == 0
+        ctl_json(pool.run_dir, "shrink", "--only-stream", "k", "--target-free", "50")[0]["retired"]
+        == 0
     )
 
     # The workers still own and use their blocks: filling and freeing them works.
@@ -71,6 +74,20 @@ def test_shrink_kv_shrinks_both_streams_of_a_split_pool(pool: LivePool) -> None:
     pool.daemon.audit()
 
 
+def test_shrink_one_stream_of_a_split_pool_shrinks_k_and_v_together(pool: LivePool) -> None:
+    # A V block without its K block can never be used: --stream k shrinks both, and says so.
+    result = run_ctl(pool.run_dir, "shrink", "--stream", "k", "--target-free", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "stream k: retired 19 free block(s); now 2 free of 13 (11 in use)",
+        "stream v: retired 20 free block(s); now 2 free of 12 (10 in use)",
+    ]
+    assert "shrinking k and v together" in result.stderr and "--only-stream" in result.stderr
+    streams = pool.daemon.admin("stats")["streams"]
+    assert streams == {"k": {"free": 2, "total": 13}, "v": {"free": 2, "total": 12}}
+    pool.daemon.audit()
+
+
 def test_shrink_bad_arguments_change_nothing(pool: LivePool) -> None:
     before = pool.daemon.admin("stats")["streams"]
     for args in (
@@ -78,6 +95,8 @@ def test_shrink_bad_arguments_change_nothing(pool: LivePool) -> None:
         ["--stream", "k", "--target-free", "-1"],
         ["--stream", "k", "--target-free", "many"],
         ["--stream", "k"],
+        ["--stream", "k", "--only-stream", "k", "--target-free", "1"],
+        ["--only-stream", "kv", "--target-free", "1"],
     ):
         result = run_ctl(pool.run_dir, "shrink", *args)
         assert result.returncode == 2, (args, result.stderr)

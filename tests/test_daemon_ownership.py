@@ -131,7 +131,7 @@ def test_admin_views_describe_sessions_and_owners(
     assert sessions[b.pid]["n_blocks"] == 1
     owners = {o["owner"]: o for o in daemon.admin("owners", sid=a.session_id)}
     assert owners["a1"]["blocks"] == {"k": 3, "v": 3}
-    assert owners["a1"]["tokens"] == 80 and owners["a1"]["fill"] == pytest.approx(80 / 96)
+    assert owners["a1"]["tokens"] == 40 and owners["a1"]["fill"] == pytest.approx(40 / 48)
     assert owners["a2"]["n_blocks"] == 0
     assert {o["owner"] for o in daemon.admin("owners")} == {"a1", "a2", "b1"}
 

@@ -6,6 +6,7 @@ Runs ``scripts/demo.py`` with this interpreter: ``scripts/demo`` itself only set
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -39,8 +40,14 @@ def test_demo_short_runs_end_to_end() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "builtin:llama" in out and "builtin:qwen3" in out
-    # The live view printed lines (stdout is not a TTY here), then the summary and the shrink.
-    assert out.count("] pool k:") >= 3
+    # The live view printed lines (stdout is not a TTY here), each one only when the pool or
+    # the requests changed, with labelled numbers; then the summary and the shrink.
+    live = [line for line in out.splitlines() if re.match(r"\[ *\d+\.\ds\] pool ", line)]
+    assert len(live) >= 2, out
+    assert re.search(r"\] pool k in use \d+/48, v in use \d+/48 \| builtin:llama: ", live[0])
+    assert re.search(r"blocks \d+, running \d+, queued \d+", live[-1])
+    states = [line.split("] ", 1)[1] for line in live]
+    assert all(a != b for a, b in itertools.pairwise(states)), live
     assert "peak blocks" in out and "exhaustions" in out
     assert "blocks in use after the load: 0; audit: ok" in out
     shrink = re.search(r"Shrink \(vqpoolctl shrink\): (\d+) blocks retired", out)

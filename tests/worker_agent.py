@@ -35,7 +35,7 @@ def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
         return None
     if op == "blocks_for":
         return [[b.block_id, b.stream, b.format, b.n_used] for b in pool.blocks_for(*args)]
-    if op in ("free_all", "register_owner", "release_owner", "n_free", "ping"):
+    if op in ("free_all", "register_owner", "release_owner", "n_free", "ping", "report_load"):
         return getattr(pool, op)(*args)
     if op == "stats":
         return stats_to_wire(pool.stats)

@@ -9,6 +9,8 @@ same code path as the pooled worker, minus the pool:
   few, nothing changed; stock: nothing to do).
 * ``release(cache)``: give everything back (pooled: ``free_all`` and the memory).
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
+* ``report_load(running, queued)``: the requests running and queued now (pooled: told to the
+  daemon, which shows them in ``vqpoolctl watch``; stock: nobody to tell).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.cache import PooledPromptCache, make_pooled_cache
+from vqpool.worker.client import PoolClient
 from vqpool.worker.storage import KVLayout, MLXBlockStorage
 
 
@@ -37,6 +40,8 @@ class CacheSource(Protocol):
     def n_blocks(self) -> int: ...
 
     def nbytes(self) -> int: ...
+
+    def report_load(self, running: int, queued: int) -> None: ...
 
 
 class PooledCacheSource:
@@ -77,6 +82,10 @@ class PooledCacheSource:
     def nbytes(self) -> int:
         return self.storage.nbytes
 
+    def report_load(self, running: int, queued: int) -> None:
+        if isinstance(self.pool, PoolClient):  # an in-process pool has no daemon to tell
+            self.pool.report_load(running, queued)
+
 
 class StockCacheSource:
     """Stock mlx-lm caches (``make_prompt_cache``): no pool, no blocks; bytes are what the live
@@ -104,3 +113,6 @@ class StockCacheSource:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes for cache in self._live.values() for layer in cache)
+
+    def report_load(self, running: int, queued: int) -> None:
+        return None  # no daemon: --no-pool

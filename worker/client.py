@@ -81,6 +81,10 @@ DEFAULT_TIMEOUT = 10.0
 
 _GOODBYE_TIMEOUT = 1.0
 
+LOAD_REPORT_GAP = 0.1
+"""Seconds the heartbeat waits after a load change before sending it: changes in between go in
+the same ping, so a busy worker sends at most ~10 extra pings a second."""
+
 RETRY_LATER_FIRST_WAIT = 0.02
 RETRY_LATER_MAX_WAIT = 0.25
 """Waits between retries of a call the daemon answered RETRY_LATER (its claim period after a
@@ -154,6 +158,8 @@ class PoolClient:
         self.boot_id: str | None = None
         # (session id, boot id) as one value, so the heartbeat never reads a half-updated pair.
         self._session: tuple[int | None, str | None] = (None, None)
+        # (running, queued) requests as last given to report_load(); the heartbeat sends it.
+        self._load: tuple[int, int] | None = None
         self.resyncs: list[dict[str, Any]] = []
         """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
         blocks_claimed}``."""
@@ -629,6 +635,13 @@ class PoolClient:
         with self._lock:
             self._call("ping", {})
 
+    def report_load(self, running: int, queued: int) -> None:
+        """Tell the daemon how many requests this worker runs and queues now (the admin
+        ``sessions`` op and ``vqpoolctl watch`` show them). No round trip here: the heartbeat
+        thread sends the counts within LOAD_REPORT_GAP seconds, and with every later ping."""
+        self._load = (running, queued)
+        self._heartbeat.wake()
+
     def held_blocks(self) -> Iterator[Block]:
         """The blocks this client holds, as it knows them (no round trip)."""
         return iter(list(self._blocks.values()))
@@ -670,7 +683,8 @@ class _Heartbeat(threading.Thread):
 
     When a reply comes from a new daemon lifetime, it re-syncs the client right away (under the
     client's lock), so an idle worker re-declares its blocks inside the restarted daemon's claim
-    period. Stops when the client closes or when the session is gone (evicted).
+    period. Stops when the client closes or when the session is gone (evicted). Each ping
+    carries the client's last reported load; a new report wakes the thread early.
     """
 
     def __init__(self, client: PoolClient, interval: float) -> None:
@@ -678,9 +692,15 @@ class _Heartbeat(threading.Thread):
         self._client = client
         self.interval = interval
         self._stopping = threading.Event()
+        self._wake = threading.Event()
+
+    def wake(self) -> None:
+        """Ping soon (after LOAD_REPORT_GAP) instead of at the next interval."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
         if self.is_alive():
             self.join()
 
@@ -690,10 +710,17 @@ class _Heartbeat(threading.Thread):
             client._context, client._endpoint, first_retry=min(0.5, self.interval)
         )
         try:
-            while not self._stopping.wait(self.interval):
+            while True:
+                if self._wake.wait(self.interval):
+                    self._stopping.wait(LOAD_REPORT_GAP)  # gather what else changes meanwhile
+                if self._stopping.is_set():
+                    return
+                self._wake.clear()
                 session = client._session
                 rid = next(client._ids)
-                payload = encode_request(rid, "ping", {}, *session)
+                load = client._load
+                args = {} if load is None else {"running": load[0], "queued": load[1]}
+                payload = encode_request(rid, "ping", args, *session)
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
                 except DaemonUnavailableError:

@@ -156,7 +156,9 @@ class Scheduler:
         self.queue_timeout = queue_timeout
         self.retry_interval = retry_interval
         self.reserve_full = reserve_full
-        self.stats = ServingStats(max_concurrent=max_concurrent, pooled=source.pooled)
+        self.stats = ServingStats(
+            max_concurrent=max_concurrent, pooled=source.pooled, on_load=source.report_load
+        )
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 _COUNTERS = (
@@ -28,10 +29,22 @@ _COUNTERS = (
 
 
 class ServingStats:
-    """Counters, current levels and peaks of one worker (see :meth:`snapshot`)."""
+    """Counters, current levels and peaks of one worker (see :meth:`snapshot`).
 
-    def __init__(self, *, max_concurrent: int, pooled: bool) -> None:
+    ``on_load(running, queued)``, if given, is called (under the lock, so calls arrive in order)
+    whenever the number of running or queued requests changes: the pooled worker passes it on
+    to the daemon. It must not block.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_concurrent: int,
+        pooled: bool,
+        on_load: Callable[[int, int], None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
+        self._on_load = on_load
         self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._started = time.time()
         self._max_concurrent = max_concurrent
@@ -44,6 +57,8 @@ class ServingStats:
         self._peak_blocks = 0
         self._bytes = 0
         self._peak_bytes = 0
+        if on_load is not None:  # idle to start with: "0 running" rather than "not reported"
+            on_load(0, 0)
 
     def add(self, **deltas: float) -> None:
         """Add to named counters (names from the module's list; others raise KeyError)."""
@@ -55,12 +70,18 @@ class ServingStats:
 
     def set_queue_length(self, n: int) -> None:
         with self._lock:
+            changed = n != self._queue_length
             self._queue_length = n
             self._peak_queue_length = max(self._peak_queue_length, n)
+            if changed and self._on_load is not None:
+                self._on_load(self._active, n)
 
     def set_active(self, n: int) -> None:
         with self._lock:
+            changed = n != self._active
             self._active = n
+            if changed and self._on_load is not None:
+                self._on_load(n, self._queue_length)
 
     def set_blocked(self, blocked: bool) -> None:
         """Whether the head of the queue is waiting for free blocks right now."""

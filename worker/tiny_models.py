@@ -81,6 +81,14 @@ def build_tiny_model(
     config = TINY_CONFIGS.get(name)
     if config is None:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {tiny_model_names()}")
+    return build_random_model(config, seed, dtype), dict(config)
+
+
+def build_random_model(
+    config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32
+) -> nn.Module:
+    """An mlx-lm model of architecture ``config["model_type"]`` with random weights drawn from
+    ``seed`` (projections and lm_head scaled by WEIGHT_SCALE), evaluated and in eval mode."""
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
@@ -93,4 +101,4 @@ def build_tiny_model(
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.eval()
-    return model, dict(config)
+    return model

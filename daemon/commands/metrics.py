@@ -1,5 +1,6 @@
-"""The pool's counters in the Prometheus text exposition format (the seed's metric names:
-veloxquant_block_pool_*)."""
+"""The pool's gauges and counters in the Prometheus text exposition format (blocks total, in
+use and peak, fragmentation; blocks allocated, freed, reused, grown and retired, allocations
+refused), named veloxquant_block_pool_* as the VeloxQuant block pool exports them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""List active owners: session, pid and model holding each, blocks per stream, tokens stored and
-fill (tokens / block capacity). With SID, only that session's owners."""
+"""List active owners: session, pid and model holding each, blocks per stream, token slots of
+its sequence marked used (K and V counted once) and fill (those slots / the slots of the blocks
+holding the sequence). With SID, only that session's owners."""
 
 from __future__ import annotations
 

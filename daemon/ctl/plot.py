@@ -1,4 +1,4 @@
-"""Draw the daemon's per-stream timeline into a PNG (matplotlib, an optional dependency)."""
+"""Draw the daemon's timeline (per stream and per model) into a PNG (matplotlib, optional)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.daemon.ctl.exits import CtlError, Exit
+from vqpool.daemon.ctl.labels import model_labels
 
 
-def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
-    """Blocks in use per stream (solid) and each stream's total (dashed) over wall-clock time.
-    ``timeline`` is the daemon's ``history(timeline=True)`` reply (never empty: the daemon
-    samples its pool once at start).
+def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> list[str]:
+    """Blocks in use per stream (solid), each stream's total (dashed) and the blocks each
+    model's workers hold (dash-dotted) over wall-clock time; returns the lines' labels, in the
+    legend's order. ``timeline`` is the daemon's ``history(timeline=True)`` reply (never
+    empty: the daemon samples its pool once at start).
 
     Raises:
         CtlError: matplotlib is missing (FAILED), or the file cannot be written (FAILED).
@@ -30,6 +32,9 @@ def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
     samples = [*timeline, {**timeline[-1], "time": max(time.time(), timeline[-1]["time"])}]
     times = mdates.date2num([datetime.fromtimestamp(sample["time"]) for sample in samples])
     streams = list(timeline[0]["in_use"])
+    models = sorted({model for sample in samples for model in sample["models"]})
+    labels = model_labels(models, 32)
+    drawn: list[str] = []
     figure, axes = plt.subplots(figsize=(9, 4.5), dpi=100)
     try:
         for stream in streams:
@@ -45,7 +50,13 @@ def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
                 alpha=0.6,
                 label=f"{stream} total",
             )
-        axes.set_title("vqpool: blocks in use per stream")
+            drawn += [f"{stream} in use", f"{stream} total"]
+        for model in models:
+            held = [sample["models"].get(model, 0) for sample in samples]
+            label = f"{labels[model]} (blocks held)"
+            axes.step(times, held, where="post", linestyle="-.", label=label)
+            drawn.append(label)
+        axes.set_title("vqpool: blocks in use per stream and held per model")
         axes.set_xlabel("time")
         axes.set_ylabel("blocks")
         axes.set_ylim(bottom=0)
@@ -61,3 +72,4 @@ def plot_timeline(timeline: list[dict[str, Any]], path: Path) -> None:
             raise CtlError(f"cannot write {path}: {exc}", Exit.FAILED) from exc
     finally:
         plt.close(figure)
+    return drawn

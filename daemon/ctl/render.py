@@ -61,6 +61,23 @@ def percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%"
 
 
+def fit_fields(fields: Sequence[str], width: int, gap: str = "   ") -> list[str]:
+    """``fields`` joined by ``gap`` into as few lines as keep each within ``width`` columns (a
+    field longer than ``width`` gets a line of its own)."""
+    lines: list[str] = []
+    for text in fields:
+        if lines and len(lines[-1]) + len(gap) + len(text) <= width:
+            lines[-1] += gap + text
+        else:
+            lines.append(text)
+    return lines
+
+
+def ellipsis() -> str:
+    """The mark for elided text: "…" where stdout takes UTF-8, "~" otherwise."""
+    return "…" if _unicode_ok() else "~"
+
+
 def _unicode_ok() -> bool:
     encoding = (getattr(sys.stdout, "encoding", None) or "").lower()
     return encoding.replace("-", "") == "utf8"

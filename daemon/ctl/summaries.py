@@ -6,14 +6,27 @@ from typing import Any
 
 
 def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """What the sessions of each model hold: ``{model: {sessions, blocks, bytes, bytes_total}}``
-    with ``blocks`` and ``bytes`` per stream, models in name order."""
+    """What the sessions of each model hold and do: ``{model: {sessions, blocks, bytes,
+    bytes_total, running, queued}}`` with ``blocks`` and ``bytes`` per stream, and the requests
+    running and queued as the workers last reported them (None when none of the model's workers
+    reports them), models in name order."""
     models: dict[str, dict[str, Any]] = {}
     for session in sessions:
         model = models.setdefault(
-            session["model"], {"sessions": 0, "blocks": {}, "bytes": {}, "bytes_total": 0}
+            session["model"],
+            {
+                "sessions": 0,
+                "blocks": {},
+                "bytes": {},
+                "bytes_total": 0,
+                "running": None,
+                "queued": None,
+            },
         )
         model["sessions"] += 1
+        for count in ("running", "queued"):
+            if session.get(count) is not None:
+                model[count] = (model[count] or 0) + session[count]
         for stream, n in session["blocks"].items():
             model["blocks"][stream] = model["blocks"].get(stream, 0) + n
         for stream, n in session["bytes"].items():

@@ -1,10 +1,11 @@
-"""Show the pool's recent stats history; --plot draws blocks in use per stream over time.
+"""Show the pool's recent stats history; --plot draws blocks per stream and model over time.
 
 The table has one row per recent allocator change (allocate, free, free_all, shrink; the daemon
 keeps the last 256): blocks in the pool, in use, and the running counters. --plot FILE.png
-draws blocks in use (and total) per stream from the daemon's timeline, which samples the pool
-every 0.25 s while it changes and keeps the last 3600 samples. Plotting needs matplotlib
-(`pip install 'vqpool[plot]'`).
+draws, from the daemon's timeline, blocks in use (and total) per stream and the blocks each
+model's workers hold (K and V blocks counted apart); the timeline samples the pool every
+0.25 s while it changes and keeps the last 3600 samples (and the 16 models holding most in
+each). Plotting needs matplotlib (`pip install 'vqpool[plot]'`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         type=Path,
         metavar="FILE.png",
-        help="also draw blocks in use per stream over time into this PNG file",
+        help="also draw blocks per stream and per model over time into this PNG file",
     )
     add_json(parser)
 
@@ -54,8 +55,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     limit = {"limit": args.limit} if args.limit is not None else {}
     snapshots = ctl.call("history", **limit)
     timeline = ctl.call("history", timeline=True, **limit) if args.plot else None
-    if timeline is not None:
-        plot_timeline(timeline, args.plot)
+    lines = plot_timeline(timeline, args.plot) if timeline is not None else []
     if ctl.as_json:
         ctl.print_json({"snapshots": snapshots, "timeline": timeline})
         return Exit.OK
@@ -75,5 +75,8 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     ctl.print(table(headers, _rows(snapshots)) if snapshots else "no history yet")
     if timeline is not None:
         span = timeline[-1]["time"] - timeline[0]["time"] if timeline else 0.0
-        ctl.print(f"wrote {args.plot}: {len(timeline)} samples over {span:.1f}s")
+        ctl.print(
+            f"wrote {args.plot}: {len(timeline)} samples over {span:.1f}s; lines: "
+            + ", ".join(lines)
+        )
     return Exit.OK

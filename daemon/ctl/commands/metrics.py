@@ -1,9 +1,22 @@
 """Print the pool's metrics in the Prometheus text format.
 
-These are the seed's veloxquant_block_pool_* metrics, read over the admin socket. The full set
-(per-model and per-stream gauges, session and request counters, request handling time) is
-served over HTTP by `vqpoold --metrics-port PORT` at http://127.0.0.1:PORT/metrics. With
---json, a map of sample name to value.
+The pool-wide gauges and counters, read over the admin socket (their names are those the
+VeloxQuant block pool exports, so existing dashboards keep working):
+
+  veloxquant_block_pool_blocks_total       blocks the pool manages now (all streams)
+  veloxquant_block_pool_blocks_in_use      blocks held by requests now
+  veloxquant_block_pool_peak_blocks_in_use the most ever held at once
+  veloxquant_block_pool_fragmentation      fraction of the pool's blocks held but not full
+  veloxquant_block_pool_allocations_total  blocks handed out since the daemon started
+  veloxquant_block_pool_frees_total        blocks given back
+  veloxquant_block_pool_reused_total       blocks handed out again after a request gave them back
+  veloxquant_block_pool_exhausted_total    allocations refused: not enough free blocks
+  veloxquant_block_pool_grown_total        blocks added when the pool grew
+  veloxquant_block_pool_retired_total      blocks removed for good by `vqpoolctl shrink`
+
+The full set (per-model and per-stream gauges, session and request counters, request handling
+time) is served over HTTP by `vqpoold --metrics-port PORT` at http://127.0.0.1:PORT/metrics.
+With --json, a map of sample name to value.
 """
 
 from __future__ import annotations

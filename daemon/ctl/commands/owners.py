@@ -1,18 +1,31 @@
 """List active owners (requests) with the blocks they hold and how full those blocks are.
 
-One row per owner: the session, pid and model holding it, blocks per stream, tokens stored and
-fill (tokens / the blocks' token capacity). With --session, only that session's owners.
+One row per owner: the session, pid and model holding it, blocks per stream, TOKENS and FILL.
+With --session, only that session's owners.
+
+TOKENS: token slots of the owner's sequence marked used (its K and V blocks hold the same
+tokens: counted once). A worker marks the slots it reserves for a request as used when its
+cache grows (under `vqpool-worker --reserve full`, the default, the whole prompt + max_tokens at
+the start), so this is what the request reserved, not what it has generated so far.
+FILL: TOKENS / the token slots of the blocks holding the sequence: how much of the memory held
+the reservation covers (the rest is the last block's tail and the cache's growth reserve).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from vqpool.daemon.ctl.commands.sessions import TOKENS_LEGEND
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json
 from vqpool.daemon.ctl.render import percent, table
 from vqpool.shared.protocol import session_label
+
+FILL_LEGEND = (
+    "FILL: TOKENS / the slots of the blocks held (the rest: the last block's tail and the\n"
+    "cache's growth reserve)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,4 +77,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         "FILL",
     ]
     ctl.print(table(headers, rows, right={"FILL"}))
+    ctl.print()
+    ctl.print(TOKENS_LEGEND)
+    ctl.print(FILL_LEGEND)
     return Exit.OK

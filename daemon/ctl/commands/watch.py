@@ -1,24 +1,32 @@
 """Live view of the pool, redrawn every INTERVAL seconds; quit with q or Ctrl-C.
 
 Shows, per stream, blocks in use against the total as a bar with the free count; per model and
-stream, the blocks its workers hold as bars (with bytes held); fragmentation; and the rates of
-block allocations and of refused (exhausted) allocations since the previous refresh. With
---json, prints one JSON object per refresh instead (JSON lines, until Ctrl-C).
+stream, the blocks its workers hold as bars (with bytes held) and the requests its workers are
+running and have queued (as the workers last reported them in their heartbeat; "-" for a
+worker that does not report them); fragmentation; and the rates of block allocations and of
+refused (exhausted) allocations since the previous refresh. Lines fit the terminal's width;
+model names lose their org or directory prefix, and long ones their middle, keeping the part
+that tells them apart. When stdout is not a terminal (a pipe or a file), each refresh is
+printed as plain lines (no escape codes), frames two blank lines apart, COLUMNS (default 100)
+wide. With --json, prints one JSON object per refresh instead (JSON lines, until Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import textwrap
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TextIO
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.options import add_json, positive_float
-from vqpool.daemon.ctl.render import bar, duration, human_bytes, percent
+from vqpool.daemon.ctl.labels import model_labels
+from vqpool.daemon.ctl.options import add_json, positive_float, positive_int
+from vqpool.daemon.ctl.render import bar, duration, ellipsis, fit_fields, human_bytes, percent
 from vqpool.daemon.ctl.summaries import in_use, per_model, pool_line
 from vqpool.daemon.ctl.terminal import Terminal
 
@@ -30,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         metavar="SECONDS",
         help="seconds between refreshes (default 1)",
+    )
+    parser.add_argument(
+        "--count",
+        type=positive_int,
+        metavar="N",
+        help="stop after N refreshes (default: until q or Ctrl-C)",
     )
     add_json(parser)
 
@@ -62,54 +76,90 @@ def _rate(value: float | None, unit: str) -> str:
     return "-" if value is None else f"{value:.1f} {unit}"
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _bar_lines(heads: list[str], fractions: list[float], tails: list[str], width: int) -> list[str]:
+    """``head [bar] tail`` lines whose bars line up and take the width the texts leave; with
+    less than 5 columns left for the bars, ``head tail`` lines (the numbers matter more)."""
+    head_width = max(len(h) for h in heads)
+    tail_width = max(len(t) for t in tails)
+    bar_width = width - head_width - tail_width - 4
+    if bar_width < 5:
+        return [
+            f"{head:<{head_width}} {tail}".rstrip() for head, tail in zip(heads, tails, strict=True)
+        ]
+    return [
+        f"{head:<{head_width}} [{bar(fraction, bar_width)}] {tail}".rstrip()
+        for head, fraction, tail in zip(heads, fractions, tails, strict=True)
+    ]
+
+
 def render(reading: Reading, previous: Reading | None, width: int, interval: float) -> list[str]:
-    """The screen for one refresh, ``width`` columns wide."""
+    """The screen for one refresh, every line at most ``width`` columns."""
     stats = reading.stats
     st = stats["stats"]
     used = in_use(stats)
     rates = reading.rates(previous)
     clock = datetime.now().strftime("%H:%M:%S")
-    lines = [
-        f"vqpoold pid {stats['pid']}  up {duration(stats['uptime_s'])}  boot {stats['boot_id']}"
-        f"  every {interval:g}s  q: quit  {clock}",
-        f"pool: {pool_line(stats)}",
-        "",
+    header = [
+        f"vqpoold pid {stats['pid']}",
+        f"up {duration(stats['uptime_s'])}",
+        f"boot {stats['boot_id']}",
+        f"every {interval:g}s",
+        "q: quit",
+        clock,
     ]
-    bar_width = max(10, width - 40)
-    for stream, counts in stats["streams"].items():
-        total = counts["total"]
-        fraction = used[stream] / total if total else 0.0
-        lines.append(
-            f"{stream:<6} [{bar(fraction, bar_width)}] {used[stream]}/{total} in use, "
-            f"{counts['free']} free"
-        )
-    lines += [
-        "",
-        f"fragmentation {percent(st['fragmentation'])}   allocations "
-        f"{_rate(rates['allocations_per_s'], 'blocks/s')}   exhaustions "
-        f"{_rate(rates['exhausted_per_s'], '/s')} ({st['n_exhausted']} total)   sessions "
-        f"{stats['sessions']}   owners {stats['owners']}",
-        "",
-    ]
+    lines = [*fit_fields(header, width, "  "), *textwrap.wrap(f"pool: {pool_line(stats)}", width)]
+    lines.append("")
+    streams = stats["streams"]
+    lines += _bar_lines(
+        list(streams),
+        [used[s] / c["total"] if c["total"] else 0.0 for s, c in streams.items()],
+        [f"{used[s]}/{c['total']} in use, {c['free']} free" for s, c in streams.items()],
+        width,
+    )
+    lines.append("")
+    lines += fit_fields(
+        [
+            f"fragmentation {percent(st['fragmentation'])}",
+            f"allocations {_rate(rates['allocations_per_s'], 'blocks/s')}",
+            f"exhaustions {_rate(rates['exhausted_per_s'], '/s')} ({st['n_exhausted']} total)",
+            f"sessions {stats['sessions']}",
+            f"owners {stats['owners']}",
+        ],
+        width,
+    )
+    lines.append("")
     models = per_model(reading.sessions)
     if not models:
         lines.append("no worker sessions")
         return lines
-    name_width = min(24, max(len(name) for name in models))
-    model_bar = max(10, width - name_width - 40)
+    labels = model_labels(list(models), max(12, width // 3), ellipsis())
+    label_width = max(len(label) for label in labels.values())
+    heads: list[str] = []
+    fractions: list[float] = []
+    held_texts: list[str] = []
+    loads: list[str] = []
     for name, model in models.items():
-        for stream, counts in stats["streams"].items():
+        running, queued = f"running {_count(model['running'])}", f"queued {_count(model['queued'])}"
+        # One count per stream line keeps the lines short; a shared-kv pool has one line.
+        model_loads = [running, queued] if len(streams) > 1 else [f"{running}, {queued}"]
+        for i, (stream, counts) in enumerate(streams.items()):
             held = model["blocks"].get(stream, 0)
-            fraction = held / counts["total"] if counts["total"] else 0.0
-            lines.append(
-                f"{name[:name_width]:<{name_width}} {stream:<3}[{bar(fraction, model_bar)}] "
-                f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}"
-            )
-    return lines
+            heads.append(f"{labels[name]:<{label_width}} {stream}")
+            fractions.append(held / counts["total"] if counts["total"] else 0.0)
+            held_texts.append(f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}")
+            loads.append(model_loads[i] if i < len(model_loads) else "")
+    held_width = max(len(text) for text in held_texts)
+    tails = [f"{text:<{held_width}}  {load}" for text, load in zip(held_texts, loads, strict=True)]
+    return lines + _bar_lines(heads, fractions, tails, width)
 
 
-def _json_lines(ctl: Ctl, interval: float) -> int:
+def _json_lines(ctl: Ctl, interval: float, count: int | None) -> int:
     previous: Reading | None = None
+    n = 0
     try:
         while True:
             reading = Reading.take(ctl)
@@ -122,22 +172,59 @@ def _json_lines(ctl: Ctl, interval: float) -> int:
                 "models": per_model(reading.sessions),
             }
             print(json.dumps(record, sort_keys=True), file=ctl.out, flush=True)
+            n += 1
+            if count is not None and n >= count:
+                return Exit.OK
             previous = reading
             time.sleep(interval)
     except KeyboardInterrupt:
         return Exit.OK
 
 
+def _plain_frames(ctl: Ctl, interval: float, count: int | None) -> int:
+    """Frames as plain lines, two blank lines apart: stdout is a file or a pipe."""
+    previous: Reading | None = None
+    n = 0
+    try:
+        while True:
+            reading = Reading.take(ctl)
+            width = shutil.get_terminal_size((100, 30)).columns
+            if n:
+                ctl.out.write("\n\n")
+            ctl.out.write("\n".join(render(reading, previous, width, interval)) + "\n")
+            ctl.out.flush()
+            n += 1
+            if count is not None and n >= count:
+                return Exit.OK
+            previous = reading
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return Exit.OK
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def run(ctl: Ctl, args: argparse.Namespace) -> int:
     if ctl.as_json:
-        return _json_lines(ctl, args.interval)
+        return _json_lines(ctl, args.interval, args.count)
+    if not _is_terminal(ctl.out):
+        return _plain_frames(ctl, args.interval, args.count)
     reading = Reading.take(ctl)  # before taking over the screen: "not running" stays readable
     previous: Reading | None = None
+    n = 0
     try:
         with Terminal(ctl.out, ctl.stdin) as terminal:
             while True:
                 width, _ = terminal.size()
                 terminal.draw(render(reading, previous, width, args.interval))
+                n += 1
+                if args.count is not None and n >= args.count:
+                    return Exit.OK
                 if terminal.wait_for_quit(args.interval):
                     return Exit.OK
                 previous, reading = reading, Reading.take(ctl)

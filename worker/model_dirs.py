@@ -1,0 +1,124 @@
+"""Small Hugging Face-format model directories, built offline, for tests and benchmarks.
+
+``mlx_lm.load(DIR)`` (and so ``vqpool-worker --model DIR`` and ``mlx_lm.server --model DIR``)
+reads a directory like a downloaded model: ``config.json`` (architecture and its args, EOS id),
+``model.safetensors`` (random weights, see :mod:`vqpool.worker.tiny_models`), ``tokenizer.json``
+(a byte-level BPE trained here on a short built-in text with the ``tokenizers`` library) and
+``tokenizer_config.json`` (EOS token and a chat template). The built-in models skip that path
+(no tokenizer, no files); these directories exercise it without a download. Same arguments,
+same files: weights and tokenizer are deterministic.
+
+    path = write_model_dir(tmp / "llama", "llama")
+    # vqpool-worker --model path, or mlx_lm.load(str(path))
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from vqpool.worker.tiny_models import build_random_model
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN, "<|user|>", "<|assistant|>", "<|system|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A minimal chat template: a role token, the content and a newline per message."""
+
+VOCAB_SIZE = 512
+"""BPE vocabulary trained: 256 byte tokens, the special tokens and ~250 merges."""
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # Grouped-query attention: 4 query heads share 2 KV heads of dim 16.
+    "llama": {**_COMMON, "model_type": "llama", "num_key_value_heads": 2},
+    # One KV head of dim 32, q/k norms.
+    "qwen3": {
+        **_COMMON,
+        "model_type": "qwen3",
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "rope_theta": 1000000.0,
+    },
+    # Full multi-head attention with q/k/v biases.
+    "qwen2": {**_COMMON, "model_type": "qwen2", "num_key_value_heads": 4},
+}
+"""The architectures :func:`write_model_dir` builds (model args apart from the vocabulary)."""
+
+_TRAINING_TEXT = """\
+A key-value cache keeps the keys and values of every token a model has seen, so that each new
+token attends to the past without computing it again. The cache grows with the context: one
+block of sixteen token slots at a time. Two models on one machine share one pool of blocks; a
+small daemon hands out block ids and takes them back when a request ends. Hello, how are you?
+Say hello in five words. Why share one pool? The quick brown fox jumps over the lazy dog.
+"""
+
+
+def build_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
+    """A byte-level BPE tokenizer (``tokenizer.json`` text) trained on a short built-in text;
+    the special tokens take ids 0..3 (EOS is 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines() * 4, trainer=trainer)
+    text: str = tokenizer.to_str()
+    return text
+
+
+def write_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a loadable model directory of architecture ``arch`` at ``path`` (created if
+    missing); returns ``path``. fp32 weights, a few hundred KiB in all.
+
+    Raises:
+        ValueError: ``arch`` is not one of :data:`ARCHITECTURES`.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = build_tokenizer_json()
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    config = {
+        **ARCHITECTURES[arch],
+        "vocab_size": len(vocab),
+        "eos_token_id": vocab[EOS_TOKEN],
+        "torch_dtype": "float32",
+    }
+    model = build_random_model(config, seed)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "add_bos_token": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return path
