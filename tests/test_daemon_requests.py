@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 from ctl_harness import run_ctl
 from daemon_harness import DaemonProcess, RawClient
+from vqpool.shared import AllocationRequest, OwnerAlreadyActiveError
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import (
     MAX_BATCH,
@@ -24,6 +25,7 @@ from vqpool.shared.protocol import (
     MAX_OWNER_LEN,
     MAX_TEXT_LEN,
 )
+from vqpool.worker import PoolClient
 
 StartDaemon = Callable[..., DaemonProcess]
 
@@ -61,6 +63,7 @@ def test_reply_flood_is_bounded_in_bytes_and_retries_stay_safe(daemon: DaemonPro
             assert attacker.socket.poll(10_000)
             raw = attacker.socket.recv()
             reply_sizes.append(len(raw))
+            last_reply = raw
             result = msgpack.unpackb(raw)["result"]
             assert all(r["code"] == ErrorCode.OWNER_ALREADY_ACTIVE for r in result)
             assert max(len(r["message"]) for r in result) <= MAX_ERROR_MESSAGE_LEN
@@ -73,7 +76,7 @@ def test_reply_flood_is_bounded_in_bytes_and_retries_stay_safe(daemon: DaemonPro
         # The latest reply is always kept: its retry gets it byte for byte.
         attacker.send(payloads[-1])
         assert attacker.socket.poll(5000)
-        assert len(attacker.socket.recv()) == reply_sizes[-1]
+        assert attacker.socket.recv() == last_reply
         # An evicted one is refused, never applied again.
         attacker.send(payloads[0])
         refused = attacker.recv()
@@ -105,6 +108,19 @@ def test_items_failing_for_one_reason_share_one_message(daemon: DaemonProcess) -
         assert len(raw) < 48 * MAX_BATCH, len(raw)
     finally:
         attacker.close()
+        holder.close()
+
+
+def test_pool_client_spells_out_shared_item_messages(daemon: DaemonProcess) -> None:
+    holder = raw_session(daemon, model="holder")
+    try:
+        assert holder.call("register_owner", {"owner": "taken"})["ok"]
+        with PoolClient(daemon.run_dir, name="reader") as pool:
+            results = pool.allocate_many([AllocationRequest("k", 16, "taken")] * 3)
+        assert all(isinstance(r, OwnerAlreadyActiveError) for r in results)
+        assert len({str(r) for r in results}) == 1
+        assert "another worker session" in str(results[2])
+    finally:
         holder.close()
 
 
