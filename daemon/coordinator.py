@@ -18,6 +18,7 @@ from typing import Any
 
 from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.peer_auth import PeerAuthenticator
+from vqpool.daemon.replies import ReplyCache
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline
 from vqpool.shared.allocator import Block, BlockList, BlockPoolAllocator, Owner, PoolConfig
@@ -26,9 +27,13 @@ from vqpool.shared.errors import (
     NotOwnerError,
     OwnerAlreadyActiveError,
     VqpoolError,
-    error_code_for,
 )
-from vqpool.shared.protocol import MAX_BLOCKS_PER_ALLOCATE, ClaimGroup
+from vqpool.shared.protocol import (
+    MAX_BLOCKS_PER_ALLOCATE,
+    MAX_BLOCKS_PER_REQUEST,
+    ClaimGroup,
+    ItemErrors,
+)
 
 log = logging.getLogger("vqpoold")
 
@@ -44,6 +49,7 @@ class Coordinator:
     Attributes:
         allocator: The one pool every worker draws from.
         sessions: Live worker sessions.
+        replies: Recent replies to mutating requests of every session, for resends.
         boot_id: Random id of this daemon lifetime, stamped on every reply; a client that sees
             it change knows its blocks belong to a previous lifetime.
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
@@ -66,6 +72,7 @@ class Coordinator:
     ) -> None:
         self.allocator = BlockPoolAllocator(config)
         self.sessions = SessionTable()
+        self.replies = ReplyCache()
         self.boot_id = boot_id or new_boot_id()
         self.lease = lease
         self.claim_grace = claim_grace
@@ -139,6 +146,14 @@ class Coordinator:
         self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
     ) -> list[int]:
         """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
+        return list(self._allocate(session, stream, n_tokens, owner, fmt).block_ids)
+
+    def _allocate(
+        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
+    ) -> BlockList:
+        """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
+        (an exhausted pool included, unlike the local allocator) leaves no owner bound or
+        registered that was not before."""
         holder = self._holder.get(owner)
         if holder is not session and holder is not None:
             raise self._owner_taken(owner, holder)
@@ -147,32 +162,70 @@ class Coordinator:
                 f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
                 "allocate in steps"
             )
-        allocator = self.allocator
+        if holder is not None:  # already ours: the allocator alone decides
+            return self.allocator.allocate(stream, n_tokens, owner, fmt)
         try:
-            blocks = allocator.allocate(stream, n_tokens, owner, fmt)
-        except (ValueError, VqpoolError):
-            # An exhausted allocate leaves the owner registered (seed behaviour): it is ours now.
-            if holder is None and allocator.is_active(owner):
-                self._bind(owner, session)
+            self._bind(owner, session)
+            return self.allocator.allocate(stream, n_tokens, owner, fmt)
+        except BaseException:
+            # An exhausted allocate registers the owner (seed behaviour); it held nothing before.
+            self.allocator.release_owner(owner)
+            self._unbind(owner)
             raise
-        if holder is None:
-            self._holder[owner] = session
-            session.owners.add(owner)
-        return list(blocks.block_ids)  # ids only: no Block objects are built for the wire
 
     def allocate_many(
         self, session: Session, items: Sequence[tuple[str, int, Owner, str]]
     ) -> list[list[int] | dict[str, Any]]:
-        """allocate() per item; each result is the block ids or an ``{code, message}`` error."""
+        """allocate() per item; each result is the block ids or an error entry (see
+        :class:`~vqpool.shared.protocol.ItemErrors`). Items fail on their own; anything else
+        raised undoes the whole request.
+
+        Raises:
+            ValueError: The items ask for more than MAX_BLOCKS_PER_REQUEST blocks in all.
+        """
+        block_size = self.allocator.config.block_size
+        n_blocks = sum(-(-n_tokens // block_size) for _, n_tokens, _, _ in items if n_tokens > 0)
+        if n_blocks > MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(
+                f"allocate_many: the items ask for {n_blocks} blocks in all; at most "
+                f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
+            )
         results: list[list[int] | dict[str, Any]] = []
-        append = results.append
-        allocate = self.allocate
-        for stream, n_tokens, owner, fmt in items:
-            try:
-                append(allocate(session, stream, n_tokens, owner, fmt))
-            except (ValueError, VqpoolError) as exc:
-                append({"code": int(error_code_for(exc)), "message": str(exc)})
+        done: list[BlockList] = []
+        bound: list[Owner] = []  # owners this request bound to the session
+        holder = self._holder
+        errors = ItemErrors()
+        allocate = self._allocate
+        try:
+            for index, (stream, n_tokens, owner, fmt) in enumerate(items):
+                unbound = owner not in holder
+                try:
+                    blocks = allocate(session, stream, n_tokens, owner, fmt)
+                except (ValueError, VqpoolError) as exc:
+                    results.append(errors.entry(index, exc))
+                    continue
+                done.append(blocks)
+                if unbound:
+                    bound.append(owner)
+                results.append(list(blocks.block_ids))
+        except BaseException:
+            self._undo_allocations(done, bound)
+            raise
         return results
+
+    def _undo_allocations(self, done: list[BlockList], bound: list[Owner]) -> None:
+        """Free what an interrupted allocate_many allocated, unbind the owners it bound, and
+        keep registered the owners the session held before (freeing their last block released
+        them)."""
+        allocator = self.allocator
+        for blocks in reversed(done):
+            allocator.free(blocks)
+        for owner in bound:
+            allocator.release_owner(owner)
+            self._unbind(owner)
+        for owner in {blocks.owner for blocks in done}.difference(bound):
+            if not allocator.is_active(owner):
+                allocator.register_owner(owner)
 
     def free(self, session: Session, block_ids: Sequence[int]) -> None:
         """Free blocks by id. Free ids are skipped (as the allocator does); one id held by
@@ -265,7 +318,8 @@ class Coordinator:
         re-sync, which may end the claim period.
         """
         results: list[dict[str, Any] | None] = []
-        for owner, groups in owners:
+        errors = ItemErrors()
+        for index, (owner, groups) in enumerate(owners):
             try:
                 self._claim_owner(session, owner, groups)
             except (ValueError, VqpoolError) as exc:
@@ -277,7 +331,7 @@ class Coordinator:
                     session.pid,
                     exc,
                 )
-                results.append({"code": int(error_code_for(exc)), "message": str(exc)})
+                results.append(errors.entry(index, exc))
             else:
                 self.n_owners_claimed += 1
                 results.append(None)
@@ -350,6 +404,7 @@ class Coordinator:
             allocator.free_all(owner)
             self._unbind(owner)
         self.sessions.close(session)
+        self.replies.forget(session.sid)
         self._write_roll()
         return len(owners), n_blocks
 

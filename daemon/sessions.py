@@ -1,4 +1,5 @@
-"""Worker sessions: who a worker is, what it owns, its recent replies, and whether it lives.
+"""Worker sessions: who a worker is, what it owns, and whether it lives (its recent replies are
+in ``daemon/replies.py``).
 
 A session starts with ``hello`` and is named by a random session id the worker sends with every
 request, not by its ZeroMQ connection: a client that reopens its socket (Lazy Pirate) keeps its
@@ -18,14 +19,9 @@ from dataclasses import dataclass, field
 
 import psutil
 from vqpool.shared.allocator import Owner
-from vqpool.shared.errors import BadRequestError, UnauthorizedError
+from vqpool.shared.errors import UnauthorizedError
 
 log = logging.getLogger("vqpoold")
-
-REPLY_CACHE_SIZE = 64
-"""Replies kept per session. A client has one call in flight at a time (plus heartbeats, which
-are not cached), so only its latest request can ever be retried; 64 leaves room for clients that
-pipeline."""
 
 _GONE = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
 _STOPPED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
@@ -47,8 +43,6 @@ class Session:
         started: Wall-clock time the session opened.
         last_heard: Monotonic time of the last request (heartbeats included).
         owners: Owner ids this session holds (registered or holding blocks).
-        replies: Encoded replies to recent mutating requests, by request id.
-        reply_floor: Highest request id evicted from ``replies``; older ids are refused.
         n_requests: Requests served.
         running: Requests the worker said it runs, in its last ``ping`` that said (None: never).
         queued: Requests the worker said it queues, likewise.
@@ -64,38 +58,9 @@ class Session:
     started: float
     last_heard: float
     owners: set[Owner] = field(default_factory=set)
-    replies: dict[int, bytes] = field(default_factory=dict)
-    reply_floor: int = -1
     n_requests: int = 0
     running: int | None = None
     queued: int | None = None
-
-    def cached_reply(self, rid: int) -> bytes | None:
-        """The reply already sent for ``rid``, or None if ``rid`` is new.
-
-        Raises:
-            BadRequestError: ``rid`` is older than anything the cache still holds: applying it
-                now could apply it twice, so it is refused.
-        """
-        cached = self.replies.get(rid)
-        if cached is None and rid <= self.reply_floor:
-            raise BadRequestError(
-                f"request id {rid} is older than this session's reply cache (ids <= "
-                f"{self.reply_floor} are forgotten); not applied"
-            )
-        return cached
-
-    def remember_reply(self, rid: int, reply: bytes) -> None:
-        """Keep ``reply`` for a retry of ``rid``, forgetting the oldest beyond the cache size."""
-        if rid <= self.reply_floor:
-            return  # a refused stale id: nothing to remember
-        replies = self.replies
-        replies[rid] = reply
-        if len(replies) > REPLY_CACHE_SIZE:
-            oldest = next(iter(replies))
-            del replies[oldest]
-            if oldest > self.reply_floor:
-                self.reply_floor = oldest
 
     def reap_reason(self, now: float, lease: float) -> str | None:
         """Why this session should be reaped now, or None while its worker lives.

@@ -167,7 +167,7 @@ class WorkerRequestHandler:
                 if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
                     coord.claiming.refuse_allocation(op, now)
                     coord.check_claim_period(now)  # its time ran out just now
-                cached = session.cached_reply(rid)
+                cached = coord.replies.lookup(session.sid, rid)
                 if cached is not None:
                     return cached
             args = parse_args(op, request.args, WORKER_ARGS[op])
@@ -185,7 +185,7 @@ class WorkerRequestHandler:
             self.last_code = error_code_for(exc)
             reply = error_reply(rid, boot, exc)
         if mutating:
-            session.remember_reply(rid, reply)
+            coord.replies.remember(session.sid, rid, reply)
         return reply
 
     def _hello(self, rid: int, raw_args: Any, now: float) -> bytes:

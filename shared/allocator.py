@@ -407,7 +407,9 @@ class BlockPoolAllocator:
         """Allocate ceil(n_tokens / block_size) blocks to ``owner``, all or nothing.
 
         Every block is full except possibly the last, which holds the remainder. A repeated call
-        for an active owner adds to what it holds (a request growing).
+        for an active owner adds to what it holds (a request growing). Whatever is raised inside
+        (MemoryError, KeyboardInterrupt included), nothing is allocated and no owner registered;
+        blocks the pool grew by stay, free.
 
         Raises:
             ValueError: ``n_tokens`` <= 0, or a stream this pool does not have.
@@ -426,7 +428,6 @@ class BlockPoolAllocator:
         # protocol costs about as much as the bookkeeping itself.
         self._lock.acquire()
         try:
-            self._active_owners.add(owner)  # allocate() of an active owner is that owner growing
             free = self._free[stream]
             recycled = free.recycled
             claimed = free.claimed
@@ -434,59 +435,110 @@ class BlockPoolAllocator:
                 self._try_grow_locked(stream, n_needed)
                 n_free = free.n_free()
                 if n_free < n_needed:
+                    self._active_owners.add(owner)  # an exhausted owner stays registered (seed)
                     self._counts[_N_EXHAUSTED] += 1
                     self._record_history()
                     raise BlockPoolExhaustedError(
                         f"BlockPoolAllocator: requested {n_needed} block(s) for stream "
                         f"{stream!r} but only {n_free} free (pool size {self._counts[_N_BLOCKS]})."
                     )
-            # Take from the top: recycled ids first (LIFO), then the fresh range downwards.
-            n_reused = n_needed if n_needed <= len(recycled) else len(recycled)
+            # Choose the ids first, changing nothing: from the top, recycled ids first (LIFO),
+            # then the fresh range downwards. The stack is cut to its first ``keep`` ids.
+            n_listed = len(recycled)
+            hi = free.fresh_hi
+            passed: list[int] | None = None  # claimed ids met on the way: they leave the list
             if claimed:
-                ids, n_reused = self._take_past_claimed_locked(free, n_needed)
-            elif n_reused == n_needed == 1:
-                ids = (recycled.pop(),)
+                ids, n_reused, keep, new_hi, passed = self._plan_past_claimed_locked(free, n_needed)
+                stack_top = recycled[keep:]
             else:
-                taken = recycled[len(recycled) - n_reused :]
-                taken.reverse()
-                del recycled[len(recycled) - n_reused :]
-                n_fresh = n_needed - n_reused
-                if n_fresh:
-                    hi = free.fresh_hi
-                    taken.extend(range(hi - 1, hi - 1 - n_fresh, -1))
-                    free.fresh_hi = hi - n_fresh
-                ids = tuple(taken)
-            if self._grown_unused and n_reused:
-                never_used = self._grown_unused.intersection(ids)
-                self._grown_unused -= never_used
-                n_reused -= len(never_used)
-
+                n_reused = n_needed if n_needed <= n_listed else n_listed
+                keep = n_listed - n_reused
+                new_hi = hi - (n_needed - n_reused)
+                if n_needed == 1:
+                    ids = (recycled[-1],) if n_reused else (new_hi,)
+                else:
+                    taken = recycled[keep:]
+                    taken.reverse()
+                    if new_hi < hi:
+                        taken.extend(range(hi - 1, new_hi - 1, -1))
+                    ids = tuple(taken)
             chunk = BlockList(self, ids, stream, format, owner)
-            chunks = self._holdings.get(owner)
-            if chunks is None:
-                self._holdings[owner] = {id(chunk): chunk}
-            else:
-                chunks[id(chunk)] = chunk
-            if n_needed == 1:
-                self._chunk_of[ids[0]] = chunk
-            else:
-                self._chunk_of.update(zip(ids, repeat(chunk)))
-
-            counts = self._counts
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
-                counts[_FRAGMENTED] += 1
-            counts[_N_ALLOCATIONS] += n_needed
-            if n_reused:
-                counts[_N_REUSED] += n_reused
-            in_use = counts[_N_ALLOCATIONS] - counts[_N_FREES]
-            if in_use > counts[_PEAK_IN_USE]:
-                counts[_PEAK_IN_USE] = in_use
-            self._history.append(tuple(counts))
+            active = self._active_owners
+            was_active = owner in active
+            grown_unused = self._grown_unused
+            never_used = grown_unused.intersection(ids) if grown_unused and n_reused else None
+            passed_unused = None
+            if passed and grown_unused:
+                passed_unused = grown_unused.intersection(passed)
+            counts = self._counts
+            peak = counts[_PEAK_IN_USE]
+            counted = False
+            # Then change everything; whatever is raised on the way is undone.
+            try:
+                if n_needed == 1:
+                    self._chunk_of[ids[0]] = chunk
+                else:
+                    self._chunk_of.update(zip(ids, repeat(chunk)))
+                chunks = self._holdings.get(owner)
+                if chunks is None:
+                    self._holdings[owner] = {id(chunk): chunk}
+                else:
+                    chunks[id(chunk)] = chunk
+                active.add(owner)
+                if keep == n_listed - 1:
+                    recycled.pop()
+                elif keep < n_listed:
+                    del recycled[keep:]
+                if new_hi != hi:
+                    free.fresh_hi = new_hi
+                if passed:
+                    claimed.difference_update(passed)
+                    if passed_unused:
+                        grown_unused -= passed_unused
+                if never_used:
+                    grown_unused -= never_used
+                    n_reused -= len(never_used)
+                if last_used < block_size:
+                    counts[_FRAGMENTED] += 1
+                counts[_N_ALLOCATIONS] += n_needed
+                if n_reused:
+                    counts[_N_REUSED] += n_reused
+                in_use = counts[_N_ALLOCATIONS] - counts[_N_FREES]
+                if in_use > peak:
+                    counts[_PEAK_IN_USE] = in_use
+                counted = True
+                self._history.append(tuple(counts))
+            except BaseException:
+                self._undo_allocate_locked(chunk, was_active)
+                if len(recycled) != n_listed:  # the stack was cut at ``keep``: put its top back
+                    recycled.extend(stack_top if passed else reversed(ids[: n_listed - keep]))
+                free.fresh_hi = hi
+                if passed:
+                    claimed.update(passed)
+                grown_unused.update(never_used or (), passed_unused or ())
+                if counted:
+                    counts[_FRAGMENTED] -= last_used < block_size
+                    counts[_N_ALLOCATIONS] -= n_needed
+                    counts[_N_REUSED] -= n_reused
+                    counts[_PEAK_IN_USE] = peak
+                raise
             return chunk
         finally:
             self._lock.release()
+
+    def _undo_allocate_locked(self, chunk: BlockList, was_active: bool) -> None:
+        """Drop the allocation an interrupted allocate() was recording, whatever it got to: the
+        map entries it wrote are stale once ``chunk`` is dead."""
+        chunk.dead = True
+        owner = chunk.owner
+        chunks = self._holdings.get(owner)
+        if chunks is not None and chunks.pop(id(chunk), None) is not None and not chunks:
+            del self._holdings[owner]
+        if not was_active:
+            self._active_owners.discard(owner)
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
         """Run several allocate() calls in order; each item succeeds or fails on its own.
@@ -606,30 +658,36 @@ class BlockPoolAllocator:
         free.recycled[:] = [*moved, *(i for i in free.recycled if i not in claimed)]
         claimed.clear()
 
-    def _take_past_claimed_locked(self, free: _FreeList, n: int) -> tuple[tuple[int, ...], int]:
-        """Take ``n`` ids from the top of ``free`` as allocate() does, dropping the claimed ids
-        met on the way (they are held: once out of the list, a free appends them as usual).
-        Returns the ids and how many came from the recycled stack."""
+    def _plan_past_claimed_locked(
+        self, free: _FreeList, n: int
+    ) -> tuple[tuple[int, ...], int, int, int, list[int]]:
+        """The ``n`` ids allocate() takes from the top of ``free``, past the claimed ids met on
+        the way (they are held: once out of the list, a free appends them as usual); changes
+        nothing. Returns the ids, how many come from the recycled stack, how many ids of the
+        stack stay, the new top of the fresh range, and the claimed ids passed."""
         claimed = free.claimed
         recycled = free.recycled
         taken: list[int] = []
+        passed: list[int] = []
         n_reused = 0
+        keep = len(recycled)
+        hi = free.fresh_hi
         while len(taken) < n:
-            if recycled:
-                block_id = recycled.pop()
+            if keep:
+                keep -= 1
+                block_id = recycled[keep]
                 if block_id in claimed:
-                    claimed.discard(block_id)
-                    self._grown_unused.discard(block_id)
+                    passed.append(block_id)
                     continue
                 n_reused += 1
             else:
-                free.fresh_hi -= 1
-                block_id = free.fresh_hi
+                hi -= 1
+                block_id = hi
                 if block_id in claimed:
-                    claimed.discard(block_id)
+                    passed.append(block_id)
                     continue
             taken.append(block_id)
-        return tuple(taken), n_reused
+        return tuple(taken), n_reused, keep, hi, passed
 
     def _try_grow_locked(self, stream: str, n_needed: int) -> None:
         """Add blocks to ``stream`` to cover its shortfall for ``n_needed``, if allowed."""
@@ -643,10 +701,18 @@ class BlockPoolAllocator:
             return
         first = self._next_block_id
         new_ids = range(first, first + n_short)
+        recycled = free.recycled
+        n_listed = len(recycled)
+        try:
+            recycled.extend(new_ids)
+            self._grown_unused.update(new_ids)
+        except BaseException:  # all or nothing: a growth cut short leaves no id behind
+            if len(recycled) != n_listed:
+                del recycled[n_listed:]
+            self._grown_unused.difference_update(new_ids)
+            raise
         self._next_block_id = first + n_short
-        free.recycled.extend(new_ids)
         free.total += n_short
-        self._grown_unused.update(new_ids)
         self._counts[_N_BLOCKS] += n_short
         self._counts[_N_GROWN] += n_short
 

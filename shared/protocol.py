@@ -22,13 +22,13 @@ field is checked for type and range before the daemon acts on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 from vqpool.shared.allocator import AllocationStats, Block, Owner, PoolConfig
-from vqpool.shared.errors import BadRequestError, UnsupportedVersionError
+from vqpool.shared.errors import BadRequestError, UnsupportedVersionError, error_code_for
 
 PROTOCOL_VERSION = 1
 
@@ -49,6 +49,20 @@ MAX_BATCH = 4096
 
 MAX_BLOCKS_PER_ALLOCATE = 65536
 """Most blocks one allocation may ask for (bounds growth and the reply size)."""
+
+MAX_BLOCKS_PER_REQUEST = 65536
+"""Most blocks one request may ask for, all items of an allocate_many together: without it,
+4,096 items of MAX_BLOCKS_PER_ALLOCATE could grow a growable pool by 268 M blocks at once."""
+
+MAX_BYTES_PER_BLOCK = 1 << 32
+"""Largest ``bytes_per_block`` a hello may announce (4 GiB: a block of 16 tokens of a
+405B-parameter model holds ~4 MiB per stream). The admin views multiply it by the blocks a
+session holds: with this bound no product or sum reaches 2**63 before the pool holds 2**31
+blocks, far more than a daemon can track."""
+
+MAX_ERROR_MESSAGE_LEN = 256
+"""Longest error message the daemon sends; longer ones are cut (a message may quote an owner id
+and a model name, each a few hundred characters at most)."""
 
 MAX_OWNER_LEN = 128
 """Longest string owner id, in characters."""
@@ -298,12 +312,16 @@ def check_claims(value: Any, name: str = "owners") -> list[tuple[Owner, list[Cla
 
 
 def check_bytes_per_block(value: Any, name: str = "bytes_per_block") -> int | dict[str, int]:
-    """Bytes one block holds in the worker: one int for every stream, or a map stream -> int."""
+    """Bytes one block holds in the worker (0..MAX_BYTES_PER_BLOCK): one int for every stream,
+    or a map stream -> int."""
     if type(value) is int:
-        return check_int(value, name, 0)
+        return check_int(value, name, 0, MAX_BYTES_PER_BLOCK)
     if type(value) is not dict or len(value) > 8:
         raise BadRequestError(f"{name} must be an int or a map of <= 8 streams, got {_show(value)}")
-    return {check_tag(k, f"{name} key"): check_int(v, f"{name}[{k}]", 0) for k, v in value.items()}
+    return {
+        check_tag(k, f"{name} key"): check_int(v, f"{name}[{k}]", 0, MAX_BYTES_PER_BLOCK)
+        for k, v in value.items()
+    }
 
 
 def _show(value: Any) -> str:
@@ -514,9 +532,44 @@ def encode_result(rid: int | None, boot: str, result: Any) -> bytes:
     return payload
 
 
+def compact_message(message: str) -> str:
+    """``message`` cut to MAX_ERROR_MESSAGE_LEN characters."""
+    if len(message) <= MAX_ERROR_MESSAGE_LEN:
+        return message
+    return f"{message[: MAX_ERROR_MESSAGE_LEN - 3]}..."
+
+
+class ItemErrors:
+    """The per-item errors of one reply (``allocate_many`` items, ``claim`` owners), compact.
+
+    Each error is ``{code, message}``. An error equal to an earlier item's is sent as
+    ``{code, message: "as item <i>", same_as: <i>}``: 4,096 items refused for one reason carry
+    its message once, not 4,096 times. :func:`item_message` reads either form.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[int, str], int] = {}
+
+    def entry(self, index: int, exc: BaseException) -> dict[str, Any]:
+        """The wire form of ``exc``, raised for item ``index``."""
+        code = int(error_code_for(exc))
+        message = compact_message(str(exc))
+        first = self._first.setdefault((code, message), index)
+        if first == index:
+            return {"code": code, "message": message}
+        return {"code": code, "message": f"as item {first}", "same_as": first}
+
+
+def item_message(results: Sequence[Any], error: Mapping[str, Any]) -> str:
+    """The message of a per-item ``error`` of ``results``, following ``same_as``."""
+    first = error.get("same_as")
+    message: str = error["message"] if first is None else results[first]["message"]
+    return message
+
+
 def encode_error(rid: int | None, boot: str, code: int, message: str) -> bytes:
-    """An error reply frame."""
-    error = {"code": int(code), "message": message}
+    """An error reply frame (the message cut to MAX_ERROR_MESSAGE_LEN characters)."""
+    error = {"code": int(code), "message": compact_message(message)}
     payload: bytes = msgpack.packb({"id": rid, "boot": boot, "ok": False, "error": error})
     return payload
 

@@ -95,8 +95,7 @@ class DaemonMachine(RuleBasedStateMachine):
         if model is not None and model.session != session:
             assert got[0] == "OwnerAlreadyActiveError", got
         elif self.total[stream] - self.held(stream) < n_needed:
-            assert got[0] == "BlockPoolExhaustedError", got
-            self.owners.setdefault(owner, OwnerModel(session))  # stays registered
+            assert got[0] == "BlockPoolExhaustedError", got  # registers nothing on the daemon
         else:
             assert got[0] == "ok" and len(got[1]) == n_needed, got
             self.owners.setdefault(owner, OwnerModel(session)).blocks[stream] += got[1]

@@ -53,7 +53,6 @@ from vqpool.shared.allocator import (
 )
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint, resolve_run_dir
 from vqpool.shared.errors import (
-    BlockPoolExhaustedError,
     ClaimConflictError,
     DaemonRestartedError,
     DaemonUnavailableError,
@@ -66,6 +65,7 @@ from vqpool.shared.protocol import (
     MAX_BATCH,
     config_from_wire,
     encode_request,
+    item_message,
     session_label,
     stats_from_wire,
 )
@@ -328,7 +328,7 @@ class PoolClient:
                     record["blocks_claimed"] += sum(len(group[2]) for group in groups)
                 else:
                     record["owners_refused"] += 1
-                    self._mark_lost(owner, result["code"], result["message"])
+                    self._mark_lost(owner, result["code"], item_message(results, result))
         record["seconds"] = time.monotonic() - self._resync_started
         self.resyncs.append(record)
 
@@ -479,11 +479,8 @@ class PoolClient:
         args = {"stream": stream, "n_tokens": n_tokens, "owner": owner, "format": format}
         with self._lock:
             self._refuse_lost(owner)
-            try:
-                block_ids = self._call("allocate", args)
-            except BlockPoolExhaustedError:
-                self._owners.setdefault(owner, {})  # the daemon keeps it registered, as locally
-                raise
+            # A failed allocate leaves no owner registered on the daemon (unlike locally).
+            block_ids = self._call("allocate", args)
             return self._blocks_from_ids(block_ids, stream, n_tokens, owner, format)
 
     def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
@@ -493,13 +490,15 @@ class PoolClient:
             lost = self._lost
             sent = [r for r in items if r.owner not in lost] if lost else items
             wire = [[r.stream, r.n_tokens, r.owner, r.format] for r in sent]
-            replies = iter(self._call("allocate_many", {"items": wire}) if wire else ())
+            replies = self._call("allocate_many", {"items": wire}) if wire else []
             results: list[AllocationResult] = []
+            n_sent = 0
             for request in items:
                 if request.owner in lost:
                     results.append(ClaimConflictError(lost[request.owner]))
                     continue
-                reply = next(replies)
+                reply = replies[n_sent]
+                n_sent += 1
                 if isinstance(reply, list):
                     results.append(
                         self._blocks_from_ids(
@@ -507,10 +506,7 @@ class PoolClient:
                         )
                     )
                 else:
-                    error = error_from_wire(reply["code"], reply["message"])
-                    if isinstance(error, BlockPoolExhaustedError):
-                        self._owners.setdefault(request.owner, {})
-                    results.append(error)
+                    results.append(error_from_wire(reply["code"], item_message(replies, reply)))
             return results
 
     def free(self, blocks: Iterable[Block]) -> None:

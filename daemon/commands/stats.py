@@ -44,6 +44,13 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
         "sessions_opened": coord.n_sessions_opened,
         "sessions_reaped": coord.n_sessions_reaped,
         "sessions_evicted": coord.n_sessions_evicted,
+        "reply_cache": {
+            "replies": len(coord.replies),
+            "bytes": coord.replies.n_bytes,
+            "evicted": coord.replies.n_evicted,
+            "bytes_per_session": coord.replies.bytes_per_session,
+            "bytes_total": coord.replies.bytes_total,
+        },
         "claims": claims_view(coord),
         "connections": {
             "accepted": coord.peer_auth.n_accepted if coord.peer_auth else 0,

@@ -1,0 +1,180 @@
+"""allocate() is all or nothing whatever is raised inside it (MemoryError, KeyboardInterrupt).
+
+Each test arms one of the allocator's containers to raise from its next change, calls
+allocate(), disarms it, and checks that nothing changed: same counters, history, free blocks,
+owners and holdings, the invariants hold, and the next allocations hand out the same ids as a
+twin pool that never failed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import vqpool.shared.allocator as allocator_module
+from vqpool.shared import BlockPoolAllocator, PoolConfig
+
+
+def armed(kind: type, methods: tuple[str, ...], exc: type[BaseException]) -> type:
+    """A subclass of ``kind`` whose ``methods`` raise ``exc`` while its ``armed`` is True."""
+
+    def make(name: str) -> Callable[..., Any]:
+        base = getattr(kind, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                raise exc("injected")
+            return base(self, *args, **kwargs)
+
+        return method
+
+    return type(f"Armed{kind.__name__}", (kind,), {"armed": True, **{m: make(m) for m in methods}})
+
+
+def arm_chunk_map(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
+    pool._chunk_of = armed(dict, ("__setitem__", "update"), exc)(pool._chunk_of)
+    return pool._chunk_of
+
+
+def arm_holdings(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
+    pool._holdings = armed(dict, ("__setitem__",), exc)(pool._holdings)
+    for owner, chunks in list(pool._holdings.items()):  # an owner growing adds to its own map
+        dict.__setitem__(pool._holdings, owner, armed(dict, ("__setitem__",), exc)(chunks))
+    return pool._holdings
+
+
+def arm_active_owners(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
+    pool._active_owners = armed(set, ("add",), exc)(pool._active_owners)
+    return pool._active_owners
+
+
+def arm_history(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
+    history = pool._history
+    pool._history = armed(deque, ("append",), exc)(history, history.maxlen)
+    return pool._history
+
+
+def arm_free_list(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
+    free = pool._free["k"]
+    free.recycled = armed(list, ("pop", "__delitem__", "extend"), exc)(free.recycled)
+    return free.recycled
+
+
+def disarm(pool: BlockPoolAllocator, container: Any) -> None:
+    container.armed = False
+    for chunks in pool._holdings.values():
+        if hasattr(chunks, "armed"):
+            chunks.armed = False
+
+
+ARMS = {
+    "chunk map": arm_chunk_map,
+    "holdings": arm_holdings,
+    "active owners": arm_active_owners,
+    "history": arm_history,
+    "free list": arm_free_list,
+}
+
+
+def observable(pool: BlockPoolAllocator) -> tuple[Any, ...]:
+    return (
+        pool.stats.snapshot(),
+        [row.snapshot() for row in pool.history],
+        {s: (pool.n_free(s), pool.n_total(s)) for s in pool.streams},
+        sorted(map(str, pool.active_owners())),
+        {str(o): [(b.block_id, b.n_used) for b in pool.blocks_for(o)] for o in pool.owners()},
+    )
+
+
+def busy_pool(claimed: bool) -> BlockPoolAllocator:
+    """A pool with held, freed (recycled) and never-used blocks, and optionally claimed ids."""
+    pool = BlockPoolAllocator(PoolConfig(n_blocks=64))
+    pool.allocate("k", 40, "held")
+    other = pool.allocate("k", 20, "other")
+    pool.register_owner("registered")
+    pool.free(other[:1])
+    if claimed:
+        pool.claim("claimer", "k", [25, 20])
+    return pool
+
+
+@pytest.mark.parametrize("arm", ARMS.values(), ids=ARMS.keys())
+@pytest.mark.parametrize("exc", [MemoryError, KeyboardInterrupt])
+@pytest.mark.parametrize("n_tokens", [16, 100], ids=["one-block", "recycled-and-fresh"])
+@pytest.mark.parametrize("owner", ["new", "held", "registered"])
+@pytest.mark.parametrize("claimed", [False, True], ids=["plain", "after-claims"])
+def test_allocate_changes_nothing_when_interrupted(
+    arm: Callable[[BlockPoolAllocator, type[BaseException]], Any],
+    exc: type[BaseException],
+    n_tokens: int,
+    owner: str,
+    claimed: bool,
+) -> None:
+    pool, twin = busy_pool(claimed), busy_pool(claimed)
+    before = observable(pool)
+    container = arm(pool, exc)
+    with pytest.raises(exc):
+        pool.allocate("k", n_tokens, owner)
+    disarm(pool, container)
+    pool.check_invariants()
+    assert observable(pool) == before
+    assert pool.is_active(owner) == twin.is_active(owner)
+    for n in (n_tokens, 16, 200):
+        assert pool.allocate("k", n, owner).block_ids == twin.allocate("k", n, owner).block_ids
+    assert observable(pool) == observable(twin)
+    pool.check_invariants()
+
+
+def test_allocate_interrupted_inside_blocklist_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool, twin = busy_pool(False), busy_pool(False)
+    before = observable(pool)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(allocator_module, "BlockList", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.allocate("k", 100, "new")
+    monkeypatch.undo()
+    pool.check_invariants()
+    assert observable(pool) == before
+    assert pool.allocate("k", 100, "new").block_ids == twin.allocate("k", 100, "new").block_ids
+
+
+@pytest.mark.parametrize("exc", [MemoryError, KeyboardInterrupt])
+def test_growth_interrupted_changes_nothing(exc: type[BaseException]) -> None:
+    config = PoolConfig(n_blocks=8, grow_on_exhaustion=True)
+    pool, twin = BlockPoolAllocator(config), BlockPoolAllocator(config)
+    for p in (pool, twin):
+        p.allocate("k", 16 * 3, "held")
+    before = observable(pool)
+    container = arm_free_list(pool, exc)
+    with pytest.raises(exc):
+        pool.allocate("k", 16 * 10, "new")
+    disarm(pool, container)
+    pool.check_invariants()
+    assert observable(pool) == before
+    assert not pool.is_active("new")
+    grown = pool.allocate("k", 16 * 10, "new")
+    assert grown.block_ids == twin.allocate("k", 16 * 10, "new").block_ids
+    assert observable(pool) == observable(twin)
+
+
+def test_failure_after_growth_keeps_the_grown_blocks_free() -> None:
+    pool = BlockPoolAllocator(PoolConfig(n_blocks=8, grow_on_exhaustion=True))
+    pool.allocate("k", 16 * 3, "held")
+    container = arm_chunk_map(pool, MemoryError)
+    with pytest.raises(MemoryError):
+        pool.allocate("k", 16 * 10, "new")
+    disarm(pool, container)
+    pool.check_invariants()
+    assert not pool.is_active("new")
+    assert pool.stats.blocks_in_use() == 3
+    assert (pool.n_free("k"), pool.n_total("k")) == (10, 13)  # grown by the shortfall, all free
+    assert len(pool.allocate("k", 16 * 10, "new")) == 10
+    assert pool.stats.n_reused == 0  # the grown ids were never used: their first use is no reuse
+    pool.check_invariants()
