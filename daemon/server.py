@@ -27,6 +27,7 @@ import zmq
 from vqpool.daemon.admin import AdminRequestHandler
 from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
+from vqpool.daemon.exit_status import ExitStatus
 from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
@@ -65,7 +66,7 @@ def _input_pending(sock: zmq.Socket[bytes]) -> bool:
 class StartupError(Exception):
     """vqpoold cannot start; the message says why and what to do. Exit status in ``status``."""
 
-    def __init__(self, message: str, status: int = 2) -> None:
+    def __init__(self, message: str, status: ExitStatus = ExitStatus.BAD_SETTINGS) -> None:
         super().__init__(message)
         self.status = status
 
@@ -82,21 +83,59 @@ def prepare_run_dir(run_dir: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise StartupError(f"cannot create run directory {run_dir}: {exc}") from exc
+        raise StartupError(
+            f"cannot create run directory {run_dir}: {exc}", ExitStatus.BAD_RUN_DIR
+        ) from exc
     info = os.lstat(run_dir)
     if not stat.S_ISDIR(info.st_mode):
-        raise StartupError(f"run directory {run_dir} is not a directory (or is a symlink)")
+        raise StartupError(
+            f"run directory {run_dir} is not a directory (or is a symlink)", ExitStatus.BAD_RUN_DIR
+        )
     if info.st_uid != os.getuid():
         raise StartupError(
             f"run directory {run_dir} belongs to uid {info.st_uid}, not to you "
-            f"(uid {os.getuid()}); choose another --run-dir"
+            f"(uid {os.getuid()}); choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
         )
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
         raise StartupError(
             f"run directory {run_dir} has mode {mode:04o}: other users could reach the sockets. "
-            f"Run `chmod 700 {run_dir}` or choose another --run-dir"
+            f"Run `chmod 700 {run_dir}` or choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
         )
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Unlink the socket a killed daemon left at ``path``; refuse to delete anything else.
+
+    Raises:
+        StartupError: Something other than a socket is at ``path`` (status 3).
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise StartupError(
+            f"{path} is not a socket (a {_file_kind(info.st_mode)}); it is where the daemon binds: "
+            "remove it or choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
+        )
+    path.unlink(missing_ok=True)
+
+
+_FILE_KINDS = (
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symlink"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def _file_kind(mode: int) -> str:
+    return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "device")
 
 
 def take_lock(lock_path: Path, boot_id: str) -> int:
@@ -105,26 +144,63 @@ def take_lock(lock_path: Path, boot_id: str) -> int:
     The lock is taken before binding because libzmq deletes an existing ipc socket file when it
     binds: without it a second daemon would silently steal the first one's endpoint.
 
+    The file is opened without following a symlink and must be a plain file with one link:
+    the daemon truncates and writes it, so it must never reach a file elsewhere.
+
     Raises:
-        StartupError: Another vqpoold holds the lock (status 1); its lock file names it.
+        StartupError: Another vqpoold holds the lock (status 1; its lock file names it), or the
+            lock file is unusable (status 4).
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_lock_file(lock_path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         holder = os.pread(fd, 512, 0).decode(errors="replace").strip().replace("\n", ", ")
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StartupError(f"cannot lock {lock_path}: {exc}") from exc
+            raise StartupError(f"cannot lock {lock_path}: {exc}", ExitStatus.BAD_LOCK_FILE) from exc
         raise StartupError(
             f"another vqpoold is already serving {lock_path.parent} "
             f"({holder or 'it is starting'}); stop it first or use another --run-dir",
-            status=1,
+            ExitStatus.ALREADY_RUNNING,
         ) from None
     os.ftruncate(fd, 0)
     started = datetime.now().isoformat(timespec="seconds")
     os.pwrite(fd, f"pid {os.getpid()}\nboot {boot_id}\nstarted {started}\n".encode(), 0)
     return fd
+
+
+def open_lock_file(lock_path: Path) -> int:
+    """Open (creating) the lock file as a plain file of its own, never through a symlink.
+
+    Raises:
+        StartupError: It is a symlink, not a plain file, has other hard links, or cannot be
+            opened (status 4).
+    """
+    # O_NONBLOCK: a FIFO put there must not hang the start-up.
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(lock_path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            reason = "is a symlink (it is never followed)"
+        else:
+            reason = f"cannot be opened ({exc.strerror})"
+        raise StartupError(
+            f"lock file {lock_path} {reason}; remove it or choose another --run-dir",
+            ExitStatus.BAD_LOCK_FILE,
+        ) from None
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    kind = _file_kind(info.st_mode)
+    reason = f"is a {kind}" if kind != "regular file" else f"has {info.st_nlink} hard links"
+    raise StartupError(
+        f"lock file {lock_path} {reason}, not a plain file of its own; remove it or choose "
+        "another --run-dir",
+        ExitStatus.BAD_LOCK_FILE,
+    )
 
 
 def describe_pool(config: PoolConfig) -> str:
@@ -165,6 +241,9 @@ class Server:
         try:
             worker_path = socket_path(run_dir, WORKER_SOCKET_NAME)
             admin_path = socket_path(run_dir, ADMIN_SOCKET_NAME)
+        except ValueError as exc:
+            raise StartupError(str(exc), ExitStatus.BAD_RUN_DIR) from exc
+        try:
             pool_config = self.settings.pool_config()
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
@@ -191,6 +270,7 @@ class Server:
         wake_fd = self._catch_stop_signals()
         # Bound before the sockets it guards: libzmq admits anyone while no ZAP handler is bound.
         auth = coord.peer_auth = PeerAuthenticator(context)
+        bound: list[tuple[zmq.Socket[bytes], Path]] = []  # closed and unlinked on the way out
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
             handle_worker: Handle = worker_handler.handle
@@ -202,9 +282,9 @@ class Server:
                 )
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
-                path.unlink(missing_ok=True)
-            worker = self._bind(context, worker_path, WORKER_DOMAIN)
-            admin = self._bind(context, admin_path, ADMIN_DOMAIN)
+                remove_stale_socket(path)
+            worker = self._bind(context, worker_path, WORKER_DOMAIN, bound)
+            admin = self._bind(context, admin_path, ADMIN_DOMAIN, bound)
             log.info(
                 "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
                 "(admin); pool: %s; lease %gs",
@@ -227,9 +307,10 @@ class Server:
                 self._metrics.stop()
             auth.close()
             self._release_stop_signals()
-            context.term()
-            for path in (worker_path, admin_path):
+            for sock, path in bound:
+                sock.close(linger=0)  # no-op for those closed above; context.term() needs all
                 path.unlink(missing_ok=True)
+            context.term()
             os.close(lock_fd)  # releases the flock, after the sockets are gone
         signame = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
         log.info("vqpoold stopped on %s after %.1fs", signame, coord.uptime())
@@ -251,7 +332,9 @@ class Server:
         try:
             served = exporter.start(port)
         except OSError as exc:
-            raise StartupError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
+            raise StartupError(
+                f"cannot serve metrics on 127.0.0.1:{port}: {exc}", ExitStatus.METRICS_PORT
+            ) from exc
         self._metrics = exporter
         log.info("metrics on http://127.0.0.1:%d/metrics", served)
         return (
@@ -265,7 +348,17 @@ class Server:
             os.write(self._wake_fds[1], b"\0")
 
     @staticmethod
-    def _bind(context: zmq.Context[Any], path: Path, zap_domain: bytes) -> zmq.Socket[bytes]:
+    def _bind(
+        context: zmq.Context[Any],
+        path: Path,
+        zap_domain: bytes,
+        bound: list[tuple[zmq.Socket[bytes], Path]],
+    ) -> zmq.Socket[bytes]:
+        """A ROUTER bound on ``path``, appended to ``bound``.
+
+        Raises:
+            StartupError: libzmq cannot bind there (status 3).
+        """
         sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         # Every connection is authenticated by the ZAP handler (daemon/peer_auth.py) before
@@ -275,7 +368,12 @@ class Server:
         # the sends are non-blocking, so a full queue never stalls the loop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"ipc://{path}")
+        try:
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise StartupError(f"cannot bind ipc://{path}: {exc}", ExitStatus.BAD_RUN_DIR) from None
+        bound.append((sock, path))
         os.chmod(path, 0o600)
         return sock
 
