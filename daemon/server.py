@@ -25,6 +25,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from vqpool.daemon.admin import AdminRequestHandler
+from vqpool.daemon.connection_guard import (
+    LISTEN_BACKLOG,
+    ConnectionGuard,
+    hidden_path,
+    raise_open_file_limit,
+)
 from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
 from vqpool.daemon.exit_status import ExitStatus
@@ -52,6 +58,9 @@ the promised 2 s at the cost of one /proc read per session per tick)."""
 
 MAX_MESSAGES_PER_WAKE = 256
 """Requests served from one socket before looking at the other and at the clock."""
+
+ZAP_BATCH = 16
+"""Handshakes answered between two looks at the connection guard."""
 
 SHUTDOWN_LINGER_MS = 200
 """How long closing a socket at shutdown may wait to flush the last replies."""
@@ -265,12 +274,14 @@ class Server:
             claim_grace=self.settings.claim_grace,
             boot_id=boot_id,
         )
+        fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
         # Bound before the sockets it guards: libzmq admits anyone while no ZAP handler is bound.
         auth = coord.peer_auth = PeerAuthenticator(context)
         bound: list[tuple[zmq.Socket[bytes], Path]] = []  # closed and unlinked on the way out
+        guard = ConnectionGuard(context, fd_limit)
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
             handle_worker: Handle = worker_handler.handle
@@ -283,11 +294,15 @@ class Server:
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
                 remove_stale_socket(path)
+                remove_stale_socket(hidden_path(path))  # hidden by a killed daemon's guard
             worker = self._bind(context, worker_path, WORKER_DOMAIN, bound)
             admin = self._bind(context, admin_path, ADMIN_DOMAIN, bound)
+            guard.watch(worker, worker_path, "worker")
+            guard.watch(admin, admin_path, "admin")
+            max_connections = guard.arm()
             log.info(
                 "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
-                "(admin); pool: %s; lease %gs",
+                "(admin); pool: %s; lease %gs; up to %d connections (open-file limit %d%s)",
                 DAEMON_VERSION,
                 coord.pid,
                 coord.boot_id,
@@ -295,8 +310,11 @@ class Server:
                 admin_path,
                 describe_pool(pool_config),
                 coord.lease,
+                max_connections,
+                fd_limit,
+                f", raised from {fd_limit_before}" if fd_limit != fd_limit_before else "",
             )
-            self._loop(coord, wake_fd, auth, (worker, handle_worker), (admin, handle_admin))
+            self._loop(coord, wake_fd, auth, guard, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
@@ -306,6 +324,7 @@ class Server:
             if self._metrics is not None:
                 self._metrics.stop()
             auth.close()
+            guard.close()
             self._release_stop_signals()
             for sock, path in bound:
                 sock.close(linger=0)  # no-op for those closed above; context.term() needs all
@@ -368,6 +387,7 @@ class Server:
         # the sends are non-blocking, so a full queue never stalls the loop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         try:
             sock.bind(f"ipc://{path}")
         except zmq.ZMQError as exc:
@@ -401,6 +421,7 @@ class Server:
         coord: Coordinator,
         wake_fd: int,
         auth: PeerAuthenticator,
+        guard: ConnectionGuard,
         worker_side: tuple[zmq.Socket[bytes], Handle],
         admin_side: tuple[zmq.Socket[bytes], Handle],
     ) -> None:
@@ -408,8 +429,9 @@ class Server:
         admin, handle_admin = admin_side
         zap = auth.socket
         zap_fd = cast(int, zap.getsockopt(zmq.FD))
+        guard_fds = {cast(int, sock.getsockopt(zmq.FD)) for sock in guard.sockets}
         poller = select.poll()
-        for sock in (worker, admin, zap):
+        for sock in (worker, admin, zap, *guard.sockets):
             poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
@@ -417,9 +439,9 @@ class Server:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
             # The ZAP socket is looked at only when its fd says something changed: reading its
             # state on every request would tax the hot path for a once-per-connection event.
-            zap_ready = False
+            zap_ready = guard_ready = False
             busy = _input_pending(worker) or _input_pending(admin)
-            if busy or (zap_ready := _input_pending(zap)):
+            if busy or (zap_ready := _input_pending(zap)) or (guard_ready := guard.input_pending()):
                 timeout_ms = 0
             else:
                 timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
@@ -429,8 +451,14 @@ class Server:
                         os.read(wake_fd, 512)
                 elif fd == zap_fd:
                     zap_ready = True
+                elif fd in guard_fds:
+                    guard_ready = True
+            if guard_ready:  # accepted or lost connections: count open files before anything
+                guard.serve()
             if zap_ready:  # new connections' handshakes, before their requests
-                auth.serve()
+                # In batches: a flood's handshakes must not keep the guard from counting.
+                while auth.serve(ZAP_BATCH):
+                    guard.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
             if self._metrics is not None:
@@ -438,6 +466,8 @@ class Server:
             now = time.monotonic()
             if now >= next_check:
                 coord.reap_dead_sessions(now)
+                if guard.any_closed:
+                    guard.check()
                 coord.check_claim_period(now)
                 coord.timeline.sample(coord.allocator)
                 next_check = now + LIVENESS_INTERVAL

@@ -1,0 +1,211 @@
+"""Keep vqpoold alive through connection floods: open-file headroom, and a bound on connections.
+
+libzmq 4.3 accepts every pending connection on its I/O thread as fast as they come, before any
+handshake or ZAP request, and its ipc listener aborts the whole process when ``accept()`` fails
+with EMFILE (src/ipc_listener.cpp tolerates EAGAIN, EINTR, ECONNABORTED, EPROTO and ENFILE
+only). About a thousand idle connections under the common soft limit of 1,024 files killed the
+daemon. Refusing connections in the ZAP handler comes too late (the file is already taken), and
+a listener cannot be paused: unbinding it closes every connection it accepted. So:
+
+1. :func:`raise_open_file_limit` lifts the soft RLIMIT_NOFILE towards the hard limit at start.
+2. :class:`ConnectionGuard` watches the sockets' accept and disconnect events (socket monitors)
+   and, on each, counts the process's open files. When they near the limit it renames the
+   socket file to a hidden name: ``connect()`` goes by path, so no new connection reaches the
+   listener (clients get ENOENT and retry, as when the daemon is down), while the connections
+   already made are served as before. Once enough have closed, the name comes back. (Taking
+   away the file's write permission would not stop a daemon running as root.) The headroom left
+   covers what the kernel has already queued (a small listen backlog), what is accepted while
+   the guard reacts, and the daemon's own files. The admin socket closes last, so vqpoolctl
+   still gets in while a flood fills the worker socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import zmq
+
+log = logging.getLogger("vqpoold")
+
+WANTED_OPEN_FILES = 8192
+"""The soft open-file limit asked for at start (less where the hard limit is lower). Higher would
+only admit more connections than a daemon serving one machine's workers ever needs, each costing
+libzmq buffers."""
+
+LISTEN_BACKLOG = 16
+"""Connections the kernel queues for each listener before libzmq accepts them; a client finding
+it full retries. Small, because every queued one may still be accepted after the gate closes."""
+
+RESERVED_FILES = 64
+"""Files kept free for the daemon itself (process liveness reads, the workers roll, metrics
+scrapes) and for connections accepted while the guard reacts to a burst."""
+
+ADMIN_ROOM = 32
+"""Connections the admin socket may still take after the worker socket stops accepting (more
+than a full backlog and a reaction's worth, so a worker flood does not close it too)."""
+
+REOPEN_GAP = 16
+"""How far below its bound the count must fall before a socket accepts again (no flapping)."""
+
+_FD_DIR = "/proc/self/fd" if sys.platform.startswith("linux") else "/dev/fd"
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+def hidden_path(path: Path) -> Path:
+    """Where a socket file waits while its gate is closed."""
+    return path.with_name(f".{path.name}.full")
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE towards WANTED_OPEN_FILES; (limit before, limit now).
+
+    The hard limit caps it. macOS may report an unlimited hard limit yet refuse a soft one above
+    ``kern.maxfilesperproc``: a refused value is halved until one is accepted.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    while target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (ValueError, OSError):
+            target //= 2
+    return soft, soft
+
+
+def open_file_count(limit: int) -> int:
+    """Files the process has open now (the listing's own descriptor excluded); ``limit`` when
+    not even the listing can be opened."""
+    try:
+        return len(os.listdir(_FD_DIR)) - 1
+    except OSError:  # EMFILE
+        return limit
+
+
+class _Gate:
+    """One listening socket file whose write permission admits new connections."""
+
+    def __init__(self, name: str, path: Path, bound: int, monitor: zmq.Socket[bytes]) -> None:
+        self.name = name
+        self.path = path
+        self.bound = bound
+        self.monitor = monitor
+        self.closed = False
+
+
+class ConnectionGuard:
+    """Stops new connections to the daemon's sockets before its open files run out.
+
+    Attributes:
+        limit: The soft open-file limit the bounds derive from.
+        n_closings: Times a socket stopped accepting.
+    """
+
+    def __init__(self, context: zmq.Context[Any], limit: int) -> None:
+        self.context = context
+        self.limit = limit
+        self.n_closings = 0
+        self._gates: list[_Gate] = []
+
+    def watch(self, sock: zmq.Socket[bytes], path: Path, name: str) -> None:
+        """Guard the listener ``sock`` bound on ``path``; sockets watched later close later."""
+        address = f"inproc://vqpoold-monitor-{name}"
+        sock.monitor(address, _EVENTS)
+        monitor: zmq.Socket[bytes] = self.context.socket(zmq.PAIR)
+        # Unbounded: libzmq's I/O thread must never wait on a monitor queue we have not drained.
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        self._gates.append(_Gate(name, path, 0, monitor))
+
+    def arm(self) -> int:
+        """Fix each socket's bound from the files open now; the worker socket's bound."""
+        headroom = RESERVED_FILES + len(self._gates) * (LISTEN_BACKLOG + 1)
+        last_bound = self.limit - headroom
+        for position, gate in enumerate(reversed(self._gates)):
+            gate.bound = last_bound - position * ADMIN_ROOM
+        in_use = open_file_count(self.limit)
+        first = self._gates[0].bound
+        if first - in_use < ADMIN_ROOM:
+            log.warning(
+                "open-file limit %d leaves room for only %d connections; raise it (ulimit -n, "
+                "LimitNOFILE=, launchd's NumberOfFiles)",
+                self.limit,
+                max(0, first - in_use),
+            )
+        return max(0, first - in_use)
+
+    @property
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        """The monitor sockets the loop polls (serve() when one is ready)."""
+        return [gate.monitor for gate in self._gates]
+
+    def input_pending(self) -> bool:
+        return any(
+            cast(int, gate.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN for gate in self._gates
+        )
+
+    def serve(self) -> None:
+        """Drain the connection events and open or close the gates on the open-file count."""
+        changed = False
+        for gate in self._gates:
+            while cast(int, gate.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                gate.monitor.recv_multipart()
+                changed = True
+        if changed:
+            self.check()
+
+    def check(self) -> None:
+        """Open or close the gates on the open-file count (also called on the liveness tick,
+        so a missed event cannot keep a socket closed)."""
+        in_use = open_file_count(self.limit)
+        for gate in self._gates:
+            if not gate.closed and in_use >= gate.bound:
+                if not self._set(gate, closed=True):
+                    continue
+                self.n_closings += 1
+                log.warning(
+                    "%d of %d open files in use: refusing new connections to the %s socket until "
+                    "some close (connections already made are served)",
+                    in_use,
+                    self.limit,
+                    gate.name,
+                )
+            elif gate.closed and in_use <= gate.bound - REOPEN_GAP:
+                if not self._set(gate, closed=False):
+                    continue
+                log.info(
+                    "%d of %d open files in use: the %s socket accepts new connections again",
+                    in_use,
+                    self.limit,
+                    gate.name,
+                )
+
+    @property
+    def any_closed(self) -> bool:
+        return any(gate.closed for gate in self._gates)
+
+    @staticmethod
+    def _set(gate: _Gate, closed: bool) -> bool:
+        """Hide or restore the socket file; False (and a log line) when the rename fails."""
+        hidden = hidden_path(gate.path)
+        source, target = (gate.path, hidden) if closed else (hidden, gate.path)
+        try:
+            os.rename(source, target)
+        except OSError as exc:
+            log.error("cannot rename %s to %s: %s", source, target, exc)
+            return False
+        gate.closed = closed
+        return True
+
+    def close(self) -> None:
+        """Stop watching; every socket file back under its own name (for the caller to unlink)."""
+        for gate in self._gates:
+            if gate.closed:
+                self._set(gate, closed=False)
+            gate.monitor.close(linger=0)
