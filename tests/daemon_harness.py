@@ -62,10 +62,12 @@ def remove_tree(path: Path) -> None:
 class DaemonProcess:
     """One vqpoold subprocess on ``run_dir``; its stderr goes to ``log_path``."""
 
-    def __init__(self, run_dir: Path, *args: str, fd_limit: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, *args: str, fd_limit: tuple[int, int] | None = None
+    ) -> None:
         self.run_dir = run_dir
         self.args = args
-        self.fd_limit = fd_limit  # soft and hard RLIMIT_NOFILE of the daemon, when given
+        self.fd_limit = fd_limit  # (soft, hard) RLIMIT_NOFILE of the daemon, when given
         self.log_path = run_dir.parent / f"{run_dir.name}.vqpoold.log"
         self.process: subprocess.Popen[bytes] | None = None
         self._admin: AdminClient | None = None
@@ -85,7 +87,7 @@ class DaemonProcess:
 
     def _limit_fds(self) -> None:
         assert self.fd_limit is not None
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.fd_limit, self.fd_limit))
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.fd_limit)
 
     @property
     def pid(self) -> int:

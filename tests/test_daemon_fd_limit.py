@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -18,12 +18,20 @@ LOW_FD_LIMIT = 256
 
 
 @pytest.fixture
-def low_limit_daemon() -> Iterator[DaemonProcess]:
-    base = short_tmpdir()
-    daemon = DaemonProcess(base / "run", "--n-blocks", "64", fd_limit=LOW_FD_LIMIT).start()
-    yield daemon
-    daemon.stop()
-    remove_tree(base)
+def start_limited() -> Iterator[Callable[[int, int], DaemonProcess]]:
+    """Start vqpoold with the given soft and hard RLIMIT_NOFILE (stopped afterwards)."""
+    started: list[tuple[DaemonProcess, Path]] = []
+
+    def start(soft: int, hard: int) -> DaemonProcess:
+        base = short_tmpdir()
+        daemon = DaemonProcess(base / "run", "--n-blocks", "64", fd_limit=(soft, hard))
+        started.append((daemon.start(), base))
+        return daemon
+
+    yield start
+    for daemon, base in started:
+        daemon.stop()
+        remove_tree(base)
 
 
 def start_flood(run_dir: Path, n: int, kind: str) -> subprocess.Popen[str]:
@@ -52,9 +60,9 @@ def allocates_and_frees(client: RawClient) -> bool:
 
 @pytest.mark.parametrize("kind", ["dealer", "raw"])
 def test_flood_past_the_fd_limit_leaves_the_daemon_serving(
-    low_limit_daemon: DaemonProcess, kind: str
+    start_limited: Callable[[int, int], DaemonProcess], kind: str
 ) -> None:
-    daemon = low_limit_daemon
+    daemon = start_limited(LOW_FD_LIMIT, LOW_FD_LIMIT)
     assert daemon.process is not None
     survivor = RawClient(daemon.run_dir)
     try:
@@ -84,3 +92,20 @@ def test_flood_past_the_fd_limit_leaves_the_daemon_serving(
         assert daemon.process.poll() is None
     finally:
         survivor.close()
+
+
+def test_soft_limit_is_raised_so_a_flood_below_the_hard_one_is_all_served(
+    start_limited: Callable[[int, int], DaemonProcess],
+) -> None:
+    # Like launchd's 256 soft limit under a higher hard one: the daemon lifts its own.
+    daemon = start_limited(LOW_FD_LIMIT, 4 * LOW_FD_LIMIT)
+    assert f"open-file limit {4 * LOW_FD_LIMIT}, raised from {LOW_FD_LIMIT}" in daemon.log()
+    n_idle = 2 * LOW_FD_LIMIT
+    flood = start_flood(daemon.run_dir, n_idle, "raw")
+    try:
+        # Every idle connection is accepted: more than the old soft limit allowed.
+        wait_until(lambda: psutil.Process(daemon.pid).num_fds() >= n_idle, timeout=15)
+        assert "new connections" not in daemon.log()
+        assert daemon.admin("ping")["pid"] == daemon.pid
+    finally:
+        end_flood(flood)
