@@ -41,13 +41,17 @@ LISTEN_BACKLOG = 16
 """Connections the kernel queues for each listener before libzmq accepts them; a client finding
 it full retries. Small, because every queued one may still be accepted after the gate closes."""
 
-RESERVED_FILES = 64
-"""Files kept free for the daemon itself (process liveness reads, the workers roll, metrics
-scrapes) and for connections accepted while the guard reacts to a burst."""
+OWN_FILES = 32
+"""Files kept free for the daemon itself: process liveness reads, the workers roll, metrics
+scrapes."""
 
-ADMIN_ROOM = 32
-"""Connections the admin socket may still take after the worker socket stops accepting (more
-than a full backlog and a reaction's worth, so a worker flood does not close it too)."""
+REACTION_SLACK = 48
+"""Connections libzmq may still accept between crossing a bound and the guard hiding the socket
+(the loop must notice first; on a loaded machine it was up to ~50 late at flood rates)."""
+
+ADMIN_ROOM = 16
+"""Connections the admin socket still takes after the worker socket stops accepting, beyond
+what a worker flood may overshoot by, so vqpoolctl gets in during a flood."""
 
 REOPEN_GAP = 16
 """How far below its bound the count must fall before a socket accepts again (no flapping)."""
@@ -124,21 +128,33 @@ class ConnectionGuard:
         self._gates.append(_Gate(name, path, 0, monitor))
 
     def arm(self) -> int:
-        """Fix each socket's bound from the files open now; the worker socket's bound."""
-        headroom = RESERVED_FILES + len(self._gates) * (LISTEN_BACKLOG + 1)
-        last_bound = self.limit - headroom
-        for position, gate in enumerate(reversed(self._gates)):
-            gate.bound = last_bound - position * ADMIN_ROOM
+        """Fix each socket's bound from the limit and the files open now; how many connections
+        the first (worker) socket takes before it stops accepting.
+
+        The last socket (admin) stops OWN_FILES plus one overshoot (a full backlog and a
+        REACTION_SLACK) below the limit; each earlier one ADMIN_ROOM plus one overshoot below the
+        next. Under a low limit that margin shrinks to 3/4 of the files not yet in use, so the
+        daemon still serves; below half the full margin a warning says that a flood may then
+        outrun the guard.
+        """
         in_use = open_file_count(self.limit)
-        first = self._gates[0].bound
-        if first - in_use < ADMIN_ROOM:
+        overshoot = LISTEN_BACKLOG + 1 + REACTION_SLACK
+        step = ADMIN_ROOM + overshoot
+        full_margin = OWN_FILES + overshoot + (len(self._gates) - 1) * step
+        margin = min(full_margin, max(0, self.limit - in_use) * 3 // 4)
+        scale = margin / full_margin
+        last_bound = self.limit - round((OWN_FILES + overshoot) * scale)
+        for position, gate in enumerate(reversed(self._gates)):
+            gate.bound = last_bound - round(position * step * scale)
+        room = max(0, self._gates[0].bound - in_use)
+        if 2 * margin < full_margin:
             log.warning(
-                "open-file limit %d leaves room for only %d connections; raise it (ulimit -n, "
-                "LimitNOFILE=, launchd's NumberOfFiles)",
+                "open-file limit %d is low: room for %d connections, and a connection flood may "
+                "outrun the guard (raise it: ulimit -n, LimitNOFILE=, launchd's NumberOfFiles)",
                 self.limit,
-                max(0, first - in_use),
+                room,
             )
-        return max(0, first - in_use)
+        return room
 
     @property
     def sockets(self) -> list[zmq.Socket[bytes]]:

@@ -10,7 +10,7 @@ session. Prints one JSON line: whether the daemon is alive (or the signal that k
 open files at start and at peak, the connections it held, and whether the newcomer got in.
 
     .venv/bin/python scripts/flood_connections.py --soft 1024 --hard 1024 --connections 1100
-    .venv/bin/python scripts/flood_connections.py --soft 256 --hard 256 --connections 1000 --kind raw
+    .venv/bin/python scripts/flood_connections.py --soft 256 --hard 256 --kind raw
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from vqpool.shared.protocol import decode_reply, encode_request
 
 def flood_main(endpoint: str, n: int, kind: str) -> None:
     """The flooding process: ``n`` idle connections, held until stdin closes."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with contextlib.suppress(ValueError, OSError):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    with contextlib.suppress(ValueError, OSError):  # each DEALER costs 2 files here
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 2 * n + 256), hard))
     context: zmq.Context[Any] = zmq.Context()
     context.set(zmq.MAX_SOCKETS, n + 16)
@@ -98,7 +98,11 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         assert daemon.stderr is not None
-        start_line = daemon.stderr.readline().strip()
+        start_line = ""
+        while "listening" not in start_line:  # a low-limit warning may come first
+            start_line = daemon.stderr.readline()
+            if not start_line:
+                raise RuntimeError(f"vqpoold exited with {daemon.wait()}")
         while not (run_dir / ADMIN_SOCKET_NAME).exists():
             time.sleep(0.01)
         process = psutil.Process(daemon.pid)

@@ -62,9 +62,7 @@ def remove_tree(path: Path) -> None:
 class DaemonProcess:
     """One vqpoold subprocess on ``run_dir``; its stderr goes to ``log_path``."""
 
-    def __init__(
-        self, run_dir: Path, *args: str, fd_limit: tuple[int, int] | None = None
-    ) -> None:
+    def __init__(self, run_dir: Path, *args: str, fd_limit: tuple[int, int] | None = None) -> None:
         self.run_dir = run_dir
         self.args = args
         self.fd_limit = fd_limit  # (soft, hard) RLIMIT_NOFILE of the daemon, when given
