@@ -68,18 +68,28 @@ def hidden_path(path: Path) -> Path:
 def raise_open_file_limit() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE towards WANTED_OPEN_FILES; (limit before, limit now).
 
-    The hard limit caps it. macOS may report an unlimited hard limit yet refuse a soft one above
-    ``kern.maxfilesperproc``: a refused value is halved until one is accepted.
+    The hard limit caps it; a finite soft limit already that high is kept. macOS may report an
+    unlimited hard (or even soft) limit yet refuse a soft one above ``kern.maxfilesperproc``: an
+    unlimited soft limit is made finite (the guard needs the real number) and a refused value
+    is halved until one is accepted.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
-    while target > soft:
+    unlimited = resource.RLIM_INFINITY
+    target = WANTED_OPEN_FILES if hard == unlimited else min(hard, WANTED_OPEN_FILES)
+    while target > 0 and (soft == unlimited or target > soft):
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             return soft, target
         except (ValueError, OSError):
             target //= 2
     return soft, soft
+
+
+def describe_limit_change(before: int, now: int) -> str:
+    """How the start line tells what :func:`raise_open_file_limit` did ('' when nothing)."""
+    if before == now:
+        return ""
+    return ", was unlimited" if before == resource.RLIM_INFINITY else f", raised from {before}"
 
 
 def open_file_count(limit: int) -> int:
@@ -92,7 +102,7 @@ def open_file_count(limit: int) -> int:
 
 
 class _Gate:
-    """One listening socket file whose write permission admits new connections."""
+    """One listening socket: its file, hidden while it must take no new connection."""
 
     def __init__(self, name: str, path: Path, bound: int, monitor: zmq.Socket[bytes]) -> None:
         self.name = name
@@ -107,13 +117,11 @@ class ConnectionGuard:
 
     Attributes:
         limit: The soft open-file limit the bounds derive from.
-        n_closings: Times a socket stopped accepting.
     """
 
     def __init__(self, context: zmq.Context[Any], limit: int) -> None:
         self.context = context
         self.limit = limit
-        self.n_closings = 0
         self._gates: list[_Gate] = []
 
     def watch(self, sock: zmq.Socket[bytes], path: Path, name: str) -> None:
@@ -184,7 +192,6 @@ class ConnectionGuard:
             if not gate.closed and in_use >= gate.bound:
                 if not self._set(gate, closed=True):
                     continue
-                self.n_closings += 1
                 log.warning(
                     "%d of %d open files in use: refusing new connections to the %s socket until "
                     "some close (connections already made are served)",

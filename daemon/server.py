@@ -28,6 +28,7 @@ from vqpool.daemon.admin import AdminRequestHandler
 from vqpool.daemon.connection_guard import (
     LISTEN_BACKLOG,
     ConnectionGuard,
+    describe_limit_change,
     hidden_path,
     raise_open_file_limit,
 )
@@ -312,7 +313,7 @@ class Server:
                 coord.lease,
                 max_connections,
                 fd_limit,
-                f", raised from {fd_limit_before}" if fd_limit != fd_limit_before else "",
+                describe_limit_change(fd_limit_before, fd_limit),
             )
             self._loop(coord, wake_fd, auth, guard, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
