@@ -9,7 +9,8 @@ a listener cannot be paused: unbinding it closes every connection it accepted. S
 
 1. :func:`raise_open_file_limit` lifts the soft RLIMIT_NOFILE towards the hard limit at start.
 2. :class:`ConnectionGuard` watches the sockets' accept and disconnect events (socket monitors)
-   and, on each, counts the process's open files. When they near the limit it renames the
+   and keeps a running count of the process's open files (checked against the real one before
+   acting, and on the liveness tick). When they near the limit it renames the
    socket file to a hidden name: ``connect()`` goes by path, so no new connection reaches the
    listener (clients get ENOENT and retry, as when the daemon is down), while the connections
    already made are served as before. Once enough have closed, the name comes back. (Taking
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import struct
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -46,8 +48,11 @@ OWN_FILES = 32
 scrapes."""
 
 REACTION_SLACK = 48
-"""Connections libzmq may still accept between crossing a bound and the guard hiding the socket
-(the loop must notice first; on a loaded machine it was up to ~50 late at flood rates)."""
+"""Connections libzmq may still accept between crossing a bound and the guard hiding the socket:
+the loop must notice first, and libzmq's I/O thread accepts on while the loop waits for a CPU
+(on 2 busy vCPUs it was 150 late, about one scheduler slice at flood rate). At least this, or a
+quarter of the limit where that is more: a daemon serving one machine's workers needs far fewer
+connections than the files it may open."""
 
 ADMIN_ROOM = 16
 """Connections the admin socket still takes after the worker socket stops accepting, beyond
@@ -58,6 +63,7 @@ REOPEN_GAP = 16
 
 _FD_DIR = "/proc/self/fd" if sys.platform.startswith("linux") else "/dev/fd"
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_EVENT_ID = struct.Struct("=H")  # first field of a monitor event's first frame
 
 
 def hidden_path(path: Path) -> Path:
@@ -123,6 +129,9 @@ class ConnectionGuard:
         self.context = context
         self.limit = limit
         self._gates: list[_Gate] = []
+        # Open files: the real count when last taken, plus accepts, minus disconnects since.
+        # Listing them costs ~0.4 us per file, too slow to repeat on every event of a flood.
+        self._in_use = 0
 
     def watch(self, sock: zmq.Socket[bytes], path: Path, name: str) -> None:
         """Guard the listener ``sock`` bound on ``path``; sockets watched later close later."""
@@ -139,14 +148,17 @@ class ConnectionGuard:
         """Fix each socket's bound from the limit and the files open now; how many connections
         the first (worker) socket takes before it stops accepting.
 
-        The last socket (admin) stops OWN_FILES plus one overshoot (a full backlog and a
-        REACTION_SLACK) below the limit; each earlier one ADMIN_ROOM plus one overshoot below the
+        The last socket (admin) stops OWN_FILES plus one overshoot (a full backlog and the
+        reaction slack) below the limit; each earlier one ADMIN_ROOM plus one overshoot below the
         next. Under a low limit that margin shrinks to 3/4 of the files not yet in use, so the
         daemon still serves; below half the full margin a warning says that a flood may then
         outrun the guard.
         """
-        in_use = open_file_count(self.limit)
-        overshoot = LISTEN_BACKLOG + 1 + REACTION_SLACK
+        # A monitor pipe nobody has read yet counts as being read: its first events would not
+        # signal the fd. Draining it once makes every later event signal.
+        self.serve()
+        in_use = self._in_use = open_file_count(self.limit)
+        overshoot = LISTEN_BACKLOG + 1 + max(REACTION_SLACK, self.limit // 4)
         step = ADMIN_ROOM + overshoot
         full_margin = OWN_FILES + overshoot + (len(self._gates) - 1) * step
         margin = min(full_margin, max(0, self.limit - in_use) * 3 // 4)
@@ -166,45 +178,49 @@ class ConnectionGuard:
 
     @property
     def sockets(self) -> list[zmq.Socket[bytes]]:
-        """The monitor sockets the loop polls (serve() when one is ready)."""
+        """The monitor sockets the loop polls (serve() when one's fd signals: it drains them
+        all, so ZeroMQ's edge-triggered fd signals again on the next event)."""
         return [gate.monitor for gate in self._gates]
-
-    def input_pending(self) -> bool:
-        return any(
-            cast(int, gate.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN for gate in self._gates
-        )
 
     def serve(self) -> None:
         """Drain the connection events and open or close the gates on the open-file count."""
-        changed = False
+        change = 0
         for gate in self._gates:
             while cast(int, gate.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                gate.monitor.recv_multipart()
-                changed = True
-        if changed:
-            self.check()
+                event = _EVENT_ID.unpack_from(gate.monitor.recv_multipart()[0])[0]
+                change += 1 if event == zmq.EVENT_ACCEPTED else -1
+        if change:
+            self._in_use += change
+            self._open_or_close()
 
     def check(self) -> None:
-        """Open or close the gates on the open-file count (also called on the liveness tick,
-        so a missed event cannot keep a socket closed)."""
-        in_use = open_file_count(self.limit)
+        """Take the real open-file count, then open or close the gates (on the liveness tick
+        while a gate is closed or the count is past half a bound, so neither a missed event nor
+        the daemon's own files can leave the running count wrong for long)."""
+        if self.any_closed or 2 * self._in_use >= self._gates[0].bound:
+            self._in_use = open_file_count(self.limit)
+            self._open_or_close()
+
+    def _open_or_close(self) -> None:
         for gate in self._gates:
-            if not gate.closed and in_use >= gate.bound:
-                if not self._set(gate, closed=True):
+            if not gate.closed and self._in_use >= gate.bound:
+                self._in_use = open_file_count(self.limit)  # the real count, before acting
+                if self._in_use < gate.bound or not self._set(gate, closed=True):
                     continue
                 log.warning(
                     "%d of %d open files in use: refusing new connections to the %s socket until "
                     "some close (connections already made are served)",
-                    in_use,
+                    self._in_use,
                     self.limit,
                     gate.name,
                 )
-            elif gate.closed and in_use <= gate.bound - REOPEN_GAP:
-                if not self._set(gate, closed=False):
+            elif gate.closed and self._in_use <= gate.bound - REOPEN_GAP:
+                self._in_use = open_file_count(self.limit)
+                if self._in_use > gate.bound - REOPEN_GAP or not self._set(gate, closed=False):
                     continue
                 log.info(
                     "%d of %d open files in use: the %s socket accepts new connections again",
-                    in_use,
+                    self._in_use,
                     self.limit,
                     gate.name,
                 )

@@ -440,9 +440,10 @@ class Server:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
             # The ZAP socket is looked at only when its fd says something changed: reading its
             # state on every request would tax the hot path for a once-per-connection event.
+            # Likewise the guard's monitors, which guard.serve() always drains completely.
             zap_ready = guard_ready = False
             busy = _input_pending(worker) or _input_pending(admin)
-            if busy or (zap_ready := _input_pending(zap)) or (guard_ready := guard.input_pending()):
+            if busy or (zap_ready := _input_pending(zap)):
                 timeout_ms = 0
             else:
                 timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
@@ -467,8 +468,7 @@ class Server:
             now = time.monotonic()
             if now >= next_check:
                 coord.reap_dead_sessions(now)
-                if guard.any_closed:
-                    guard.check()
+                guard.check()
                 coord.check_claim_period(now)
                 coord.timeline.sample(coord.allocator)
                 next_check = now + LIVENESS_INTERVAL

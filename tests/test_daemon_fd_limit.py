@@ -98,8 +98,8 @@ def test_soft_limit_is_raised_so_a_flood_below_the_hard_one_is_all_served(
     start_limited: Callable[[int, int], DaemonProcess],
 ) -> None:
     # Like launchd's 256 soft limit under a higher hard one: the daemon lifts its own.
-    daemon = start_limited(LOW_FD_LIMIT, 4 * LOW_FD_LIMIT)
-    assert f"open-file limit {4 * LOW_FD_LIMIT}, raised from {LOW_FD_LIMIT}" in daemon.log()
+    daemon = start_limited(LOW_FD_LIMIT, 8 * LOW_FD_LIMIT)
+    assert f"open-file limit {8 * LOW_FD_LIMIT}, raised from {LOW_FD_LIMIT}" in daemon.log()
     n_idle = 2 * LOW_FD_LIMIT
     flood = start_flood(daemon.run_dir, n_idle, "raw")
     try:
