@@ -237,3 +237,28 @@ def test_help_documents_the_exit_statuses() -> None:
             line.strip().startswith(str(status)) and words in line.lower()
             for line in result.stdout.splitlines()
         ), result.stdout
+
+
+def test_socket_hidden_by_a_killed_daemons_guard_is_cleared(start_daemon: StartDaemon) -> None:
+    first = start_daemon("--n-blocks", "64")
+    first.stop(signal.SIGKILL)
+    # As if it died while refusing connections: its socket file renamed to the hidden name.
+    hidden = first.run_dir / f".{WORKER_SOCKET_NAME}.full"
+    (first.run_dir / WORKER_SOCKET_NAME).rename(hidden)
+    second = start_daemon("--n-blocks", "64", run_dir=first.run_dir)
+    assert not hidden.exists()
+    client = RawClient(second.run_dir)
+    try:
+        assert client.hello()["sid"]
+    finally:
+        client.close()
+
+
+def test_non_socket_at_the_hidden_socket_name_is_refused(run_dir: Path) -> None:
+    run_dir.mkdir(mode=0o700)
+    hidden = run_dir / f".{WORKER_SOCKET_NAME}.full"
+    hidden.mkdir()
+    result = run_vqpoold("--run-dir", str(run_dir))
+    assert result.returncode == 3
+    assert str(hidden) in refused_in_one_line(result)
+    assert hidden.is_dir()
