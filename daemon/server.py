@@ -334,7 +334,7 @@ class Server:
             os.close(lock_fd)  # releases the flock, after the sockets are gone
         signame = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
         log.info("vqpoold stopped on %s after %.1fs", signame, coord.uptime())
-        return 0
+        return ExitStatus.STOPPED
 
     def _start_metrics(
         self,
