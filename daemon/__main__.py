@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from vqpool.daemon.exit_status import ExitStatus, exit_status_help
 from vqpool.daemon.server import Server, StartupError
 from vqpool.shared.config import RUN_DIR_ENV, DaemonSettings, load_settings_file
 
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vqpoold",
         description="Coordinator daemon: one pool of KV-cache blocks shared by mlx-lm workers.",
         argument_default=argparse.SUPPRESS,
+        epilog=exit_status_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
     parser.add_argument(
@@ -92,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from(options)
     except (OSError, ValueError) as exc:
         print(f"vqpoold: {exc}", file=sys.stderr)
-        return 2
+        return ExitStatus.BAD_SETTINGS
     logging.basicConfig(
         stream=sys.stderr,
         level=settings.log_level,

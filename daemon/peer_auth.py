@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any, cast
 
@@ -73,12 +74,17 @@ class PeerAuthenticator:
         # flood of connections cannot grow it.
         self._logged: dict[tuple[bytes, bytes], float] = {}
 
-    def serve(self) -> None:
-        """Answer every ZAP request waiting (called by the poll loop when the socket is ready)."""
+    def serve(self, limit: int = sys.maxsize) -> bool:
+        """Answer up to ``limit`` waiting ZAP requests (called by the poll loop when the socket
+        is ready); whether more are waiting. A limit lets the loop look at other work between
+        batches during a connection flood."""
         sock = self.socket
-        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for _ in range(limit):
+            if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return False
             request = sock.recv_multipart()
             sock.send_multipart(self._answer(request))
+        return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         if len(request) < 6 or request[0] != _ZAP_VERSION:

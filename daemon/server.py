@@ -25,8 +25,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from vqpool.daemon.admin import AdminRequestHandler
+from vqpool.daemon.connection_guard import (
+    LISTEN_BACKLOG,
+    ConnectionGuard,
+    describe_limit_change,
+    hidden_path,
+    raise_open_file_limit,
+)
 from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
+from vqpool.daemon.exit_status import ExitStatus
 from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
@@ -52,6 +60,9 @@ the promised 2 s at the cost of one /proc read per session per tick)."""
 MAX_MESSAGES_PER_WAKE = 256
 """Requests served from one socket before looking at the other and at the clock."""
 
+ZAP_BATCH = 16
+"""Handshakes answered between two looks at the connection guard."""
+
 SHUTDOWN_LINGER_MS = 200
 """How long closing a socket at shutdown may wait to flush the last replies."""
 
@@ -65,7 +76,7 @@ def _input_pending(sock: zmq.Socket[bytes]) -> bool:
 class StartupError(Exception):
     """vqpoold cannot start; the message says why and what to do. Exit status in ``status``."""
 
-    def __init__(self, message: str, status: int = 2) -> None:
+    def __init__(self, message: str, status: ExitStatus = ExitStatus.BAD_SETTINGS) -> None:
         super().__init__(message)
         self.status = status
 
@@ -82,21 +93,59 @@ def prepare_run_dir(run_dir: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise StartupError(f"cannot create run directory {run_dir}: {exc}") from exc
+        raise StartupError(
+            f"cannot create run directory {run_dir}: {exc}", ExitStatus.BAD_RUN_DIR
+        ) from exc
     info = os.lstat(run_dir)
     if not stat.S_ISDIR(info.st_mode):
-        raise StartupError(f"run directory {run_dir} is not a directory (or is a symlink)")
+        raise StartupError(
+            f"run directory {run_dir} is not a directory (or is a symlink)", ExitStatus.BAD_RUN_DIR
+        )
     if info.st_uid != os.getuid():
         raise StartupError(
             f"run directory {run_dir} belongs to uid {info.st_uid}, not to you "
-            f"(uid {os.getuid()}); choose another --run-dir"
+            f"(uid {os.getuid()}); choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
         )
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
         raise StartupError(
             f"run directory {run_dir} has mode {mode:04o}: other users could reach the sockets. "
-            f"Run `chmod 700 {run_dir}` or choose another --run-dir"
+            f"Run `chmod 700 {run_dir}` or choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
         )
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Unlink the socket a killed daemon left at ``path``; refuse to delete anything else.
+
+    Raises:
+        StartupError: Something other than a socket is at ``path`` (status 3).
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise StartupError(
+            f"{path} is not a socket (a {_file_kind(info.st_mode)}); it is where the daemon binds: "
+            "remove it or choose another --run-dir",
+            ExitStatus.BAD_RUN_DIR,
+        )
+    path.unlink(missing_ok=True)
+
+
+_FILE_KINDS = (
+    (stat.S_ISREG, "regular file"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symlink"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def _file_kind(mode: int) -> str:
+    return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "device")
 
 
 def take_lock(lock_path: Path, boot_id: str) -> int:
@@ -105,26 +154,63 @@ def take_lock(lock_path: Path, boot_id: str) -> int:
     The lock is taken before binding because libzmq deletes an existing ipc socket file when it
     binds: without it a second daemon would silently steal the first one's endpoint.
 
+    The file is opened without following a symlink and must be a plain file with one link:
+    the daemon truncates and writes it, so it must never reach a file elsewhere.
+
     Raises:
-        StartupError: Another vqpoold holds the lock (status 1); its lock file names it.
+        StartupError: Another vqpoold holds the lock (status 1; its lock file names it), or the
+            lock file is unusable (status 4).
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_lock_file(lock_path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         holder = os.pread(fd, 512, 0).decode(errors="replace").strip().replace("\n", ", ")
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StartupError(f"cannot lock {lock_path}: {exc}") from exc
+            raise StartupError(f"cannot lock {lock_path}: {exc}", ExitStatus.BAD_LOCK_FILE) from exc
         raise StartupError(
             f"another vqpoold is already serving {lock_path.parent} "
             f"({holder or 'it is starting'}); stop it first or use another --run-dir",
-            status=1,
+            ExitStatus.ALREADY_RUNNING,
         ) from None
     os.ftruncate(fd, 0)
     started = datetime.now().isoformat(timespec="seconds")
     os.pwrite(fd, f"pid {os.getpid()}\nboot {boot_id}\nstarted {started}\n".encode(), 0)
     return fd
+
+
+def open_lock_file(lock_path: Path) -> int:
+    """Open (creating) the lock file as a plain file of its own, never through a symlink.
+
+    Raises:
+        StartupError: It is a symlink, not a plain file, has other hard links, or cannot be
+            opened (status 4).
+    """
+    # O_NONBLOCK: a FIFO put there must not hang the start-up.
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(lock_path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            reason = "is a symlink (it is never followed)"
+        else:
+            reason = f"cannot be opened ({exc.strerror})"
+        raise StartupError(
+            f"lock file {lock_path} {reason}; remove it or choose another --run-dir",
+            ExitStatus.BAD_LOCK_FILE,
+        ) from None
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    kind = _file_kind(info.st_mode)
+    reason = f"is a {kind}" if kind != "regular file" else f"has {info.st_nlink} hard links"
+    raise StartupError(
+        f"lock file {lock_path} {reason}, not a plain file of its own; remove it or choose "
+        "another --run-dir",
+        ExitStatus.BAD_LOCK_FILE,
+    )
 
 
 def describe_pool(config: PoolConfig) -> str:
@@ -165,6 +251,9 @@ class Server:
         try:
             worker_path = socket_path(run_dir, WORKER_SOCKET_NAME)
             admin_path = socket_path(run_dir, ADMIN_SOCKET_NAME)
+        except ValueError as exc:
+            raise StartupError(str(exc), ExitStatus.BAD_RUN_DIR) from exc
+        try:
             pool_config = self.settings.pool_config()
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
@@ -186,11 +275,14 @@ class Server:
             claim_grace=self.settings.claim_grace,
             boot_id=boot_id,
         )
+        fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
         # Bound before the sockets it guards: libzmq admits anyone while no ZAP handler is bound.
         auth = coord.peer_auth = PeerAuthenticator(context)
+        bound: list[tuple[zmq.Socket[bytes], Path]] = []  # closed and unlinked on the way out
+        guard = ConnectionGuard(context, fd_limit)
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
             handle_worker: Handle = worker_handler.handle
@@ -202,12 +294,16 @@ class Server:
                 )
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
-                path.unlink(missing_ok=True)
-            worker = self._bind(context, worker_path, WORKER_DOMAIN)
-            admin = self._bind(context, admin_path, ADMIN_DOMAIN)
+                remove_stale_socket(path)
+                remove_stale_socket(hidden_path(path))  # hidden by a killed daemon's guard
+            worker = self._bind(context, worker_path, WORKER_DOMAIN, bound)
+            admin = self._bind(context, admin_path, ADMIN_DOMAIN, bound)
+            guard.watch(worker, worker_path, "worker")
+            guard.watch(admin, admin_path, "admin")
+            max_connections = guard.arm()
             log.info(
                 "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
-                "(admin); pool: %s; lease %gs",
+                "(admin); pool: %s; lease %gs; up to %d connections (open-file limit %d%s)",
                 DAEMON_VERSION,
                 coord.pid,
                 coord.boot_id,
@@ -215,8 +311,11 @@ class Server:
                 admin_path,
                 describe_pool(pool_config),
                 coord.lease,
+                max_connections,
+                fd_limit,
+                describe_limit_change(fd_limit_before, fd_limit),
             )
-            self._loop(coord, wake_fd, auth, (worker, handle_worker), (admin, handle_admin))
+            self._loop(coord, wake_fd, auth, guard, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
@@ -226,14 +325,16 @@ class Server:
             if self._metrics is not None:
                 self._metrics.stop()
             auth.close()
+            guard.close()
             self._release_stop_signals()
-            context.term()
-            for path in (worker_path, admin_path):
+            for sock, path in bound:
+                sock.close(linger=0)  # no-op for those closed above; context.term() needs all
                 path.unlink(missing_ok=True)
+            context.term()
             os.close(lock_fd)  # releases the flock, after the sockets are gone
         signame = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
         log.info("vqpoold stopped on %s after %.1fs", signame, coord.uptime())
-        return 0
+        return ExitStatus.STOPPED
 
     def _start_metrics(
         self,
@@ -251,7 +352,9 @@ class Server:
         try:
             served = exporter.start(port)
         except OSError as exc:
-            raise StartupError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
+            raise StartupError(
+                f"cannot serve metrics on 127.0.0.1:{port}: {exc}", ExitStatus.METRICS_PORT
+            ) from exc
         self._metrics = exporter
         log.info("metrics on http://127.0.0.1:%d/metrics", served)
         return (
@@ -265,7 +368,17 @@ class Server:
             os.write(self._wake_fds[1], b"\0")
 
     @staticmethod
-    def _bind(context: zmq.Context[Any], path: Path, zap_domain: bytes) -> zmq.Socket[bytes]:
+    def _bind(
+        context: zmq.Context[Any],
+        path: Path,
+        zap_domain: bytes,
+        bound: list[tuple[zmq.Socket[bytes], Path]],
+    ) -> zmq.Socket[bytes]:
+        """A ROUTER bound on ``path``, appended to ``bound``.
+
+        Raises:
+            StartupError: libzmq cannot bind there (status 3).
+        """
         sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         # Every connection is authenticated by the ZAP handler (daemon/peer_auth.py) before
@@ -275,7 +388,13 @@ class Server:
         # the sends are non-blocking, so a full queue never stalls the loop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"ipc://{path}")
+        sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
+        try:
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise StartupError(f"cannot bind ipc://{path}: {exc}", ExitStatus.BAD_RUN_DIR) from None
+        bound.append((sock, path))
         os.chmod(path, 0o600)
         return sock
 
@@ -303,6 +422,7 @@ class Server:
         coord: Coordinator,
         wake_fd: int,
         auth: PeerAuthenticator,
+        guard: ConnectionGuard,
         worker_side: tuple[zmq.Socket[bytes], Handle],
         admin_side: tuple[zmq.Socket[bytes], Handle],
     ) -> None:
@@ -310,8 +430,9 @@ class Server:
         admin, handle_admin = admin_side
         zap = auth.socket
         zap_fd = cast(int, zap.getsockopt(zmq.FD))
+        guard_fds = {cast(int, sock.getsockopt(zmq.FD)) for sock in guard.sockets}
         poller = select.poll()
-        for sock in (worker, admin, zap):
+        for sock in (worker, admin, zap, *guard.sockets):
             poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
@@ -319,7 +440,8 @@ class Server:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
             # The ZAP socket is looked at only when its fd says something changed: reading its
             # state on every request would tax the hot path for a once-per-connection event.
-            zap_ready = False
+            # Likewise the guard's monitors, which guard.serve() always drains completely.
+            zap_ready = guard_ready = False
             busy = _input_pending(worker) or _input_pending(admin)
             if busy or (zap_ready := _input_pending(zap)):
                 timeout_ms = 0
@@ -331,8 +453,14 @@ class Server:
                         os.read(wake_fd, 512)
                 elif fd == zap_fd:
                     zap_ready = True
+                elif fd in guard_fds:
+                    guard_ready = True
+            if guard_ready:  # accepted or lost connections: count open files before anything
+                guard.serve()
             if zap_ready:  # new connections' handshakes, before their requests
-                auth.serve()
+                # In batches: a flood's handshakes must not keep the guard from counting.
+                while auth.serve(ZAP_BATCH):
+                    guard.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
             if self._metrics is not None:
@@ -340,6 +468,7 @@ class Server:
             now = time.monotonic()
             if now >= next_check:
                 coord.reap_dead_sessions(now)
+                guard.check()
                 coord.check_claim_period(now)
                 coord.timeline.sample(coord.allocator, coord.blocks_by_model)
                 next_check = now + LIVENESS_INTERVAL

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -61,9 +62,10 @@ def remove_tree(path: Path) -> None:
 class DaemonProcess:
     """One vqpoold subprocess on ``run_dir``; its stderr goes to ``log_path``."""
 
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    def __init__(self, run_dir: Path, *args: str, fd_limit: tuple[int, int] | None = None) -> None:
         self.run_dir = run_dir
         self.args = args
+        self.fd_limit = fd_limit  # (soft, hard) RLIMIT_NOFILE of the daemon, when given
         self.log_path = run_dir.parent / f"{run_dir.name}.vqpoold.log"
         self.process: subprocess.Popen[bytes] | None = None
         self._admin: AdminClient | None = None
@@ -75,10 +77,15 @@ class DaemonProcess:
                 [sys.executable, "-m", "vqpool.daemon", "--run-dir", str(self.run_dir), *self.args],
                 stdout=log,
                 stderr=log,
+                preexec_fn=None if self.fd_limit is None else self._limit_fds,
             )
         if wait:
             self.wait_ready()
         return self
+
+    def _limit_fds(self) -> None:
+        assert self.fd_limit is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.fd_limit)
 
     @property
     def pid(self) -> int:

@@ -43,7 +43,7 @@ def test_second_daemon_is_refused_quickly_and_first_keeps_serving(daemon: Daemon
     started = time.monotonic()
     second = run_vqpoold("--run-dir", str(daemon.run_dir))
     elapsed = time.monotonic() - started
-    assert second.returncode != 0
+    assert second.returncode == 1
     assert elapsed < 1.0 + 0.5  # interpreter start-up included
     assert f"pid {daemon.pid}" in second.stderr
     assert "already serving" in second.stderr
@@ -88,7 +88,7 @@ def test_group_accessible_run_dir_is_refused() -> None:
         run_dir.mkdir(mode=0o755)
         os.chmod(run_dir, 0o755)
         result = run_vqpoold("--run-dir", str(run_dir))
-        assert result.returncode == 2
+        assert result.returncode == 3
         assert "mode 0755" in result.stderr and "chmod 700" in result.stderr
         assert not (run_dir / LOCK_FILE_NAME).exists()
     finally:
@@ -103,7 +103,7 @@ def test_run_dir_of_another_user_is_refused() -> None:
         run_dir.mkdir(mode=0o700)
         os.chown(run_dir, 65534, 65534)
         result = run_vqpoold("--run-dir", str(run_dir))
-        assert result.returncode == 2
+        assert result.returncode == 3
         assert "belongs to uid 65534" in result.stderr
     finally:
         remove_tree(base)
@@ -114,7 +114,7 @@ def test_too_long_socket_path_is_refused() -> None:
     try:
         run_dir = base / ("d" * 120)
         result = run_vqpoold("--run-dir", str(run_dir))
-        assert result.returncode == 2
+        assert result.returncode == 3
         assert "Unix sockets allow at most" in result.stderr
     finally:
         remove_tree(base)
@@ -155,3 +155,110 @@ def test_run_dir_from_environment(run_dir: Path) -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(5) == 0
+
+
+def refused_in_one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one stderr line of a vqpoold that refused to start (fails on a traceback)."""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", [WORKER_SOCKET_NAME, ADMIN_SOCKET_NAME])
+def test_directory_where_a_socket_goes_is_refused_in_one_line(run_dir: Path, name: str) -> None:
+    run_dir.mkdir(mode=0o700)
+    (run_dir / name).mkdir()
+    result = run_vqpoold("--run-dir", str(run_dir))
+    assert result.returncode == 3
+    line = refused_in_one_line(result)
+    assert str(run_dir / name) in line and "not a socket" in line
+    assert (run_dir / name).is_dir()  # nothing of the user's is deleted
+
+
+def test_lock_file_symlink_is_not_followed(run_dir: Path) -> None:
+    run_dir.mkdir(mode=0o700)
+    target = run_dir.parent / "precious.txt"
+    target.write_text("keep me\n")
+    (run_dir / LOCK_FILE_NAME).symlink_to(target)
+    result = run_vqpoold("--run-dir", str(run_dir))
+    assert result.returncode == 4
+    line = refused_in_one_line(result)
+    assert str(run_dir / LOCK_FILE_NAME) in line and "symlink" in line
+    assert target.read_text() == "keep me\n"
+    assert not (run_dir / WORKER_SOCKET_NAME).exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "hard link"])
+def test_lock_file_that_is_not_a_plain_file_is_refused(run_dir: Path, kind: str) -> None:
+    run_dir.mkdir(mode=0o700)
+    lock = run_dir / LOCK_FILE_NAME
+    other = run_dir.parent / "other.txt"
+    if kind == "directory":
+        lock.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        other.write_text("keep me\n")
+        os.link(other, lock)
+    result = run_vqpoold("--run-dir", str(run_dir))
+    assert result.returncode == 4
+    line = refused_in_one_line(result)
+    assert str(lock) in line
+    if kind == "hard link":
+        assert other.read_text() == "keep me\n"
+
+
+def test_each_startup_refusal_has_its_own_status(daemon: DaemonProcess) -> None:
+    already_running = run_vqpoold("--run-dir", str(daemon.run_dir))
+    bad_setting = run_vqpoold("--run-dir", "/tmp/never-used", "--lease", "0")
+    base = short_tmpdir()
+    try:
+        not_a_dir = base / "file"
+        not_a_dir.write_text("")
+        bad_run_dir = run_vqpoold("--run-dir", str(not_a_dir))
+    finally:
+        remove_tree(base)
+    statuses = {
+        "already running": already_running.returncode,
+        "bad settings": bad_setting.returncode,
+        "bad run dir": bad_run_dir.returncode,
+    }
+    assert statuses == {"already running": 1, "bad settings": 2, "bad run dir": 3}
+    for result in (already_running, bad_setting, bad_run_dir):
+        refused_in_one_line(result)
+
+
+def test_help_documents_the_exit_statuses() -> None:
+    result = run_vqpoold("--help")
+    assert result.returncode == 0
+    assert "exit status" in result.stdout.lower()
+    for status, words in [(1, "already"), (2, "settings"), (3, "run directory"), (4, "lock")]:
+        assert any(
+            line.strip().startswith(str(status)) and words in line.lower()
+            for line in result.stdout.splitlines()
+        ), result.stdout
+
+
+def test_socket_hidden_by_a_killed_daemons_guard_is_cleared(start_daemon: StartDaemon) -> None:
+    first = start_daemon("--n-blocks", "64")
+    first.stop(signal.SIGKILL)
+    # As if it died while refusing connections: its socket file renamed to the hidden name.
+    hidden = first.run_dir / f".{WORKER_SOCKET_NAME}.full"
+    (first.run_dir / WORKER_SOCKET_NAME).rename(hidden)
+    second = start_daemon("--n-blocks", "64", run_dir=first.run_dir)
+    assert not hidden.exists()
+    client = RawClient(second.run_dir)
+    try:
+        assert client.hello()["sid"]
+    finally:
+        client.close()
+
+
+def test_non_socket_at_the_hidden_socket_name_is_refused(run_dir: Path) -> None:
+    run_dir.mkdir(mode=0o700)
+    hidden = run_dir / f".{WORKER_SOCKET_NAME}.full"
+    hidden.mkdir()
+    result = run_vqpoold("--run-dir", str(run_dir))
+    assert result.returncode == 3
+    assert str(hidden) in refused_in_one_line(result)
+    assert hidden.is_dir()
