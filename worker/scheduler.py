@@ -169,7 +169,7 @@ class Scheduler:
         queue_timeout: float,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         reserve_full: bool = True,
-        lost_owners: Callable[[], Mapping[str, str]] | None = None,
+        lost_owners: Callable[[], Mapping[Any, str]] | None = None,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
             raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
@@ -369,9 +369,10 @@ class Scheduler:
         if not lost:
             return
         for job in list(self._active):
-            if job.owner in lost:
-                log.error("request %s ended: %s", job.owner, lost[job.owner])
-                self._end(job, "error", lost[job.owner], status=500)
+            why = lost.get(job.owner)
+            if why is not None:
+                log.error("request %s ended: %s", job.owner, why)
+                self._end(job, "error", why, status=500)
 
     def _decode_round(self) -> None:
         self._end_lost_jobs()
