@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"directory for the sockets and lock file (env {RUN_DIR_ENV}; default "
         "$XDG_RUNTIME_DIR/vqpool on Linux, $TMPDIR/vqpool on macOS)",
     )
-    parser.add_argument("--n-blocks", type=int, metavar="N", help="blocks in the pool at start")
+    parser.add_argument(
+        "--n-blocks",
+        type=int,
+        metavar="N",
+        help="blocks in the pool at start, half for keys and half for values unless --shared-kv",
+    )
     parser.add_argument("--block-size", type=int, metavar="TOKENS", help="token slots per block")
     parser.add_argument(
         "--shared-kv",
@@ -101,6 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level,
         format="%(asctime)s vqpoold[%(process)d] %(levelname)s %(message)s",
     )
+    if not settings.shared_kv and settings.n_blocks % 2:
+        half = settings.n_blocks // 2
+        logging.getLogger("vqpoold").warning(
+            "--n-blocks %d is split between keys and values: %d each, %d in all (give an even "
+            "count, or --shared-kv for one free list)",
+            settings.n_blocks,
+            half,
+            2 * half,
+        )
     try:
         return Server(settings).run()
     except StartupError as exc:

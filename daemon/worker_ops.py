@@ -24,6 +24,7 @@ from vqpool.daemon.sessions import Session, verify_worker_process
 from vqpool.shared.errors import (
     BadRequestError,
     DaemonRestartedError,
+    ErrorCode,
     NoSessionError,
     RetryLaterError,
     UnauthorizedError,
@@ -118,6 +119,7 @@ class WorkerRequestHandler:
         self._bad_log = PeerLogLimiter()
         self.last_op = ""
         self.last_code = 0
+        self._stale_boot_logged = False
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``."""
@@ -140,9 +142,17 @@ class WorkerRequestHandler:
             if request.boot != boot:
                 if request.boot is None:
                     raise BadRequestError(f"{op}: boot id missing (send the one hello returned)")
-                raise DaemonRestartedError(
-                    f"{op}: this request is for daemon lifetime {request.boot}, but vqpoold "
-                    f"restarted (now {boot}); blocks of the old lifetime are gone: not applied"
+                # Expected once per worker after a restart (it re-syncs on this reply): not a
+                # bad request.
+                self._note_stale_boot(request.boot, peer)
+                self.last_code = ErrorCode.DAEMON_RESTARTED
+                return error_reply(
+                    request.id,
+                    boot,
+                    DaemonRestartedError(
+                        f"{op}: this request is for daemon lifetime {request.boot}, but vqpoold "
+                        f"restarted (now {boot}); blocks of the old lifetime are gone: not applied"
+                    ),
                 )
             session = coord.sessions.get(request.sid)
             if session is None:
@@ -187,6 +197,20 @@ class WorkerRequestHandler:
         if mutating:
             coord.replies.remember(session.sid, rid, reply)
         return reply
+
+    def _note_stale_boot(self, stale: object, peer: bytes) -> None:
+        """Log the first request of a previous daemon lifetime at INFO, later ones at DEBUG."""
+        if self._stale_boot_logged:
+            log.debug(
+                "request of previous lifetime %s from peer %s: told to re-sync", stale, peer.hex()
+            )
+            return
+        self._stale_boot_logged = True
+        log.info(
+            "a worker of a previous lifetime (%s) is back: told it to re-sync (later ones are "
+            "logged at DEBUG)",
+            stale,
+        )
 
     def _hello(self, rid: int, raw_args: Any, now: float) -> bytes:
         coord = self._coord

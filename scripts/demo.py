@@ -48,6 +48,7 @@ from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.models import model_spec_problem
 
 # The daemon's configuration. 96 blocks = 48 K + 48 V blocks of 16 token slots (768 tokens per
 # stream): the demo's requests need ~4-13 blocks per stream each and up to 6 run at once, so the
@@ -87,6 +88,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.model is not None and len(args.model) != 2:
         parser.error("give --model exactly twice (two models share the pool)")
+    for model in args.model or ():
+        problem = model_spec_problem(model)
+        if problem is not None:
+            parser.exit(2, f"demo: {problem}\n")
     return args
 
 

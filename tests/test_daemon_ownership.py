@@ -144,9 +144,15 @@ def test_evict_session_frees_its_blocks(
     b_blocks = b.call("allocate", "k", 32, "b1")
     result = daemon.admin("evict_session", sid=a.session_id)
     assert result == {"sid": a.session_id, "pid": a.pid, "owners_freed": 1, "blocks_freed": 4}
+    # The evicted worker lives on: its owners are lost (their blocks were freed), and it opens
+    # a new session for new owners by itself.
     with pytest.raises(WorkerError) as caught:
         a.call("allocate", "k", 16, "a1")
-    assert caught.value.kind == "NoSessionError"
+    assert caught.value.kind == "ClaimConflictError" and "evicted" in str(caught.value)
+    assert len(a.call("allocate", "k", 16, "a2")) == 1
+    assert {s["pid"] for s in daemon.admin("sessions")} == {a.pid, b.pid}
+    a.call("free_all", "a1")  # forgets the lost owner
+    assert len(a.call("allocate", "k", 16, "a1")) == 1
     assert [row[0] for row in b.call("blocks_for", "b1")] == b_blocks
     daemon.audit()
 

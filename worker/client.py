@@ -25,6 +25,11 @@ call is one request to ``vqpoold``:
   :class:`ClaimConflictError` until ``free_all`` or ``release_owner`` forgets it. A daemon
   restarted with another block size or stream split cannot take claims: every call raises
   :class:`DaemonRestartedError` from then on. See docs/reliability.md.
+* **Eviction.** A session the daemon ended while this process lives (``vqpoolctl evict``, or
+  an expired lease) freed every block it held: on the first NO_SESSION reply, to a call or to
+  the heartbeat, every owner held becomes lost (as in a restart conflict: calls naming it raise
+  ClaimConflictError, ``free_all`` forgets it) and a new session is opened; the interrupted
+  call is sent again unless it names a lost owner.
 
 The client keeps the :class:`Block` objects it handed out, as the local allocator does, so
 ``free``/``free_all``/``mark_used`` update the caller's objects the same way.
@@ -214,7 +219,7 @@ class PoolClient:
                 f"vqpoold did not answer {op} within {self.timeout:g}s on {self._endpoint}"
                 f"{hint}. Is vqpoold running with --run-dir {self.run_dir} (or "
                 f"VQPOOL_RUN_DIR)? Check the daemon's log and `vqpoolctl --run-dir "
-                f"{self.run_dir} stats`."
+                f"{self.run_dir} status`."
             ) from None
 
     def _call(self, op: str, args: Mapping[str, Any]) -> Any:
@@ -249,13 +254,67 @@ class PoolClient:
             if reply["ok"]:
                 return reply.get("result")
             error = reply["error"]
+            if error["code"] == ErrorCode.NO_SESSION and not self._closed:
+                n_resyncs += 1
+                if n_resyncs > MAX_RESYNCS_PER_CALL:
+                    raise NoSessionError(f"{op}: the daemon ended {n_resyncs} sessions in a row")
+                self._reopen_session()
+                lost = self._lost_in(args)
+                if lost is None:
+                    continue
+                if op in ("free_all", "release_owner"):
+                    self._forget_lost(args["owner"])  # nothing left to free or release
+                    return None
+                raise ClaimConflictError(lost)
             if error["code"] == ErrorCode.RETRY_LATER and time.monotonic() + wait < deadline:
                 time.sleep(wait)
                 wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
                 continue
             raise error_from_wire(error["code"], error["message"])
 
-    # -- re-sync after a daemon restart ----------------------------------------------------------
+    # -- re-sync after a daemon restart or an eviction --------------------------------------------
+
+    def _reopen_session(self) -> None:
+        """The daemon ended this live session (an admin eviction, or its lease ran out) and
+        freed its blocks: every owner held is lost, as in a restart conflict, and a new
+        session is opened. Until it is, ``session_id`` is None.
+
+        The caller holds ``self._lock``.
+
+        Raises:
+            DaemonUnavailableError: The daemon did not answer hello (the next call retries).
+        """
+        for owner in list(self._owners):
+            self._forget_as_lost(
+                owner,
+                f"owner {owner!r} was lost: vqpoold ended this worker's session (evicted, or "
+                f"its lease ran out) and freed its blocks; free_all({owner!r}) forgets it.",
+            )
+        self.session_id = None
+        self._session = (None, self.boot_id)
+        hello = self._hello()
+        self._adopt(hello)
+        self._heartbeat.interval = hello["heartbeat"]
+
+    def _lost_in(self, args: Mapping[str, Any]) -> str | None:
+        """Why a call with ``args`` names a lost owner or a block of one; None if it does not."""
+        owners = [args.get("owner")] + [item[2] for item in args.get("items", ())]
+        for owner in owners:
+            if owner is not None and owner in self._lost:
+                return self._lost[owner]
+        block_ids = list(args.get("block_ids", ())) + [u[0] for u in args.get("updates", ())]
+        for block_id in block_ids:
+            if block_id in self._lost_blocks:
+                return self._lost[self._lost_blocks[block_id]]
+        return None
+
+    def reopen_from_heartbeat(self, seen: tuple[int | None, str | None]) -> None:
+        """Open a new session now, for a worker whose heartbeat found ``seen`` ended."""
+        with self._lock:
+            if self._closed or self._unusable is not None or self._session != seen:
+                return  # closing, unusable, or re-opened by a call already
+            with contextlib.suppress(DaemonUnavailableError, DaemonRestartedError):
+                self._reopen_session()
 
     def _resync(self) -> None:
         """Open a session with the restarted daemon and claim back everything held here.
@@ -362,6 +421,10 @@ class PoolClient:
             f"({ErrorCode(code).name if code in ErrorCode._value2member_map_ else code}: "
             f"{message}). Its blocks are no longer this worker's; free_all({owner!r}) forgets it."
         )
+        self._forget_as_lost(owner, text)
+
+    def _forget_as_lost(self, owner: Owner, text: str) -> None:
+        """Forget ``owner``'s blocks; calls naming it raise ClaimConflictError(``text``)."""
         self._lost[owner] = text
         for block_id in self._owners.pop(owner, {}):
             self._lost_blocks[block_id] = owner
@@ -679,8 +742,9 @@ class _Heartbeat(threading.Thread):
 
     When a reply comes from a new daemon lifetime, it re-syncs the client right away (under the
     client's lock), so an idle worker re-declares its blocks inside the restarted daemon's claim
-    period. Stops when the client closes or when the session is gone (evicted). Each ping
-    carries the client's last reported load; a new report wakes the thread early.
+    period; when the session is gone (evicted), it opens a new one the same way. Stops when the
+    client closes. Each ping carries the client's last reported load; a new report wakes the
+    thread early.
     """
 
     def __init__(self, client: PoolClient, interval: float) -> None:
@@ -723,11 +787,7 @@ class _Heartbeat(threading.Thread):
                     continue  # keep trying: a busy or restarting daemon may answer the next one
                 if reply.get("boot") != session[1] or client._claims_due:
                     client.resync_from_heartbeat(reply.get("boot"))
-                elif (
-                    not reply["ok"]
-                    and reply["error"]["code"] == ErrorCode.NO_SESSION
-                    and client._session == session
-                ):
-                    return  # evicted: the caller's next call gets NO_SESSION from the daemon
+                elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
+                    client.reopen_from_heartbeat(session)  # evicted while alive
         finally:
             connection.close()

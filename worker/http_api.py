@@ -6,8 +6,13 @@ every 0.1 s whether its client is still there (the socket reads as closed), and 
 gone client fails: either way the job is cancelled and its blocks go back to the pool.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``/chat/completions`` too, as
-mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``. Every error, including a
-malformed request line or headers, is a JSON body ``{"error": {message, type, param, code}}``.
+mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``; a route called with another
+method gets 405 with ``Allow``. Every error, including a malformed request line or headers, is
+a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503 with ``status:
+"no_session"`` while the worker has no pool session (evicted, re-opening one).
+
+A request's text goes through :class:`~vqpool.worker.completion_text.CompletionText`: when a
+stop string completes, the handler answers at once and cancels the job with reason "stop".
 
 The standard library is enough here: the server is HTTP/1.0 (a connection per request, as
 ``mlx_lm.server``), and server-sent events are plain writes on that connection.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from vqpool.worker.completion_text import CompletionText
 from vqpool.worker.models import LoadedModel
 from vqpool.worker.openai_api import (
     CHAT,
@@ -35,13 +41,13 @@ from vqpool.worker.openai_api import (
     CompletionRequest,
     ResponseBuilder,
     parse_completion,
-    usage,
 )
 from vqpool.worker.scheduler import (
     GenerationJob,
     JobEnd,
     QueueFullError,
     Scheduler,
+    ScoredToken,
     ShuttingDownError,
 )
 
@@ -58,6 +64,7 @@ _COMPLETION_ROUTES = {
     "/v1/chat/completions": CHAT,
     "/chat/completions": CHAT,
 }
+_GET_ROUTES = ("/health", "/v1/models", "/v1/stats")
 
 
 @dataclass
@@ -69,7 +76,10 @@ class ServingApp:
         scheduler: Runs the jobs.
         default_max_tokens: ``max_tokens`` of a request that gives none.
         max_tokens_limit: The largest ``max_tokens`` accepted.
-        describe_pool: Returns the pool's description for /health and /v1/stats.
+        describe_pool: Returns the pool's description for /health and /v1/stats; a
+            ``pool_error`` key in it makes /health answer 503.
+        served_name: The model id clients see and send (``--served-model-name``; empty: the
+            ``--model`` argument as given, which requests may name too).
     """
 
     model: LoadedModel
@@ -77,6 +87,11 @@ class ServingApp:
     default_max_tokens: int
     max_tokens_limit: int
     describe_pool: Callable[[], dict[str, Any]]
+    served_name: str = ""
+
+    @property
+    def model_id(self) -> str:
+        return self.served_name or self.model.name
 
 
 class _ClientGone(Exception):
@@ -86,9 +101,13 @@ class _ClientGone(Exception):
 class ServingHandler(BaseHTTPRequestHandler):
     """One HTTP request (see the module docstring)."""
 
-    app: ServingApp  # set on the subclass make_server builds
+    server: ServingServer
     server_version = "vqpool-worker"
     timeout = SOCKET_TIMEOUT
+
+    @property
+    def app(self) -> ServingApp:
+        return self.server.app
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -129,7 +148,7 @@ class ServingHandler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def _next_event(self, job: GenerationJob) -> int | JobEnd:
+    def _next_event(self, job: GenerationJob) -> int | ScoredToken | JobEnd:
         """The job's next event; cancels the job and raises _ClientGone if the client left."""
         while True:
             try:
@@ -162,30 +181,51 @@ class ServingHandler(BaseHTTPRequestHandler):
 
     # -- routes ----------------------------------------------------------------------------------
 
+    def _wrong_method(self, path: str) -> ApiError | None:
+        """405 (with ``Allow``) when ``path`` is a route of another method, else None."""
+        if self.command != "POST" and path in _COMPLETION_ROUTES:
+            allow = "POST"
+        elif self.command != "GET" and path in _GET_ROUTES:
+            allow = "GET"
+        else:
+            return None
+        return ApiError(
+            405,
+            f"{path} takes {allow}, not {self.command}",
+            kind="method_not_allowed",
+            headers={"Allow": allow},
+        )
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         app = self.app
         if path == "/health":
-            self._send_json(200, {"status": "ok", "model": app.model.name, **app.describe_pool()})
+            pool = app.describe_pool()
+            healthy = "pool_error" not in pool
+            status = {"status": "ok" if healthy else "no_session", "model": app.model_id}
+            self._send_json(200 if healthy else 503, {**status, **pool})
         elif path == "/v1/models":
-            model = {"id": app.model.name, "object": "model", "owned_by": "vqpool"}
+            model = {"id": app.model_id, "object": "model", "owned_by": "vqpool"}
             self._send_json(200, {"object": "list", "data": [model]})
         elif path == "/v1/stats":
             stats = {
-                "model": app.model.name,
+                "model": app.model_id,
                 "pid": os.getpid(),
                 **app.describe_pool(),
                 **app.scheduler.stats.snapshot(),
             }
             self._send_json(200, stats)
         else:
-            self._send_error(ApiError(404, f"no route GET {path}", kind="not_found"))
+            wrong = self._wrong_method(path)
+            self._send_error(wrong or ApiError(404, f"no route GET {path}", kind="not_found"))
 
     def do_POST(self) -> None:
-        kind = _COMPLETION_ROUTES.get(self.path.split("?", 1)[0])
+        path = self.path.split("?", 1)[0]
+        kind = _COMPLETION_ROUTES.get(path)
         try:
             if kind is None:
-                raise ApiError(404, f"no route POST {self.path}", kind="not_found")
+                wrong = self._wrong_method(path)
+                raise wrong or ApiError(404, f"no route POST {path}", kind="not_found")
             app = self.app
             request = parse_completion(
                 self._read_json(),
@@ -193,8 +233,15 @@ class ServingHandler(BaseHTTPRequestHandler):
                 app.model,
                 default_max_tokens=app.default_max_tokens,
                 max_tokens_limit=app.max_tokens_limit,
+                served_names=(app.model_id, app.model.name),
             )
-            job = GenerationJob(request.prompt, request.max_tokens, request.sampling)
+            job = GenerationJob(
+                request.prompt,
+                request.max_tokens,
+                request.sampling,
+                logprobs=request.logprobs,
+                top_logprobs=request.top_logprobs,
+            )
             try:
                 app.scheduler.submit(job)
             except (QueueFullError, ShuttingDownError) as exc:
@@ -210,10 +257,14 @@ class ServingHandler(BaseHTTPRequestHandler):
         except (_ClientGone, OSError):  # a reset, a broken pipe, or a write that timed out
             log.info("client %s went away; its request was cancelled", self.address_string())
 
-    def _method_not_allowed(self) -> None:
-        self._send_error(ApiError(405, f"method {self.command} is not allowed here"))
+    def _other_method(self) -> None:
+        path = self.path.split("?", 1)[0]
+        wrong = self._wrong_method(path)
+        self._send_error(
+            wrong or ApiError(404, f"no route {self.command} {path}", kind="not_found")
+        )
 
-    do_PUT = do_DELETE = do_PATCH = _method_not_allowed
+    do_PUT = do_DELETE = do_PATCH = _other_method
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -223,29 +274,42 @@ class ServingHandler(BaseHTTPRequestHandler):
         kind = "overloaded" if end.status == 503 else "server_error"
         return ApiError(end.status, end.detail or end.finish_reason, kind=kind, headers=headers)
 
+    def _text(self, request: CompletionRequest) -> CompletionText:
+        return CompletionText(
+            self.app.model.tokenizer,
+            request.stop,
+            request.top_logprobs,
+            reports_tokens=request.return_token_ids or request.logprobs,
+        )
+
     def _complete(self, job: GenerationJob, request: CompletionRequest) -> None:
-        text_stream = self.app.model.tokenizer.text_stream()
+        text = self._text(request)
         parts: list[str] = []
-        token_ids: list[int] = []
         while True:
             event = self._next_event(job)
             if isinstance(event, JobEnd):
                 break
-            token_ids.append(event)
-            text_stream.add_token(event)
-            parts.append(text_stream.last_segment)
-        if event.finish_reason in ("rejected", "error"):
-            raise self._refusal(event)
-        text_stream.finalize()
-        parts.append(text_stream.last_segment)
-        builder = ResponseBuilder(request.kind, self.app.model.name)
+            parts.append(text.add(event))
+            if text.stopped:
+                self.app.scheduler.cancel(job, "stop")
+                break
+        if text.stopped:
+            finish_reason, detail = "stop", None
+        else:
+            assert isinstance(event, JobEnd)
+            if event.finish_reason in ("rejected", "error"):
+                raise self._refusal(event)
+            parts.append(text.finish())
+            finish_reason, detail = event.finish_reason, event.detail
+        builder = ResponseBuilder(request.kind, self.app.model_id)
         response = builder.complete(
             "".join(parts),
-            event.finish_reason,
-            event.detail,
-            event.prompt_tokens,
-            event.completion_tokens,
-            token_ids if request.return_token_ids else None,
+            finish_reason,
+            detail,
+            len(request.prompt),
+            text.n_tokens,
+            text.token_ids if request.return_token_ids else None,
+            text.logprobs if request.logprobs else None,
         )
         self._send_json(200, response)
 
@@ -253,6 +317,27 @@ class ServingHandler(BaseHTTPRequestHandler):
         data = payload if isinstance(payload, str) else json.dumps(payload)
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
+
+    def _stream_tokens(
+        self,
+        job: GenerationJob,
+        event: int | ScoredToken | JobEnd,
+        text: CompletionText,
+        chunk: Callable[[str], None],
+    ) -> JobEnd | None:
+        """Send the job's tokens as chunks from ``event`` on; its JobEnd, or None when a stop
+        string ended it (the job is cancelled; the text before the stop string is
+        ``text.stopped_text``)."""
+        with_tokens = text.reports_tokens
+        while not isinstance(event, JobEnd):
+            piece = text.add(event)
+            if text.stopped:
+                self.app.scheduler.cancel(job, "stop")
+                return None
+            if piece or with_tokens:
+                chunk(piece)
+            event = self._next_event(job)
+        return event
 
     def _stream(self, job: GenerationJob, request: CompletionRequest) -> None:
         # Headers wait for the first event, so a request the queue rejects still gets its 503.
@@ -263,37 +348,56 @@ class ServingHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
-        builder = ResponseBuilder(request.kind, self.app.model.name)
-        text_stream = self.app.model.tokenizer.text_stream()
+        builder = ResponseBuilder(request.kind, self.app.model_id)
+        text = self._text(request)
+
+        def chunk(piece: str, finish_reason: str | None = None, detail: str | None = None) -> None:
+            """One chunk with the ids and logprobs of the tokens since the last one."""
+            ids = text.take_token_ids() if request.return_token_ids else None
+            logprobs = text.take_logprobs() if request.logprobs else None
+            self._write_event(builder.chunk(piece, finish_reason, detail, ids, logprobs))
+
         try:
-            with_ids = request.return_token_ids
-            while not isinstance(event, JobEnd):
-                text_stream.add_token(event)
-                segment = text_stream.last_segment
-                if segment or with_ids:
-                    ids = [event] if with_ids else None
-                    self._write_event(builder.chunk(segment, token_ids=ids))
-                event = self._next_event(job)
-            if event.finish_reason == "error":
-                self._write_event(self._refusal(event).body())
+            ended = self._stream_tokens(job, event, text, chunk)
+            if ended is None:
+                chunk(text.stopped_text, "stop")
+            elif ended.finish_reason == "error":
+                self._write_event(self._refusal(ended).body())
             else:
-                text_stream.finalize()
-                final = builder.chunk(text_stream.last_segment, event.finish_reason, event.detail)
-                final["usage"] = usage(event.prompt_tokens, event.completion_tokens)
-                self._write_event(final)
-                if request.include_usage:
-                    self._write_event(
-                        builder.usage_chunk(event.prompt_tokens, event.completion_tokens)
-                    )
+                chunk(text.finish(), ended.finish_reason, ended.detail)
+            if request.include_usage and (ended is None or ended.finish_reason != "error"):
+                self._write_event(builder.usage_chunk(len(request.prompt), text.n_tokens))
             self._write_event("[DONE]")
         except OSError:  # a client that left, or stopped reading until the write timed out
             self.app.scheduler.cancel(job)
             raise
 
 
-def make_server(app: ServingApp, host: str, port: int) -> ThreadingHTTPServer:
-    """An HTTP server for ``app`` bound to ``host:port`` (0: any free port); not started."""
-    handler = type("BoundServingHandler", (ServingHandler,), {"app": app})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+class ServingServer(ThreadingHTTPServer):
+    """The worker's HTTP server: bound at once (a port clash shows before a long model load),
+    listening only once :meth:`serve` gives it the app (until then connections are refused)."""
+
+    daemon_threads = True
+    app: ServingApp
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__((host, port), ServingHandler, bind_and_activate=False)
+        try:
+            self.server_bind()
+        except BaseException:
+            self.server_close()
+            raise
+
+    def serve(self, app: ServingApp) -> None:
+        """Start listening for ``app``; call :meth:`serve_forever` next."""
+        self.app = app
+        self.server_activate()
+
+
+def make_server(host: str, port: int) -> ServingServer:
+    """A server bound to ``host:port`` (0: any free port); not listening yet.
+
+    Raises:
+        OSError: The address is taken or cannot be bound.
+    """
+    return ServingServer(host, port)

@@ -7,10 +7,15 @@
   biases), ``qwen3`` (1 KV head of 32, q/k norms).
 * anything else: a Hugging Face id or local path, loaded with ``mlx_lm.load`` exactly as
   ``mlx_lm.server`` does (weights downloaded to the Hugging Face cache on first use).
+
+A ``--model`` that is not a model (a directory without ``config.json``, a path that does not
+exist, an id the hub or its cache does not have) is a ValueError of one line saying what to pass,
+not mlx-lm's or the hub's own error.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,24 +50,65 @@ class LoadedModel:
     vocab_size: int
 
 
+WHAT_TO_PASS = (
+    "pass an mlx-lm model directory (with config.json and *.safetensors), a Hugging Face id "
+    "(org/name) or builtin:NAME"
+)
+
+
+def model_spec_problem(spec: str) -> str | None:
+    """Why ``spec`` cannot name a model, found without loading anything (None: it may)."""
+    if spec.startswith(BUILTIN_PREFIX):
+        if spec.removeprefix(BUILTIN_PREFIX) in builtin_names():
+            return None
+        return (
+            f"unknown built-in model {spec!r}; choose one of "
+            f"{[BUILTIN_PREFIX + n for n in builtin_names()]}"
+        )
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        return f"--model {spec}: the directory has no config.json; {WHAT_TO_PASS}"
+    if os.path.exists(path):
+        return f"--model {spec}: not a directory; {WHAT_TO_PASS}"
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return f"--model {spec}: no such directory, and not a Hugging Face id; {WHAT_TO_PASS}"
+    if spec.startswith((".", "/", "~")):
+        return f"--model {spec}: no such directory; {WHAT_TO_PASS}"
+    return None
+
+
 def load_model(spec: str, seed: int = 0) -> LoadedModel:
     """Load ``spec`` (see the module docstring); ``seed`` draws a built-in's weights.
 
     Raises:
-        ValueError: An unknown ``builtin:`` name.
+        ValueError: ``spec`` names no model (see :func:`model_spec_problem`), or a Hugging Face
+            id the hub (or, offline, its cache) does not have.
     """
+    problem = model_spec_problem(spec)
+    if problem is not None:
+        raise ValueError(problem)
     if spec.startswith(BUILTIN_PREFIX):
-        name = spec.removeprefix(BUILTIN_PREFIX)
-        if name not in builtin_names():
-            raise ValueError(
-                f"unknown built-in model {spec!r}; choose one of "
-                f"{[BUILTIN_PREFIX + n for n in builtin_names()]}"
-            )
-        model, _ = build_tiny_model(name, seed=seed)
+        model, _ = build_tiny_model(spec.removeprefix(BUILTIN_PREFIX), seed=seed)
         return LoadedModel(spec, model, ByteTokenizer(), BYTE_VOCAB)
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     from mlx_lm import load
 
-    loaded: Any = load(spec)
+    try:
+        loaded: Any = load(spec)
+    except (LocalEntryNotFoundError, HfHubHTTPError) as exc:
+        offline = isinstance(exc, LocalEntryNotFoundError)
+        where = (
+            "the Hugging Face cache (offline, or the hub unreachable)"
+            if offline
+            else "the Hugging Face hub"
+        )
+        raise ValueError(f"--model {spec}: not found in {where}; {WHAT_TO_PASS}") from None
     model, wrapper = loaded[0], loaded[1]
     args = getattr(model, "args", None)
     vocab_size = int(getattr(args, "vocab_size", 0) or len(wrapper))

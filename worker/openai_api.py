@@ -2,23 +2,28 @@
 
 Requests follow what ``mlx_lm.server`` accepts: ``/v1/completions`` takes ``prompt`` (a string,
 or a list of token ids), ``/v1/chat/completions`` takes ``messages``; both take ``max_tokens``
-(or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stream``,
-``stream_options.include_usage`` and ``model`` (if given, it must be the served model's id).
-Fields this worker cannot honour (``n`` > 1, ``stop``, ``logprobs``) are refused with 400 rather
-than ignored; other unknown fields are ignored, as OpenAI clients send many.
+(or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop`` (a
+string or a list of strings), ``logprobs`` (bool; for completions also OpenAI's legacy count of
+alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usage`` and
+``model`` (if given, one of the names the worker serves under). ``n`` > 1 is refused with 400
+rather than ignored; other unknown fields are ignored, as OpenAI clients send many.
 
-Responses are mlx-lm's server shapes. Additions: ``usage`` also rides on the last streamed
-chunk (so a streaming client always learns the counts); a choice that ended for a reason the
-``finish_reason`` alone does not tell (the KV pool ran out of blocks) carries ``finish_detail``;
-and ``return_token_ids: true`` (vLLM's name) adds the generated ids as ``token_ids`` to the
-choice (to each chunk when streaming), since byte-level text of a random model is lossy.
+Responses are mlx-lm's server shapes: a choice ended by a stop string has ``finish_reason``
+"stop" and its text ends before the stop string; with ``logprobs`` a choice carries ``logprobs:
+{"content": [{id, token, logprob, top_logprobs: [{id, token, logprob}, ...]}, ...]}`` (streamed,
+each chunk carries the entries of its tokens). A stream carries ``usage`` only with
+``stream_options.include_usage``, once, in a last chunk with ``choices: []`` (as OpenAI).
+Additions: a choice that ended for a reason the ``finish_reason`` alone does not tell (the KV
+pool ran out of blocks) carries ``finish_detail``; and ``return_token_ids: true`` (vLLM's name)
+adds the generated ids as ``token_ids`` to the choice (to each chunk when streaming), since
+byte-level text of a random model is lossy.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +75,9 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -90,6 +98,48 @@ def _integer(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name)
     return value
+
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) for s in stops)
+    ):
+        raise ApiError(
+            400,
+            f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings",
+            param="stop",
+        )
+    return tuple(s for s in stops if s)
+
+
+def _logprobs(body: Mapping[str, Any], kind: str) -> tuple[bool, int]:
+    """``(logprobs wanted, alternatives per token)`` of the request."""
+    wanted = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if kind == TEXT and type(wanted) is int and top is None:
+        top = wanted  # the legacy completions API: logprobs is the number of alternatives
+        wanted = True
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"logprobs must be true or false, got {wanted!r}", param="logprobs")
+    if top is None or top == -1:  # mlx_lm.server's "none"
+        top = 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400,
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+            param="top_logprobs",
+        )
+    return bool(wanted) or top > 0, top
 
 
 def _token_ids(value: list[Any], vocab_size: int) -> list[int]:
@@ -151,28 +201,30 @@ def parse_completion(
     *,
     default_max_tokens: int,
     max_tokens_limit: int,
+    served_names: Collection[str] = (),
 ) -> CompletionRequest:
     """Validate a request body for ``kind`` (TEXT or CHAT) and tokenize its prompt.
+
+    ``served_names`` are the model ids a request may name (none: only ``model.name``).
 
     Raises:
         ApiError: 400 for a malformed request, 404 for another model's id.
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    names = served_names or (model.name,)
     requested = body.get("model")
-    if requested is not None and requested != model.name:
+    if requested is not None and requested not in names:
         raise ApiError(
             404,
-            f"model {requested!r} is not served here; this worker serves {model.name!r}",
+            f"model {requested!r} is not served here; this worker serves {next(iter(names))!r}",
             kind="model_not_found",
             param="model",
         )
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", param="n")
-    if body.get("stop"):
-        raise ApiError(400, "stop sequences are not supported by this worker", param="stop")
-    if body.get("logprobs"):
-        raise ApiError(400, "logprobs are not supported by this worker", param="logprobs")
+    stop = _stop_strings(body)
+    logprobs, top_logprobs = _logprobs(body, kind)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
@@ -199,6 +251,9 @@ def parse_completion(
         stream,
         bool(options.get("include_usage", False)),
         return_token_ids,
+        stop,
+        logprobs,
+        top_logprobs,
     )
 
 
@@ -230,10 +285,19 @@ class ResponseBuilder:
         }
 
     @staticmethod
-    def _ending(finish_reason: str | None, detail: str | None) -> dict[str, Any]:
+    def _ending(
+        finish_reason: str | None,
+        detail: str | None,
+        token_ids: list[int] | None,
+        logprobs: list[dict[str, Any]] | None,
+    ) -> dict[str, Any]:
         ending: dict[str, Any] = {"finish_reason": finish_reason}
         if detail:
             ending["finish_detail"] = detail
+        if token_ids is not None:
+            ending["token_ids"] = token_ids
+        if logprobs is not None:
+            ending["logprobs"] = {"content": logprobs}
         return ending
 
     def complete(
@@ -244,11 +308,10 @@ class ResponseBuilder:
         n_prompt: int,
         n_completion: int,
         token_ids: list[int] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The whole response of a non-streaming request."""
-        ending = self._ending(finish_reason, detail)
-        if token_ids is not None:
-            ending["token_ids"] = token_ids
+        """The whole response of a non-streaming request (``logprobs``: its entries, if asked)."""
+        ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
             choice = {"message": {"role": "assistant", "content": text}, **ending}
             response = self._envelope("chat.completion", choice)
@@ -263,11 +326,10 @@ class ResponseBuilder:
         finish_reason: str | None = None,
         detail: str | None = None,
         token_ids: list[int] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk: a piece of text, or (with ``finish_reason``) the last one."""
-        ending = self._ending(finish_reason, detail)
-        if token_ids is not None:
-            ending["token_ids"] = token_ids
+        ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
             delta: dict[str, Any] = {"content": text} if text else {}
             if not self._sent_role:

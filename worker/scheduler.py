@@ -23,7 +23,9 @@ read its token ids from the job's event queue. One generation thread does the re
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the
   pool cannot back its next token (``length`` with a detail saying so; the pool raised
   ``BlockPoolExhaustedError`` before anything was written), when its client went away
-  (``cancelled``), on any other error (``error``) and when the worker stops. Every ending goes
+  (``cancelled``), when its text reached a stop string (the HTTP layer cancels it with reason
+  ``stop``), when the pool lost its owner (``error``: a daemon restart conflict or an eviction
+  freed its blocks), on any other error (``error``) and when the worker stops. Every ending goes
   through :meth:`Scheduler._end`, which releases the cache: the blocks go back to the pool
   however the request ended. If the generation thread itself fails, its jobs end as when the
   worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing would run them).
@@ -40,7 +42,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ScoredToken:
+    """A generated token with its log-probability, sent instead of the bare id when the job
+    asked for logprobs.
+
+    Attributes:
+        token: The token id.
+        logprob: Its log-probability under the model (before sampling filters).
+        top: The most likely tokens as ``(id, logprob)``, most likely first (``top_logprobs``).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class JobEnd:
     """The last event of a job.
 
@@ -99,13 +117,17 @@ class JobEnd:
 
 @dataclass(eq=False)
 class GenerationJob:
-    """One request as the scheduler runs it; ``events`` carries token ids, then a JobEnd."""
+    """One request as the scheduler runs it; ``events`` carries token ids (ScoredToken with
+    ``logprobs``), then a JobEnd. ``top_logprobs`` alternatives ride on each ScoredToken."""
 
     prompt: Sequence[int]
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    events: queue.SimpleQueue[int | JobEnd] = field(default_factory=queue.SimpleQueue)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    events: queue.SimpleQueue[int | ScoredToken | JobEnd] = field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
+    cancel_reason: str = "cancelled"
     owner: str | None = None
     deadline: float = 0.0
     n_generated: int = 0
@@ -130,6 +152,9 @@ class Scheduler:
         retry_interval: Seconds between admission attempts while the pool is exhausted.
         reserve_full: Reserve a job's whole KV need (prompt + max_tokens) at admission; else
             only the prompt's and the first token's.
+        lost_owners: The pool's owners that are no longer this worker's (a daemon restart
+            conflict, an eviction), with why: their jobs end with "error" before their next
+            token, since their blocks may be handed out again.
     """
 
     def __init__(
@@ -144,6 +169,7 @@ class Scheduler:
         queue_timeout: float,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         reserve_full: bool = True,
+        lost_owners: Callable[[], Mapping[Any, str]] | None = None,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
             raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
@@ -156,6 +182,7 @@ class Scheduler:
         self.queue_timeout = queue_timeout
         self.retry_interval = retry_interval
         self.reserve_full = reserve_full
+        self.lost_owners = lost_owners
         self.stats = ServingStats(
             max_concurrent=max_concurrent, pooled=source.pooled, on_load=source.report_load
         )
@@ -198,8 +225,10 @@ class Scheduler:
             self.stats.set_queue_length(len(self._waiting))
             self._cond.notify()
 
-    def cancel(self, job: GenerationJob) -> None:
-        """Ask for ``job`` to end (its client went away); its blocks go back within a round."""
+    def cancel(self, job: GenerationJob, reason: str = "cancelled") -> None:
+        """Ask for ``job`` to end: its client went away ("cancelled"), or its text reached a
+        stop string ("stop"); its blocks go back within a round."""
+        job.cancel_reason = reason
         job.cancelled = True
         with self._cond:
             self._cond.notify()
@@ -238,6 +267,9 @@ class Scheduler:
                 self._waiting.clear()
             for job in left:
                 self._end(job, "rejected", "the worker is shutting down", status=503)
+            # MLX wants each thread that evaluated to destroy its streams before it ends: left
+            # to the interpreter's exit, the clean-up may abort the process (std::terminate).
+            mx.clear_streams()
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
@@ -257,7 +289,7 @@ class Scheduler:
             self._waiting = kept
             self.stats.set_queue_length(len(kept))
         for job in cancelled:
-            self._end(job, "cancelled")
+            self._end(job, job.cancel_reason)
         head_blocked = bool(self._waiting) and self._waiting[0].waited_for_blocks
         for job in expired:
             why = (
@@ -333,16 +365,28 @@ class Scheduler:
         self._sample_memory()
         return True
 
+    def _end_lost_jobs(self) -> None:
+        """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
+        lost = self.lost_owners() if self.lost_owners is not None else None
+        if not lost:
+            return
+        for job in list(self._active):
+            why = lost.get(job.owner)
+            if why is not None:
+                log.error("request %s ended: %s", job.owner, why)
+                self._end(job, "error", why, status=500)
+
     def _decode_round(self) -> None:
+        self._end_lost_jobs()
         started = time.perf_counter()
         n_tokens = 0
         for job in list(self._active):
             if job.cancelled:
-                self._end(job, "cancelled")
+                self._end(job, job.cancel_reason)
                 continue
             assert job.generator is not None
             try:
-                token, _ = next(job.generator)
+                token, logprobs = next(job.generator)
             except StopIteration:
                 self._end(job, "length")
                 continue
@@ -362,7 +406,7 @@ class Scheduler:
             token = int(token)
             job.n_generated += 1
             n_tokens += 1
-            job.events.put(token)
+            job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
             if token in self.eos_token_ids:
                 self._end(job, "stop")
             elif job.n_generated >= job.max_tokens:
@@ -418,3 +462,16 @@ class Scheduler:
         job.events.put(
             JobEnd(reason, len(job.prompt), job.n_generated, detail, status, retry_after)
         )
+
+
+def _scored(token: int, logprobs: mx.array, n_top: int) -> ScoredToken:
+    """``token`` with its log-probability and the ``n_top`` most likely tokens'."""
+    top: tuple[tuple[int, float], ...] = ()
+    n_top = min(n_top, logprobs.size)
+    if n_top > 0:
+        ids = mx.argpartition(-logprobs, kth=n_top - 1)[:n_top]
+        id_list: list[int] = ids.tolist()  # type: ignore[assignment]
+        value_list: list[float] = logprobs[ids].tolist()  # type: ignore[assignment]
+        top = tuple(sorted(zip(id_list, value_list, strict=True), key=lambda pair: -pair[1]))
+    logprob: float = logprobs[token].item()  # type: ignore[assignment]
+    return ScoredToken(token, logprob, top)

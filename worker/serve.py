@@ -1,18 +1,24 @@
 """``vqpool-worker``: serve one mlx-lm model over HTTP with its KV cache drawn from vqpoold's pool.
 
-    vqpool-worker --model MODEL --port PORT [--run-dir DIR] [--max-concurrent N]
-                  [--queue-timeout S] [--max-queue N] [--no-pool]
+    vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
+                  [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models`). The pool is a ``PoolClient`` session on the
 daemon of ``--run-dir`` / ``VQPOOL_RUN_DIR`` / the default run directory; ``--no-pool`` serves
 from stock mlx-lm caches through the same code path instead (the benchmark's baseline).
+``--served-model-name`` is the id clients see and send (default: ``MODEL`` as given).
 
-Once it serves, it prints one line to stdout, ``vqpool-worker: serving MODEL on
+The port is bound, the model argument checked and the daemon's socket looked for before the
+model loads, so each of those mistakes is one line at once, not found after a long load.
+
+Once it serves, it prints one line to stdout, ``vqpool-worker: serving NAME on
 http://HOST:PORT (...)``, with the real port when ``--port 0``. SIGTERM or SIGINT stops it
 cleanly: the server stops accepting, every running or queued request ends (its blocks go
-back), the pool session says goodbye, exit status 0. Exit status 2 for bad options or a model
-the pooled cache cannot serve, 1 when the daemon does not answer or the port is taken.
+back), the pool session says goodbye, MLX's streams are destroyed, exit status 0. Exit status
+2 for bad options, a ``--model`` that names no model (one line: what is wrong, what to pass) or
+a model the pooled cache cannot serve; 1 when the daemon is not running or does not answer, or
+the port is taken.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
-from vqpool.worker.http_api import ServingApp, make_server
-from vqpool.worker.models import builtin_names, load_model
+from vqpool.worker.http_api import ServingApp, ServingServer, make_server
+from vqpool.worker.models import builtin_names, load_model, model_spec_problem
 from vqpool.worker.scheduler import Scheduler
 from vqpool.worker.storage import KVLayout
 
@@ -53,23 +61,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", required=True, help="Hugging Face id, local path, or builtin:NAME"
     )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients see in /v1/models and send as model (default: --model as "
+        "given; requests naming that are accepted too)",
+    )
     parser.add_argument("--port", type=int, required=True, help="HTTP port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
     parser.add_argument(
         "--run-dir", help="vqpoold's run directory (env VQPOOL_RUN_DIR; default as for vqpoold)"
     )
     parser.add_argument(
-        "--max-concurrent", type=int, default=4, metavar="N", help="requests decoding at once"
+        "--max-concurrent",
+        type=int,
+        default=4,
+        metavar="N",
+        help="requests decoding at once (default: %(default)s)",
     )
     parser.add_argument(
         "--queue-timeout",
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds a request may wait for a slot or for blocks before 503",
+        help="seconds a request may wait for a slot or for blocks before 503 (default: "
+        "%(default)g)",
     )
     parser.add_argument(
-        "--max-queue", type=int, default=64, metavar="N", help="requests waiting at once"
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests waiting at once (default: %(default)s)",
     )
     parser.add_argument(
         "--reserve",
@@ -77,23 +102,41 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="blocks reserved when a request starts: for prompt + max_tokens (full: it always "
         "completes), or for the prompt only (more sharing; a request may then end early with "
-        "finish_reason length when the pool runs out)",
+        "finish_reason length when the pool runs out) (default: %(default)s)",
     )
     parser.add_argument(
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
     )
     parser.add_argument(
-        "--max-tokens", type=int, default=256, help="max_tokens of a request that gives none"
+        "--max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="max_tokens of a request that gives none (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-tokens-limit", type=int, default=32768, help="the largest max_tokens accepted"
+        "--max-tokens-limit",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="the largest max_tokens accepted (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of a builtin model")
     parser.add_argument(
-        "--pool-timeout", type=float, default=10.0, help="seconds each daemon call may take"
+        "--seed", type=int, default=0, help="weights seed of a builtin model (default: %(default)s)"
     )
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--pool-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds each daemon call may take (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="stderr log level (default: %(default)s)",
     )
     return parser
 
@@ -145,11 +188,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, record_signal)
     signal.signal(signal.SIGINT, record_signal)
 
+    # Everything that can fail in a moment is checked before the model loads, which can take
+    # minutes: the port, the model argument, the daemon's socket.
+    try:
+        server = make_server(args.host, args.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
+    problem = model_spec_problem(args.model)
+    if problem is not None:
+        server.server_close()
+        log.error("%s", problem)
+        return 2
+    try:
+        return _serve(args, server, stop)
+    finally:
+        server.server_close()
+        mx.clear_streams()  # the main thread's too (mlx-lm made its stream here at import)
+
+
+def _daemon_missing(run_dir: str | None) -> str | None:
+    """Why there is certainly no daemon to talk to (its socket file is absent), else None."""
+    resolved = resolve_run_dir(run_dir)
+    where = socket_path(resolved, WORKER_SOCKET_NAME)
+    if where.exists():
+        return None
+    return (
+        f"vqpoold is not running on {resolved} (no socket at {where}): start `vqpoold "
+        f"--run-dir {resolved}` first (`vqpoolctl --run-dir {resolved} status` checks it), or "
+        "pass --no-pool"
+    )
+
+
+def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Event) -> int:
+    """Load the model, open the pool, serve on ``server`` until ``stop``; the exit status."""
+    if not args.no_pool:
+        missing = _daemon_missing(args.run_dir)
+        if missing is not None:
+            log.error("%s", missing)
+            return 1
     try:
         loaded = load_model(args.model, seed=args.seed)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    served_name = args.served_model_name or loaded.name
     pool: PoolClient | None = None
     source: CacheSource
     describe_pool: Callable[[], dict[str, Any]]
@@ -160,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return {"pool": "off"}
     else:
         try:
-            pool, source = open_pool(args.run_dir, loaded.name, loaded.model, args.pool_timeout)
+            pool, source = open_pool(args.run_dir, served_name, loaded.model, args.pool_timeout)
         except ValueError as exc:
             log.error("%s", exc)
             return 2
@@ -171,31 +254,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def describe_pool() -> dict[str, Any]:
             sid = session.session_id
-            return {
+            described: dict[str, Any] = {
                 "pool": "vqpoold",
                 "run_dir": str(session.run_dir),
                 "session": None if sid is None else session_label(sid),
                 "block_size": session.config.block_size,
             }
+            if sid is None:
+                described["pool_error"] = "no pool session (evicted?); opening a new one"
+            return described
 
     scheduler = Scheduler(
         loaded.model,
         source,
-        owner_prefix=f"{loaded.name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}",
+        owner_prefix=f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}",
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_concurrent=args.max_concurrent,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         reserve_full=args.reserve == "full",
+        lost_owners=None if pool is None else pool.lost_owners,
     )
-    app = ServingApp(loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool)
-    try:
-        server = make_server(app, args.host, args.port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
-        if pool is not None:
-            pool.close()
-        return 1
+    app = ServingApp(
+        loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
+    )
+    server.serve(app)
     scheduler.start()
     serving = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="vqpool-http"
@@ -205,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "stock mlx-lm caches (--no-pool)" if pool is None else f"pool at {pool.run_dir}"
     # The ready line, on stdout whatever --log-level says: scripts wait for it (and learn the
     # port it chose with --port 0).
-    print(f"vqpool-worker: serving {loaded.name} on http://{host}:{port} ({mode})", flush=True)
+    print(f"vqpool-worker: serving {served_name} on http://{host}:{port} ({mode})", flush=True)
     try:
         while not stop.wait(0.5):
             pass
@@ -214,7 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.shutdown()
         serving.join()
         scheduler.stop()
-        server.server_close()
         if pool is not None:
             pool.close()
     return 0

@@ -47,6 +47,10 @@ class ServingTokenizer(Protocol):
 
     def text_stream(self) -> TextStream: ...
 
+    def token_text(self, token: int) -> str:
+        """One token's own text (logprobs name their tokens with it)."""
+        ...
+
 
 class ByteTextStream:
     """Incremental UTF-8 decoding: a multi-byte character appears once all its bytes came;
@@ -93,6 +97,9 @@ class ByteTokenizer:
     def text_stream(self) -> TextStream:
         return ByteTextStream()
 
+    def token_text(self, token: int) -> str:
+        return self.decode([token])
+
 
 class HFTokenizer:
     """A real model's tokenizer (mlx-lm's ``TokenizerWrapper``) behind :class:`ServingTokenizer`.
@@ -128,3 +135,7 @@ class HFTokenizer:
         # do not share one detokenizer's state.
         stream: TextStream = self._wrapper.detokenizer
         return stream
+
+    def token_text(self, token: int) -> str:
+        # The vocabulary's own spelling, as mlx_lm.server reports it in logprobs.
+        return str(self._wrapper.convert_ids_to_tokens(token))
