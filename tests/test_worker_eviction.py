@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from daemon_harness import wait_until
 from serving_harness import ServingStack
+from vqpool.shared.protocol import session_label
 from vqpool.worker.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"
@@ -18,7 +19,7 @@ def test_an_evicted_worker_reopens_its_session_and_fails_only_the_running_reques
         events = stream_events(url, "/v1/completions", {"prompt": "evict me", "max_tokens": 3000})
         for _ in range(3):
             next(events)
-        stack.daemon.admin("evict_session", sid=evicted)
+        stack.daemon.admin("evict_session", sid=int(evicted, 16))  # /health shows it in hex
         # The running request ends with an error event (its blocks were freed), not a hang.
         rest = list(events)
         assert "error" in rest[-1], rest[-1]
@@ -29,7 +30,7 @@ def test_an_evicted_worker_reopens_its_session_and_fails_only_the_running_reques
             return health.status == 200 and health.body["session"] not in (evicted, None)
 
         wait_until(new_session, timeout=10)
-        assert [s["sid"] for s in stack.daemon.admin("sessions")] == [
+        assert [session_label(s["sid"]) for s in stack.daemon.admin("sessions")] == [
             request_json(url, "GET", "/health").body["session"]
         ]
         reply = stack.complete(LLAMA, {"prompt": "after the eviction", "max_tokens": 20})
