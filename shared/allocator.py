@@ -339,7 +339,7 @@ class BlockPoolAllocator:
     @property
     def history(self) -> deque[AllocationStats]:
         """The last ``DEFAULT_HISTORY_SIZE`` stats snapshots, oldest first, one per mutating call
-        (allocate, including a failed one; free; free_all; shrink)."""
+        (allocate, including a failed one; free; free_all; a shrink that retired blocks)."""
         with self._lock:
             rows = list(self._history)
         return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
@@ -822,7 +822,8 @@ class BlockPoolAllocator:
         """Retire free blocks of ``stream`` for good until at most ``target_free`` stay free.
 
         In-use blocks are never touched. Retired ids never come back, so a backing store may
-        drop their buffers. Returns how many blocks were retired.
+        drop their buffers. Returns how many blocks were retired; a shrink that retired nothing
+        leaves no history row (as the seed).
 
         Raises:
             ValueError: ``target_free`` < 0, or a stream this pool does not have.
@@ -848,7 +849,7 @@ class BlockPoolAllocator:
                 free.total -= n_retire
                 self._counts[_N_BLOCKS] -= n_retire
                 self._counts[_N_RETIRED] += n_retire
-            self._record_history()
+                self._record_history()  # as the seed: a shrink that retired nothing has no row
             return n_retire
 
     def mark_used(self, block: Block, n_used: int) -> None:

@@ -221,6 +221,21 @@ def test_shrink_retires_only_free_blocks() -> None:
     assert ids == {0, 3}  # 1 and 2 were retired
 
 
+def test_shrink_that_retires_nothing_adds_no_history_row() -> None:
+    # The seed records history inside "if retired:" (its text lost that indentation).
+    pool = pool_of(n_blocks=8)
+    pool.allocate("k", 16, owner=1)
+    rows = len(pool.history)
+    assert pool.shrink("k", target_free=3) == 0  # exactly 3 free: nothing to retire
+    assert pool.shrink("v", target_free=10) == 0
+    assert len(pool.history) == rows
+    assert pool.shrink("k", target_free=1) == 2
+    assert len(pool.history) == rows + 1 and pool.history[-1].n_retired == 2
+    assert pool.shrink("k", target_free=0) == 1
+    assert pool.shrink("k", target_free=0) == 0  # nothing free left: no row either
+    assert [h.n_retired for h in pool.history][rows:] == [2, 3]
+
+
 def test_grow_on_exhaustion_respects_max_blocks() -> None:
     pool = pool_of(n_blocks=4, grow_on_exhaustion=True, max_blocks=7)
     blocks = pool.allocate("k", 16 * 4, owner=1)  # 2 free + 2 grown
@@ -321,9 +336,10 @@ def test_history_is_bounded_and_one_per_mutating_call() -> None:
     block = pool.blocks_for(1)[0]
     pool.mark_used(block, 3)  # not recorded either
     pool.free([block])
-    pool.shrink("k", 5)
+    pool.shrink("k", 0)
     assert [h.n_allocations for h in pool.history] == [1, 1, 1]
     assert [h.n_frees for h in pool.history] == [0, 1, 1]
+    assert [h.n_retired for h in pool.history] == [0, 0, 2]
     for _ in range(DEFAULT_HISTORY_SIZE + 10):
         pool.free_all(1)
     assert len(pool.history) == DEFAULT_HISTORY_SIZE
