@@ -66,6 +66,17 @@ def alloc_free_all(n_blocks: int) -> Callable[[BlockPoolAllocator, int], None]:
     return body
 
 
+def alloc_read_free(pool: BlockPoolAllocator, loops: int) -> None:
+    """The seed's usage: allocate, read every Block of the list (built on that first use), free
+    the list."""
+    allocate, free = pool.allocate, pool.free
+    for _ in range(loops):
+        blocks = allocate("k", 16 * 16, 1)
+        for block in blocks:
+            block.block_id  # noqa: B018  # the read is what is measured
+        free(blocks)
+
+
 def mark_used_loop(pool: BlockPoolAllocator, loops: int) -> None:
     block = pool.allocate("k", 16, 1)[0]
     mark_used = pool.mark_used
@@ -158,6 +169,15 @@ def main() -> None:
             values,
             SEED_ALLOC_FREE_ALL_256_US if n == 256 else None,
         )
+    row(
+        "allocate(16)+read each Block+free",
+        "us",
+        [
+            median_of(runs, lambda s=s: per_call_us(s, loops(10_000), alloc_read_free))
+            for s in sizes
+        ],
+        None,
+    )
     row(
         "mark_used",
         "us",

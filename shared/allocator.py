@@ -13,8 +13,9 @@ frees, and with every block it handed out:
   never-used id range kept as two ints, so building a pool of a million blocks is O(1).
 * No object per allocated block either, unless someone asks for one. One allocate() call is one
   ``BlockList`` (the ids, stream, format and owner they share); the only per-block work is one
-  dict write (block id -> its BlockList), done in C. ``Block`` objects are built when the caller
-  first looks at them.
+  dict write (block id -> its BlockList), done in C. A BlockList is a real ``list``, as the
+  seed returns, but its ``Block`` objects are built when the caller first uses it; what the
+  caller then does to the list never changes the allocator's record (``block_ids``).
 * Frees in any order are O(1) per block: a block is found through that dict, never searched for.
   ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
   entry counts only while its allocation is not dead, and a new allocation overwrites it.
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, overload
+from operator import is_
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from vqpool.shared.errors import (
     BlockPoolExhaustedError,
@@ -145,17 +147,36 @@ class Block:
     ever_allocated: bool = False
 
 
-class BlockList(Sequence[Block]):
-    """The blocks one ``allocate()`` call handed out, in order; also the allocator's own record
-    of that allocation (its "chunk"), so an allocation costs one object, not one per block.
+class BlockList(list[Block]):
+    """The blocks one ``allocate()`` call handed out, in order: a real ``list``, as the seed's
+    ``allocate`` returns, and also the allocator's own record of that allocation (its "chunk"),
+    so an allocation costs one object, not one per block.
 
-    Reads like the seed's ``list[Block]`` (index, slice, iterate, compare with a list). The
-    ``Block`` objects are built the first time someone looks at them, from the allocation's
+    The list belongs to the caller: every list operation works on it (``append``, ``extend``,
+    ``pop``, ``sort``, slice assignment, ``+=``...) and changes only the list. The allocator's
+    record is the rest: ``block_ids`` (the ids in allocation order, a tuple), ``stream``,
+    ``format``, ``owner``, and what has been freed or filled since, so sorting or shortening
+    the list never changes what the allocation holds, and ``free(blocks)`` frees exactly the
+    blocks the list holds when it is called. Copies (``copy()``, ``blocks[:]``, ``copy.copy``,
+    pickling) are plain lists of the same Block objects.
+
+    The ``Block`` objects are built the first time anyone uses the list, from the allocation's
     current state (a block freed since then reads as free); the daemon, which sends ids over the
-    wire, never pays for them. ``block_ids`` gives the ids directly.
+    wire, never pays for them. Until then the list is an :class:`_UntouchedBlockList`.
     """
 
-    _positions: dict[int, int] | None = None  # block id -> index, built when first needed
+    __slots__ = (
+        "_blocks",
+        "_pool",
+        "_positions",
+        "block_ids",
+        "dead",
+        "fill",
+        "format",
+        "n_freed",
+        "owner",
+        "stream",
+    )
 
     def __init__(
         self, pool: BlockPoolAllocator, ids: tuple[int, ...], stream: str, format: str, owner: Owner
@@ -168,25 +189,14 @@ class BlockList(Sequence[Block]):
         self.fill: dict[int, int] | None = None  # block id -> n_used, for blocks not full
         self.n_freed = 0  # blocks of this allocation freed one by one
         self.dead = False  # every block freed: map entries still naming this chunk are stale
-        self._blocks: list[Block] | None = None  # the Block objects, once someone looked
+        # The Block objects the allocator keeps in step, in allocation order, once built (the
+        # list itself may since have been reordered or changed by its caller).
+        self._blocks: list[Block] | None = None
+        self._positions: dict[int, int] | None = None  # block id -> index in _blocks
 
     def holds(self, block_id: int) -> bool:
         """Whether ``block_id`` is still allocated through this allocation."""
         return not self.dead and self._pool._chunk_of.get(block_id) is self
-
-    def _materialized(self) -> list[Block]:
-        blocks = self._blocks
-        if blocks is None:
-            size = self._pool.config.block_size
-            fill = self.fill or {}
-            blocks = [
-                Block(bid, self.stream, self.format, fill.get(bid, size), self.owner, True)
-                if self.holds(bid)
-                else Block(bid, self.stream, self.format, 0, None, True)
-                for bid in self.block_ids
-            ]
-            self._blocks = blocks
-        return blocks
 
     def _sync_block(self, block_id: int, n_used: int, freed: bool) -> None:
         """Keep a Block object this list already built in step with the allocator, as the
@@ -209,36 +219,108 @@ class BlockList(Sequence[Block]):
             block.owner = None
             block.n_used = 0
 
-    @overload
-    def __getitem__(self, index: int) -> Block: ...
+    def __reduce_ex__(
+        self, protocol: SupportsIndex
+    ) -> tuple[type[list[Block]], tuple[list[Block]]]:
+        # A copy or an unpickled list is not the allocation's record: a plain list of the blocks.
+        return (list, (list(self),))
 
-    @overload
-    def __getitem__(self, index: slice) -> list[Block]: ...
 
-    def __getitem__(self, index: int | slice) -> Block | list[Block]:
-        return self._materialized()[index]
+class _UntouchedBlockList(BlockList):
+    """A BlockList nobody has used yet: its list storage is still empty and its Block objects
+    unbuilt. What ``allocate()`` and ``claim()`` return.
+
+    Every list method first builds the Block objects into the list (:meth:`_fill`) and turns the
+    object into a plain :class:`BlockList`, then does its work; from then on the list's own C
+    methods run with nothing in between. ``len()`` needs no Blocks. ``free()`` frees a list of
+    this class as its whole allocation without reading it: nobody can have changed it.
+
+    (Code that calls ``list``'s methods on it unbound, e.g. ``list.append(blocks, b)``, or C
+    code that reads a list's storage directly, bypasses this and sees an empty list.)
+    """
+
+    __slots__ = ()
 
     def __len__(self) -> int:
         return len(self.block_ids)
 
-    def __iter__(self) -> Iterator[Block]:
-        return iter(self._materialized())
+    def _fill(self) -> None:
+        """Build the Block objects into the list and become a BlockList. Called through the
+        class, not ``self``: a method bound before another call filled the list (as in
+        ``blocks.append(blocks[0])``) finds the object a BlockList already, and does nothing."""
+        pool = self._pool
+        # Under the lock: a consistent state, and every later change syncs the objects.
+        pool._lock.acquire()  # not "with": see BlockPoolAllocator.allocate()
+        try:
+            if type(self) is not _UntouchedBlockList:
+                return  # another thread filled it meanwhile
+            size = pool._block_size
+            fill = self.fill or {}
+            stream, format, owner = self.stream, self.format, self.owner
+            blocks = [
+                Block(bid, stream, format, fill.get(bid, size), owner, True)
+                if self.holds(bid)
+                else Block(bid, stream, format, 0, None, True)
+                for bid in self.block_ids
+            ]
+            self._blocks = blocks
+            list.extend(self, blocks)
+            self.__class__ = BlockList  # type: ignore[assignment]  # it stops being untouched
+        finally:
+            pool._lock.release()
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, BlockList | list | tuple):
-            return self._materialized() == list(other)
+    def __radd__(self, other: object) -> object:
+        # list has no __radd__: fill, then let Python fall back to other + self (list's concat).
+        _UntouchedBlockList._fill(self)
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  # compares by contents, like a list
 
-    def __add__(self, other: Iterable[Block]) -> list[Block]:
-        return [*self._materialized(), *other]
+def _filling_first(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
+    fill = _UntouchedBlockList._fill
 
-    def __radd__(self, other: Iterable[Block]) -> list[Block]:
-        return [*other, *self._materialized()]
+    def call(self: _UntouchedBlockList, *args: Any, **kwargs: Any) -> Any:
+        fill(self)
+        return method(self, *args, **kwargs)
 
-    def __repr__(self) -> str:
-        return repr(self._materialized())
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# Every list method that reads or changes the contents (all but __len__, above).
+for _name in (
+    "__add__",
+    "__contains__",
+    "__delitem__",
+    "__eq__",
+    "__ge__",
+    "__getitem__",
+    "__gt__",
+    "__iadd__",
+    "__imul__",
+    "__iter__",
+    "__le__",
+    "__lt__",
+    "__mul__",
+    "__ne__",
+    "__repr__",
+    "__reversed__",
+    "__rmul__",
+    "__setitem__",
+    "append",
+    "clear",
+    "copy",
+    "count",
+    "extend",
+    "index",
+    "insert",
+    "pop",
+    "remove",
+    "reverse",
+    "sort",
+):
+    setattr(_UntouchedBlockList, _name, _filling_first(_name))
+del _name
 
 
 class _FreeList:
@@ -339,7 +421,7 @@ class BlockPoolAllocator:
     @property
     def history(self) -> deque[AllocationStats]:
         """The last ``DEFAULT_HISTORY_SIZE`` stats snapshots, oldest first, one per mutating call
-        (allocate, including a failed one; free; free_all; shrink)."""
+        (allocate, including a failed one; free; free_all; a shrink that retired blocks)."""
         with self._lock:
             rows = list(self._history)
         return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
@@ -462,7 +544,7 @@ class BlockPoolAllocator:
                     if new_hi < hi:
                         taken.extend(range(hi - 1, new_hi - 1, -1))
                     ids = tuple(taken)
-            chunk = BlockList(self, ids, stream, format, owner)
+            chunk = _UntouchedBlockList(self, ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
@@ -621,7 +703,7 @@ class BlockPoolAllocator:
                         f"{self._counts[_N_BLOCKS]} blocks); nothing was claimed"
                     )
             claimed.update(ids)
-            chunk = BlockList(self, ids, s, format, owner)
+            chunk = _UntouchedBlockList(self, ids, s, format, owner)
             if fill:
                 chunk.fill = fill
             holdings = self._holdings.get(owner)
@@ -728,9 +810,17 @@ class BlockPoolAllocator:
         """Return blocks to their stream's free list. Already-free blocks are skipped.
 
         Blocks are found by id, so freeing a copy frees the block; each Block object passed is
-        marked free (owner None, n_used 0), as the seed's shared objects were.
+        marked free (owner None, n_used 0), as the seed's shared objects were. A list allocate()
+        returned frees what it lists now, whatever its caller changed in it.
         """
-        if type(blocks) is BlockList:
+        # An allocation's own list, untouched or still holding just the Block objects built for
+        # it (same objects, same order: an O(len) check in C), is the whole allocation.
+        if type(blocks) is _UntouchedBlockList or (
+            type(blocks) is BlockList
+            and blocks._blocks is not None
+            and len(blocks) == len(blocks._blocks)
+            and all(map(is_, blocks, blocks._blocks))
+        ):
             self._lock.acquire()  # not "with": see allocate()
             try:
                 if blocks.dead or blocks.n_freed:
@@ -888,7 +978,8 @@ class BlockPoolAllocator:
         """Retire free blocks of ``stream`` for good until at most ``target_free`` stay free.
 
         In-use blocks are never touched. Retired ids never come back, so a backing store may
-        drop their buffers. Returns how many blocks were retired.
+        drop their buffers. Returns how many blocks were retired; a shrink that retired nothing
+        leaves no history row (as the seed).
 
         Raises:
             ValueError: ``target_free`` < 0, or a stream this pool does not have.
@@ -914,7 +1005,7 @@ class BlockPoolAllocator:
                 free.total -= n_retire
                 self._counts[_N_BLOCKS] -= n_retire
                 self._counts[_N_RETIRED] += n_retire
-            self._record_history()
+                self._record_history()  # as the seed: a shrink that retired nothing has no row
             return n_retire
 
     def mark_used(self, block: Block, n_used: int) -> None:

@@ -208,7 +208,8 @@ class ReferencePool:
             del self.blocks[free.pop()]
         self.counters.n_blocks = len(self.blocks)
         self.counters.n_retired += n
-        self.record()
+        if n:  # the seed records a row only when something was retired
+            self.record()
         return n
 
     def mark_used(self, bid: int, n_used: int) -> None:

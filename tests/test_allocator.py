@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 from vqpool.shared import (
@@ -221,6 +224,21 @@ def test_shrink_retires_only_free_blocks() -> None:
     assert ids == {0, 3}  # 1 and 2 were retired
 
 
+def test_shrink_that_retires_nothing_adds_no_history_row() -> None:
+    # The seed records history inside "if retired:" (its text lost that indentation).
+    pool = pool_of(n_blocks=8)
+    pool.allocate("k", 16, owner=1)
+    rows = len(pool.history)
+    assert pool.shrink("k", target_free=3) == 0  # exactly 3 free: nothing to retire
+    assert pool.shrink("v", target_free=10) == 0
+    assert len(pool.history) == rows
+    assert pool.shrink("k", target_free=1) == 2
+    assert len(pool.history) == rows + 1 and pool.history[-1].n_retired == 2
+    assert pool.shrink("k", target_free=0) == 1
+    assert pool.shrink("k", target_free=0) == 0  # nothing free left: no row either
+    assert [h.n_retired for h in pool.history][rows:] == [2, 3]
+
+
 def test_grow_on_exhaustion_respects_max_blocks() -> None:
     pool = pool_of(n_blocks=4, grow_on_exhaustion=True, max_blocks=7)
     blocks = pool.allocate("k", 16 * 4, owner=1)  # 2 free + 2 grown
@@ -321,9 +339,10 @@ def test_history_is_bounded_and_one_per_mutating_call() -> None:
     block = pool.blocks_for(1)[0]
     pool.mark_used(block, 3)  # not recorded either
     pool.free([block])
-    pool.shrink("k", 5)
+    pool.shrink("k", 0)
     assert [h.n_allocations for h in pool.history] == [1, 1, 1]
     assert [h.n_frees for h in pool.history] == [0, 1, 1]
+    assert [h.n_retired for h in pool.history] == [0, 0, 2]
     for _ in range(DEFAULT_HISTORY_SIZE + 10):
         pool.free_all(1)
     assert len(pool.history) == DEFAULT_HISTORY_SIZE
@@ -491,3 +510,154 @@ def test_claim_in_a_million_block_pool_moves_nothing() -> None:
     assert pool._free["k"].recycled == []
     assert pool.n_free("k") == (1 << 19) - 3
     assert pool.allocate("k", 16, "next")[0].block_id == (1 << 19) - 1
+
+
+# -- BlockList: allocate() returns a list, as the seed ---------------------------------------------
+
+
+def ids_of(blocks: object) -> list[int]:
+    return [b.block_id for b in blocks]  # type: ignore[attr-defined]
+
+
+def test_allocate_returns_a_real_list() -> None:
+    pool = pool_of(n_blocks=8)
+    blocks = pool.allocate("k", 40, owner=1)
+    assert isinstance(blocks, list) and len(blocks) == 3
+    assert blocks == pool.blocks_for(1) and pool.blocks_for(1) == blocks
+    assert (blocks != pool.blocks_for(1)) is False
+    assert ids_of(reversed(blocks)) == [1, 2, 3]
+    assert blocks[0] in blocks and blocks.index(blocks[1]) == 1 and blocks.count(blocks[2]) == 1
+    assert ids_of(blocks[:1] + blocks) == [3, 3, 2, 1]  # list's + is the test
+    assert ids_of(blocks * 2) == [3, 2, 1] * 2
+    assert ids_of(blocks[::-1]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("looked_first", [False, True])
+def test_block_list_mutations_never_change_what_the_allocation_holds(looked_first: bool) -> None:
+    pool = pool_of(n_blocks=16)
+    blocks = pool.allocate("k", 16 * 4, owner=1)  # ids 7, 6, 5, 4
+    other = pool.allocate("v", 16, owner=2)  # id 15
+    if looked_first:
+        assert ids_of(blocks) == [7, 6, 5, 4]
+    blocks.sort(key=lambda b: b.block_id)
+    assert ids_of(blocks) == [4, 5, 6, 7]
+    blocks.reverse()
+    blocks.append(other[0])
+    blocks.extend(other)
+    blocks += other
+    blocks.insert(0, other[0])
+    assert ids_of(blocks) == [15, 7, 6, 5, 4, 15, 15, 15]
+    assert blocks.pop(0).block_id == 15 and blocks.pop().block_id == 15
+    blocks.remove(other[0])
+    del blocks[-1]
+    blocks[1:3] = blocks[2:0:-1]
+    blocks *= 1
+    assert ids_of(blocks) == [7, 5, 6, 4]
+    blocks.clear()
+    assert blocks == [] and len(blocks) == 0 and not blocks
+    # The allocator's record did not move: same blocks, allocation order, all held.
+    assert ids_of(pool.blocks_for(1)) == [7, 6, 5, 4]
+    assert ids_of(pool.blocks_for(2)) == [15]
+    pool.check_invariants()
+    pool.free_all(1)
+    assert pool.n_free("k") == 8 and pool.blocks_for(2) == other
+
+
+@pytest.mark.parametrize("looked_first", [False, True])
+def test_free_of_a_shortened_list_frees_exactly_what_is_listed(looked_first: bool) -> None:
+    pool = pool_of(n_blocks=16)
+    blocks = pool.allocate("k", 16 * 3, owner=1)
+    if looked_first:
+        assert ids_of(blocks) == [7, 6, 5]
+    kept = blocks.pop()
+    pool.free(blocks)
+    assert (pool.owner_of(7), pool.owner_of(6), pool.owner_of(5)) == (None, None, 1)
+    assert [(b.owner, b.n_used) for b in blocks] == [(None, 0), (None, 0)]
+    assert (kept.owner, kept.n_used) == (1, 16)
+    assert pool.is_active(1) and pool.stats.n_frees == 2
+    pool.check_invariants()
+    pool.free(blocks)  # already free: nothing more
+    assert pool.stats.n_frees == 2
+    pool.free([kept])
+    assert not pool.is_active(1) and pool.n_free("k") == 8
+    pool.check_invariants()
+
+
+def test_untouched_list_changed_with_its_own_blocks() -> None:
+    # blocks.append is looked up before blocks[0] builds the Blocks: the call must still work.
+    pool = pool_of(n_blocks=16)
+    blocks = pool.allocate("k", 32, owner=1)
+    blocks.append(blocks[0])
+    assert ids_of(blocks) == [7, 6, 7]
+    again = pool.allocate("k", 32, owner=1)
+    again += again
+    assert ids_of(again) == [5, 4, 5, 4]
+    pool.check_invariants()
+
+
+def test_free_of_a_list_with_blocks_added_frees_them_too() -> None:
+    pool = pool_of(n_blocks=16)
+    first = pool.allocate("k", 16, owner=1)
+    second = pool.allocate("v", 16 * 2, owner=2)
+    first += second[:1]
+    pool.free(first)
+    assert not pool.is_active(1)
+    assert ids_of(pool.blocks_for(2)) == [second[1].block_id]
+    assert pool.stats.n_frees == 2
+    pool.check_invariants()
+
+
+def test_sorted_list_stays_in_step_by_block_not_by_position() -> None:
+    pool = pool_of(n_blocks=16, block_size=4)
+    blocks = pool.allocate("k", 10, owner=1)  # ids 7, 6, 5: n_used 4, 4, 2
+    blocks.sort(key=lambda b: b.block_id)
+    assert [(b.block_id, b.n_used) for b in blocks] == [(5, 2), (6, 4), (7, 4)]
+    pool.mark_used(Block(block_id=7), 1)
+    pool.free([Block(block_id=6)])
+    assert [(b.block_id, b.owner, b.n_used) for b in blocks] == [(5, 1, 2), (6, None, 0), (7, 1, 1)]
+    pool.free_all(1)
+    assert [(b.owner, b.n_used) for b in blocks] == [(None, 0)] * 3
+
+
+def test_block_list_copies_are_plain_lists() -> None:
+    pool = pool_of(n_blocks=8)
+    blocks = pool.allocate("k", 32, owner=1)
+    for duplicate in (blocks.copy(), copy.copy(blocks), blocks[:], list(blocks)):
+        assert type(duplicate) is list and duplicate == blocks
+        duplicate.pop()
+        assert len(blocks) == 2
+    deep = copy.deepcopy(blocks)
+    assert type(deep) is list and deep == blocks and deep[0] is not blocks[0]
+    restored = pickle.loads(pickle.dumps(blocks))
+    assert type(restored) is list and restored == blocks
+    pool.free(blocks.copy())  # a copy lists the same blocks: it frees them
+    assert pool.stats.blocks_in_use() == 0
+
+
+FIRST_READS = {
+    "len": len,
+    "bool": bool,
+    "repr": repr,
+    "str": str,
+    "eq": lambda b: b == [],
+    "radd": lambda b: [] + b,  # noqa: RUF005  # list's + is the test
+    "rmul": lambda b: 2 * b,
+    "tuple": tuple,
+    "unpack": lambda b: [*b],
+    "reversed": lambda b: list(reversed(b)),
+    "sorted": lambda b: sorted(b, key=lambda x: -x.block_id),
+    "contains": lambda b: Block(3, "k", "fp16", 16, 1, True) in b,
+    "index": lambda b: b.index(Block(1, "k", "fp16", 8, 1, True)),
+    "slice": lambda b: b[1:],
+    "copy": copy.copy,
+    "pickle": lambda b: pickle.loads(pickle.dumps(b)),
+}
+
+
+@pytest.mark.parametrize("read", FIRST_READS.values(), ids=FIRST_READS.keys())
+def test_first_read_of_a_block_list_sees_its_blocks(read: Callable[[list[Block]], object]) -> None:
+    pool = pool_of(n_blocks=8)
+    blocks = pool.allocate("k", 40, owner=1)
+    first = read(blocks)  # the first thing done with the list: its Blocks are not built yet
+    assert first == read(list(blocks))
+    assert ids_of(blocks) == [3, 2, 1]

@@ -136,7 +136,7 @@ def test_allocate_interrupted_inside_blocklist_changes_nothing(
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(allocator_module, "BlockList", interrupted)
+    monkeypatch.setattr(allocator_module, "_UntouchedBlockList", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pool.allocate("k", 100, "new")
     monkeypatch.undo()

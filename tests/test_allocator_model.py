@@ -30,10 +30,23 @@ from vqpool.shared import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
+from vqpool.shared.allocator import BlockList
 
 OWNERS = st.sampled_from([1, 2, 3, 4, "req-a", "req-b"])
 STREAMS = st.sampled_from(["k", "v", "kv", "x"])
 FORMATS = st.sampled_from(["fp16", "int4"])
+LIST_CHANGES = [
+    "pop",
+    "sort",
+    "reverse",
+    "append",
+    "extend",
+    "+=",
+    "insert",
+    "del slice",
+    "set slice",
+    "clear",
+]
 
 
 def error_name(exc: Exception) -> str:
@@ -78,14 +91,28 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _resolved(self, stream: str) -> str:
         return self.model.stream_of(stream)
 
-    @rule(target=handed_out, stream=STREAMS, n_tokens=st.integers(-1, 40), owner=OWNERS, f=FORMATS)
-    def allocate(self, stream: str, n_tokens: int, owner: object, f: str) -> Sequence[Block]:
+    @rule(
+        target=handed_out,
+        stream=STREAMS,
+        n_tokens=st.integers(-1, 40),
+        owner=OWNERS,
+        f=FORMATS,
+        look=st.booleans(),
+    )
+    def allocate(
+        self, stream: str, n_tokens: int, owner: object, f: str, look: bool
+    ) -> list[Block]:
+        """Allocate; with ``look`` False the list is handed on untouched (its Blocks unbuilt)."""
         got = outcome(lambda: self.pool.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         want = outcome(lambda: self.model.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         assert got[0] == want[0], (got, want)
         if got[0] != "ok":
             return []
-        blocks: Sequence[Block] = got[1]
+        blocks: BlockList = got[1]
+        assert isinstance(blocks, list) and len(blocks) == len(want[1])
+        assert list(blocks.block_ids) == want[1]
+        if not look:
+            return blocks
         assert [b.block_id for b in blocks] == want[1]
         for b in blocks:
             ref = self.model.blocks[b.block_id]
@@ -145,6 +172,41 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pool.release_owner(owner)  # type: ignore[arg-type]
         self.model.active.discard(owner)  # type: ignore[arg-type]
 
+    @rule(blocks=handed_out, donor=handed_out, data=st.data(), op=st.sampled_from(LIST_CHANGES))
+    def change_list(
+        self, blocks: list[Block], donor: list[Block], data: st.DataObject, op: str
+    ) -> None:
+        """Change a handed-out list as a caller of the seed's list-returning allocate() may. The
+        allocator's record of the allocation must not move (the invariants compare it with the
+        model), and a later free of this list frees what it lists then."""
+
+        def index() -> int:
+            return data.draw(st.integers(-len(blocks), len(blocks) - 1))
+
+        def part() -> slice:
+            return slice(data.draw(st.integers(0, len(blocks))), data.draw(st.integers(0, 4)))
+
+        if op == "pop" and blocks:
+            blocks.pop(index())
+        elif op == "sort":
+            blocks.sort(key=lambda b: b.block_id, reverse=data.draw(st.booleans()))
+        elif op == "reverse":
+            blocks.reverse()
+        elif op == "append" and donor:
+            blocks.append(donor[0])
+        elif op == "extend":
+            blocks.extend(donor)
+        elif op == "+=":
+            blocks += donor
+        elif op == "insert" and donor:
+            blocks.insert(index() if blocks else 0, donor[-1])
+        elif op == "del slice":
+            del blocks[part()]
+        elif op == "set slice":
+            blocks[part()] = donor[:2]
+        elif op == "clear":
+            blocks.clear()
+
     @rule(blocks=handed_out, data=st.data())
     def free_some(self, blocks: Sequence[Block], data: st.DataObject) -> None:
         """Free a random subset in random order; stale (already freed) blocks are allowed."""
@@ -155,7 +217,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(blocks=handed_out)
     def free_allocation(self, blocks: Sequence[Block]) -> None:
-        """Free what one allocate() returned, as returned (possibly stale by now)."""
+        """Free a list allocate() returned, as it lists now (possibly changed or stale)."""
         self.pool.free(blocks)
         self.model.free_ids([b.block_id for b in blocks])
 
