@@ -106,7 +106,9 @@ def parse_budget(value: str | int, total_memory: int, *, what: str = "budget") -
         if not 0 < percent <= 100:
             raise ValueError(f"{what} {value!r}: a percentage must be more than 0 and at most 100")
         if isinstance(total_memory, bool) or not isinstance(total_memory, int) or total_memory < 1:
-            raise ValueError(f"total memory must be a positive number of bytes, got {total_memory!r}")
+            raise ValueError(
+                f"total memory must be a positive number of bytes, got {total_memory!r}"
+            )
         n = int(total_memory * percent / 100)
         if n == 0:
             raise ValueError(f"{what} {value!r} of {format_bytes(total_memory)} is 0 bytes")

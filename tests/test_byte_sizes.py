@@ -71,7 +71,7 @@ def test_parse_bytes_refuses_bad_input(value: object, message: str) -> None:
 def test_zero_only_where_allowed_and_what_is_named() -> None:
     assert parse_bytes("0", allow_zero=True) == 0
     assert parse_bytes(0, allow_zero=True) == 0
-    with pytest.raises(ValueError, match="^reserve must not be negative"):
+    with pytest.raises(ValueError, match=r"^reserve must not be negative"):
         parse_bytes("-1", what="reserve", allow_zero=True)
     assert parse_bytes(MAX_BYTES) == MAX_BYTES
 
