@@ -503,8 +503,10 @@ class BudgetLedger:
         self._reserved = reserved
         self._protected = reserved  # nothing is held yet: every reserve is unused
         self._waiters: dict[Ticket, _Waiter] = {}
+        self._queued_models: dict[_Model, None] = {}  # the models with waiting requests
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._pending: list[Ticket] = []
+        self._settled = True  # no waiting request could be granted now (see _settle)
         self._seq = 0
         self.max_waiting_per_model = max_waiting_per_model
         self.max_waiting = max_waiting
@@ -581,6 +583,7 @@ class BudgetLedger:
         model.held = held
         self._total_held += n_bytes
         self._protected += (reserve - held if held < reserve else 0) - unused_before
+        self._settled = False
 
     # -- requests -------------------------------------------------------------------------
 
@@ -666,32 +669,49 @@ class BudgetLedger:
     def _decide(
         self, rec: _Model, n_bytes: int, ticket: Ticket, deadline: float, now: float, queue: bool
     ) -> Verdict:
-        """The slow path: NEVER, or join the queue and let the policy decide; a request that may
-        not wait (``queue`` False) or finds the queue full leaves it again."""
+        """The slow path: NEVER, or where the policy puts the request among the waiting ones."""
         if n_bytes == 0:
             return GRANTED
         if n_bytes > self._ceiling(rec):
             return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
-        behind_own = bool(rec.queue)
-        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
-        self._settle()
-        if ticket not in self._waiters:  # granted by the policy just now
-            if ticket is not _CANDIDATE:
-                self._pending.remove(ticket)
-            return GRANTED
-        shortage = Reason.BEHIND_WAITERS if behind_own else self._shortage(rec, n_bytes)
-        full = None
-        if len(rec.queue) > self.max_waiting_per_model:
-            full = Reason.MODEL_QUEUE_FULL
-        elif len(self._waiters) > self.max_waiting:
-            full = Reason.ALL_QUEUES_FULL
-        if not queue or full is not None:
+        if rec.queue:  # first come first served within a model
+            return self._wait(rec, n_bytes, ticket, deadline, now, queue, Reason.BEHIND_WAITERS)
+        # In a settled queue a request that does not fit waits, and joining the queue lets no
+        # other request go (it adds demand; it frees nothing). One that fits may be first in
+        # the policy order, or within its share past a blocked head: let the policy decide.
+        if not self._settled or self._fits(rec, n_bytes):
+            waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
+            self._settle()
+            if ticket not in self._waiters:  # granted by the policy just now
+                if ticket is not _CANDIDATE:
+                    self._pending.remove(ticket)
+                return GRANTED
             self._remove(waiter)
-            if full is not None and queue:
-                return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
-            return self._refusal(rec, n_bytes, shortage, queued=False)
+        return self._wait(rec, n_bytes, ticket, deadline, now, queue, self._shortage(rec, n_bytes))
+
+    def _wait(
+        self,
+        rec: _Model,
+        n_bytes: int,
+        ticket: Ticket,
+        deadline: float,
+        now: float,
+        queue: bool,
+        reason: Reason,
+    ) -> Verdict:
+        """Queue the request if it may wait and there is room, and say why it waits."""
+        if not queue:
+            return self._refusal(rec, n_bytes, reason, queued=False)
+        full = None
+        if len(rec.queue) >= self.max_waiting_per_model:
+            full = Reason.MODEL_QUEUE_FULL
+        elif len(self._waiters) >= self.max_waiting:
+            full = Reason.ALL_QUEUES_FULL
+        if full is not None:
+            return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
+        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
         heapq.heappush(self._deadlines, (deadline, waiter.seq, waiter))
-        return self._refusal(rec, n_bytes, shortage, queued=True)
+        return self._refusal(rec, n_bytes, reason, queued=True)
 
     def _shortage(self, rec: _Model, n_bytes: int) -> Reason:
         """Why ``n_bytes`` does not go to ``rec`` now (BEHIND_WAITERS if it would fit)."""
@@ -752,6 +772,8 @@ class BudgetLedger:
     ) -> _Waiter:
         self._seq += 1
         waiter = _Waiter(ticket, rec, n_bytes, deadline, self._seq, now)
+        if not rec.queue:
+            self._queued_models[rec] = None
         rec.queue[ticket] = waiter
         rec.waiting_bytes += n_bytes
         self._waiters[ticket] = waiter
@@ -762,6 +784,8 @@ class BudgetLedger:
         del rec.queue[waiter.ticket]
         del self._waiters[waiter.ticket]
         rec.waiting_bytes -= waiter.n_bytes
+        if not rec.queue:
+            del self._queued_models[rec]
 
     def cancel(self, ticket: Ticket) -> bool:
         """Stop waiting for ``ticket`` (its client gave up or its session ended). Returns whether
@@ -771,6 +795,7 @@ class BudgetLedger:
         if waiter is None:
             return False
         self._remove(waiter)
+        self._settled = False
         self._compact_deadlines()
         return True
 
@@ -784,6 +809,7 @@ class BudgetLedger:
             if self._waiters.get(waiter.ticket) is waiter:
                 self._remove(waiter)
                 expired.append(waiter.ticket)
+                self._settled = False
         return expired
 
     def next_deadline(self) -> float | None:
@@ -823,7 +849,7 @@ class BudgetLedger:
            request is not starved by a stream of small ones, and no model below its fair share
            waits for a larger one.
         """
-        if self._waiters:
+        if self._waiters and not self._settled:
             self._settle()
         if not self._pending:
             return []
@@ -837,15 +863,15 @@ class BudgetLedger:
         tickets are appended to ``_pending``."""
         entitlement: dict[_Model, float] | None = None
         while True:
-            candidates = [
-                rec
-                for rec in self._models.values()
-                if rec.queue and rec.held + rec.head().n_bytes <= rec.limit
-            ]
-            candidates.sort(key=_policy_key)
+            heads = []
+            for rec in self._queued_models:
+                head = next(iter(rec.queue.values()))
+                if rec.held + head.n_bytes <= rec.limit:  # else it waits for its own bytes
+                    heads.append((_policy_key(rec, head), head))
+            heads.sort(key=_first)
             blocked_ahead = False
-            for rec in candidates:
-                head = rec.head()
+            for _, head in heads:
+                rec = head.model
                 if self._fits(rec, head.n_bytes):
                     if blocked_ahead and rec.held >= rec.reserve:
                         if entitlement is None:
@@ -858,6 +884,7 @@ class BudgetLedger:
                     break
                 blocked_ahead = True
             else:
+                self._settled = True
                 return
 
     def _grant(self, waiter: _Waiter) -> None:
@@ -912,6 +939,7 @@ class BudgetLedger:
         if self._reserved > budget:
             raise ValueError(_reserves_over_budget(self._reserved, budget))
         self._budget = budget
+        self._settled = False
         for rec in self._models.values():
             limit = rec.settings.limit
             rec.limit = budget if limit is None else min(limit, budget)
@@ -947,6 +975,7 @@ class BudgetLedger:
         rec.weight = float(settings.weight)
         self._reserved = reserved
         self._protected += (rec.reserve - held if held < rec.reserve else 0) - unused_before
+        self._settled = False
         return self._refuse_impossible()
 
     def forget_model(self, model: str) -> bool:
@@ -1081,19 +1110,24 @@ class BudgetLedger:
             n_queued += len(rec.queue)
             assert self._models.get(rec.name) is rec
         assert n_queued == len(self._waiters), f"{len(self._waiters)} indexed, {n_queued} queued"
+        queued_models = {rec for rec in recs if rec.queue}
+        assert set(self._queued_models) == queued_models, "models with waiters misindexed"
         in_heap = {id(w) for _, _, w in self._deadlines}
         for waiter in self._waiters.values():
             assert id(waiter) in in_heap, f"{waiter.ticket!r} waits with no deadline entry"
             assert waiter.ticket is not _CANDIDATE, "a try_grant candidate was left queued"
 
 
-def _policy_key(rec: _Model) -> tuple[int, float, int]:
+def _policy_key(rec: _Model, head: _Waiter) -> tuple[int, float, int]:
     """Sort key of a waiting model: below its reserve first (by arrival of its head), then the
     smallest held/weight (ties by arrival)."""
-    seq = rec.head().seq
     if rec.held < rec.reserve:
-        return (0, 0.0, seq)
-    return (1, rec.held / rec.weight, seq)
+        return (0, 0.0, head.seq)
+    return (1, rec.held / rec.weight, head.seq)
+
+
+def _first(item: tuple[tuple[int, float, int], _Waiter]) -> tuple[int, float, int]:
+    return item[0]
 
 
 def _never_reason(rec: _Model, n_bytes: int) -> Reason:
