@@ -640,6 +640,8 @@ class BudgetLedger:
         """
         if ticket in self._waiters:
             raise ValueError(f"ticket {ticket!r} already waits for memory")
+        if deadline != deadline or now != now:  # NaN would corrupt the deadline heap's order
+            raise ValueError(f"deadline and now must be numbers, got {deadline!r} and {now!r}")
         if type(n_bytes) is not int or n_bytes < 0:
             _refuse_request_size(n_bytes)
         if model not in self._models:

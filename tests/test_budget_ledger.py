@@ -381,6 +381,8 @@ def test_duplicate_ticket_refused() -> None:
     before = state_of(ledger)
     with pytest.raises(ValueError, match="already waits"):
         ledger.request("c", 1, "t", 9.0, 0.0)
+    with pytest.raises(ValueError, match="deadline and now must be numbers"):
+        ledger.request("c", 1, "u", math.nan, 0.0)
     assert state_of(ledger) == before
 
 
@@ -525,6 +527,23 @@ def test_fit_verdicts_in_order() -> None:
     assert "c" not in ledger.snapshot().models  # asking changes nothing
     with pytest.raises(ValueError, match="concurrency must be a positive int"):
         ledger.fit("a", 1, 0)
+
+
+def test_the_fit_example_of_docs_budget_md() -> None:
+    ledger = BudgetLedger(
+        16 * GiB,
+        {"llama": ModelSettings(4 * GiB, 10 * GiB), "qwen": ModelSettings(2 * GiB)},
+    )
+    ledger.charge("llama", 3 * GiB)
+    ledger.charge("qwen", 9 * GiB)
+    per_block = {"k": GiB // 1024, "v": GiB // 1024}
+    sequence = bytes_for_context(8192, 16, per_block)
+    assert sequence == GiB
+    two = ledger.fit("llama", sequence, 2)
+    assert (two.verdict, two.max_concurrency_now) == ("now", 4)
+    six = ledger.fit("llama", sequence, 6)
+    assert (six.verdict, six.available_after_return) == ("after_others_return", 7 * GiB)
+    assert ledger.fit("llama", sequence, 11).verdict == "never"
 
 
 # -- snapshot and water-filling -----------------------------------------------------------
