@@ -628,6 +628,10 @@ class BudgetLedger:
         already charged), leaves by :meth:`cancel`, or by :meth:`expire` once ``deadline`` has
         passed. A request whose ``deadline <= now`` is answered at once, like :meth:`try_grant`.
 
+        If :meth:`grants` was not called after the last change, placing this request first
+        settles the queue, which may grant other waiting requests too: the next :meth:`grants`
+        returns them (the same holds for :meth:`try_grant`).
+
         Args:
             model: The requesting model's name.
             n_bytes: Bytes it asks for (0 is granted at once: it takes nothing from anyone).
@@ -849,7 +853,7 @@ class BudgetLedger:
            entitlement (the water-filling share of :class:`ModelBudgetView`). Freed bytes
            beyond their fair shares thus stay free until the blocked head fits, so a large
            request is not starved by a stream of small ones, and no model below its fair share
-           waits for a larger one.
+           waits for a larger one. A model below its reserve is never held back.
         """
         if self._waiters and not self._settled:
             self._settle()
