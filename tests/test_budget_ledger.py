@@ -701,6 +701,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ledger = self.ledger
         for ticket in granted:
             model = self.model_of.pop(ticket)
+            del self.bytes_of[ticket]
             assert self.queued[model][0] == ticket, f"FIFO broken in {model}: {ticket}"
             self.queued[model].popleft()
             assert ledger.held(model) <= ledger.snapshot().models[model].effective_limit
@@ -709,6 +710,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _forget(self, ticket: Hashable) -> None:
         model = self.model_of.pop(ticket)
+        del self.bytes_of[ticket]
         self.queued[model].remove(ticket)
 
     def _refresh_over_flags(self) -> None:
@@ -720,10 +722,12 @@ class LedgerMachine(RuleBasedStateMachine):
             self.over_budget_ok = False
 
     model_of: dict[Hashable, str]
+    bytes_of: dict[Hashable, int]
 
     def __init__(self) -> None:
         super().__init__()
         self.model_of = {}
+        self.bytes_of = {}
 
     # -- rules --
 
@@ -743,11 +747,28 @@ class LedgerMachine(RuleBasedStateMachine):
         elif v.queued:
             assert v.outcome is Outcome.WAIT and ledger.is_waiting(ticket)
             self.model_of[ticket] = model
+            self.bytes_of[ticket] = n
             self.queued[model].append(ticket)
         else:
             assert not ledger.is_waiting(ticket)
             if v.outcome is Outcome.NEVER:
                 assert n > v.ceiling
+        self._settle()
+
+    @rule(model=st.sampled_from(MODELS), n=st.integers(0, 120))
+    def try_grant(self, model: str, n: int) -> None:
+        ledger = self.ledger
+        held_before = ledger.held(model)
+        v = ledger.try_grant(model, n)
+        assert not v.queued
+        if v.outcome is Outcome.GRANT:
+            assert ledger.held(model) == held_before + n
+            if n:
+                assert ledger.total_held <= ledger.budget
+                assert ledger.held(model) <= ledger.snapshot().models[model].effective_limit
+                assert not self.queued[model], "overtook its own model's waiters"
+        else:
+            assert ledger.held(model) == held_before
         self._settle()
 
     @precondition(lambda self: self.ledger.total_held > 0)
@@ -864,7 +885,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if not queue:
                 continue
             view = snap.models[name]
-            n = ledger._waiters[queue[0]].n_bytes
+            n = self.bytes_of[queue[0]]
             unused_own = max(0, view.reserve - view.held)
             if view.held + n > view.effective_limit:
                 continue
@@ -878,5 +899,5 @@ class LedgerMachine(RuleBasedStateMachine):
             assert view.held + n > view.entitlement, f"{name} within its share left waiting"
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+LedgerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 test_ledger_machine = LedgerMachine.TestCase
