@@ -3,7 +3,7 @@ fields of ``vqpoolctl model set NAME --reserve 2GiB --limit 6GiB --weight 2``.
 
 Sizes are ints (bytes) or strings with units (``"2GiB"``, see ``shared/byte_sizes.py``); a
 limit of ``"none"`` (or None over the wire) means no limit of the model's own. The result is
-:class:`~vqpool.daemon.budget.ModelSettings`, which validates the combination.
+:class:`~vqpool.daemon.budget_types.ModelSettings`, which validates the combination.
 
     [models."mlx-community/Llama-3.2-3B-Instruct-4bit"]
     reserve = "2GiB"
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from vqpool.daemon.budget import DEFAULT_SETTINGS, ModelSettings
+from vqpool.daemon.budget_types import DEFAULT_SETTINGS, ModelSettings
 from vqpool.shared.byte_sizes import parse_bytes
 
 MODEL_FIELDS = ("reserve", "limit", "weight")
