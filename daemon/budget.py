@@ -553,7 +553,11 @@ class BudgetLedger:
     def cancel(self, ticket: Ticket) -> bool:
         """Stop waiting for ``ticket`` (its client gave up or its session ended). Returns whether
         it was waiting. Call :meth:`grants` afterwards: a blocked request at the front of the
-        policy order may have held others back."""
+        policy order may have held others back.
+
+        A ticket already granted but not yet returned by :meth:`grants` is not waiting: this
+        returns False and its bytes stay charged; credit them if its blocks will not be handed
+        out."""
         waiter = self._waiters.get(ticket)
         if waiter is None:
             return False
