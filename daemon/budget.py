@@ -665,13 +665,22 @@ class BudgetLedger:
             self._pending.append(waiter.ticket)
 
     def _entitlements(self) -> dict[_Model, float]:
-        """Each model's water-filling share of the budget for demand = held + waiting bytes."""
-        recs = [rec for rec in self._models.values() if rec.held or rec.waiting_bytes]
+        """Each model's water-filling share for demand = held + waiting bytes (see
+        :class:`ModelBudgetView`). The capacity shared is the budget less the reserves that sit
+        idle (reserve above demand): other models never get those bytes (until issue 13 lends
+        them out, when the capacity becomes the whole budget)."""
+        recs = []
         shares = []
-        for rec in recs:
+        idle_reserves = 0
+        for rec in self._models.values():
             demand = rec.held + rec.waiting_bytes
-            shares.append((min(demand, rec.reserve), min(demand, rec.limit), rec.weight))
-        return dict(zip(recs, water_fill(self._budget, shares), strict=True))
+            if demand < rec.reserve:
+                idle_reserves += rec.reserve - demand
+            if demand:
+                recs.append(rec)
+                shares.append((min(demand, rec.reserve), min(demand, rec.limit), rec.weight))
+        capacity = self._budget - idle_reserves
+        return dict(zip(recs, water_fill(capacity, shares), strict=True))
 
     def _refuse_impossible(self) -> list[tuple[Ticket, Verdict]]:
         """Remove and return the waiting requests that settings just made impossible."""

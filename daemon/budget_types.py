@@ -240,8 +240,9 @@ class ModelBudgetView:
         borrowed: Bytes held above its reserve: max(0, held - reserve).
         entitlement: Its fair share of the budget for the current demand (held + waiting bytes
             of every model), by weighted water-filling: each model first gets min(demand,
-            reserve); the rest is spread by weight up to min(demand, limit). Bytes held above it
-            are what a later reclaim would ask back first.
+            reserve); the rest of the budget, less the reserves that sit idle (no model but
+            their own gets those), is spread by weight up to min(demand, limit). Bytes held
+            above it are what a later reclaim would ask back first.
         waiting: Requests of this model waiting for bytes.
         waiting_bytes: Bytes those requests ask for.
         oldest_wait_s: Seconds its oldest waiting request has waited (None: none waits, or no

@@ -570,6 +570,17 @@ def test_snapshot_borrowed_and_entitlement() -> None:
     assert (a.entitlement, b.entitlement) == (30, 70)
 
 
+def test_idle_reserves_are_not_shared_out() -> None:
+    ledger = BudgetLedger(100, {"idle": ModelSettings(reserve=40), "half": ModelSettings(20)})
+    ledger.charge("a", 40)
+    ledger.charge("half", 10)  # free: 50, all of it idle reserve
+    assert ledger.request("a", 10, "a", 9.0, 0.0).queued
+    assert ledger.request("b", 40, "b", 9.0, 0.0).queued
+    models = ledger.snapshot().models
+    # 40 idle in "idle", 10 idle in "half": 50 bytes to share; half keeps its 10, a and b 20 each.
+    assert [models[m].entitlement for m in ("idle", "half", "a", "b")] == [0, 10, 20, 20]
+
+
 def test_water_fill() -> None:
     assert water_fill(100, [(0, 100, 1), (0, 100, 1)]) == [50, 50]
     assert water_fill(100, [(0, 100, 1), (0, 100, 3)]) == [25, 75]
