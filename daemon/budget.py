@@ -12,9 +12,9 @@ Typical wiring (the integrator's side)::
     verdict = ledger.request(model, n_bytes, ticket, deadline, now)
     if verdict.outcome is Outcome.GRANT:   # charged: allocate the blocks now
         ...
-    elif verdict.outcome is Outcome.WAIT:  # queued: answer later, when grants() names ticket
+    elif verdict.queued:                   # WAIT: answer later, when grants() names ticket
         ...
-    else:                                  # NEVER or QUEUE_FULL: reply verdict.message()
+    else:  # NEVER, QUEUE_FULL, or WAIT with no time left to wait: reply verdict.message()
         ...
     # after freeing blocks (credit), a setting change, cancel() or expire():
     ledger.credit(model, n_bytes)
