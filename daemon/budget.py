@@ -1,0 +1,940 @@
+"""One memory budget in bytes across models: the ledger of who holds what, and who gets what next.
+
+Pure bookkeeping: no I/O, no clock (times are passed in), no blocks. The daemon charges a
+model the bytes of the blocks it hands out (blocks x the session's bytes per block of that
+stream) and credits them back when they are freed; before handing blocks out it asks
+:meth:`BudgetLedger.request` whether the bytes may go now. See ``docs/budget.md`` for the rules
+in prose, the policy order and the reasons behind each choice.
+
+Typical wiring (the integrator's side)::
+
+    ledger = BudgetLedger(budget, {"llama": ModelSettings(reserve=2 * GiB)})
+    verdict = ledger.request(model, n_bytes, ticket, deadline, now)
+    if verdict.outcome is Outcome.GRANT:   # charged: allocate the blocks now
+        ...
+    elif verdict.queued:                   # WAIT: answer later, when grants() names ticket
+        ...
+    else:  # NEVER, QUEUE_FULL, or WAIT with no time left to wait: reply verdict.message()
+        ...
+    # after freeing blocks (credit), a setting change, cancel() or expire():
+    ledger.credit(model, n_bytes)
+    for ticket in ledger.grants():         # already charged, in policy order
+        ...
+    for ticket in ledger.expire(now):      # deadline passed, no longer waiting
+        ...
+
+A model's name is the ``model`` a worker gives in ``hello``; every session of one model shares
+its settings and its holdings here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from vqpool.daemon.budget_types import (
+    DEFAULT_SETTINGS,
+    GRANTED,
+    BudgetSnapshot,
+    FitAnswer,
+    FitVerdict,
+    ModelBudgetView,
+    ModelSettings,
+    Outcome,
+    Reason,
+    Ticket,
+    Verdict,
+)
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
+
+__all__ = [
+    "DEFAULT_MAX_WAITING",
+    "DEFAULT_MAX_WAITING_PER_MODEL",
+    "DEFAULT_SETTINGS",
+    "GRANTED",
+    "BudgetLedger",
+    "BudgetSnapshot",
+    "FitAnswer",
+    "FitVerdict",
+    "ModelBudgetView",
+    "ModelSettings",
+    "Outcome",
+    "Reason",
+    "Ticket",
+    "Verdict",
+    "bytes_for_context",
+    "water_fill",
+]
+
+DEFAULT_MAX_WAITING_PER_MODEL = 256
+DEFAULT_MAX_WAITING = 1024
+"""Waiting requests allowed per model and in all. A worker waits on at most a few allocations per
+running sequence; a queue longer than this means the budget is far too small for the load, and
+refusing (QUEUE_FULL) tells the worker so instead of growing the daemon's memory."""
+
+
+def bytes_for_context(
+    context_tokens: int,
+    block_size: int,
+    bytes_per_block: Mapping[str, int],
+    streams: Iterable[str] | None = None,
+) -> int:
+    """Bytes one sequence of ``context_tokens`` tokens takes: ceil(tokens / block_size) blocks
+    of each stream, times that stream's bytes per block.
+
+    Args:
+        context_tokens: Tokens of the sequence (prompt + generated), at least 1.
+        block_size: Token slots per block (the pool's ``block_size``).
+        bytes_per_block: Bytes one block of each stream takes (what the model's workers declared
+            in ``hello``).
+        streams: The streams the pool uses (``allocator.streams``: "k" and "v", or "kv"); None
+            means every key of ``bytes_per_block``. Pass it when the worker declared more streams
+            than the pool has (``vqpool-worker`` declares k, v and kv), or they are all counted.
+
+    Raises:
+        ValueError: A count below 1, a negative byte size, or a stream with no bytes per block.
+    """
+    for name, value in (("context_tokens", context_tokens), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    names = list(bytes_per_block) if streams is None else list(streams)
+    if not names:
+        raise ValueError("bytes_for_context: no streams to count")
+    blocks = -(-context_tokens // block_size)
+    total = 0
+    for stream in names:
+        size = bytes_per_block.get(stream)
+        if size is None:
+            raise ValueError(f"no bytes per block declared for stream {stream!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"bytes per block of stream {stream!r} must be an int >= 0")
+        total += blocks * size
+    return total
+
+
+def water_fill(capacity: float, shares: Sequence[tuple[float, float, float]]) -> list[float]:
+    """Weighted max-min shares of ``capacity``: ``shares`` holds (floor, cap, weight) per party.
+
+    Each party gets ``min(cap, max(floor, level * weight))`` for the one ``level`` at which the
+    total is ``capacity``, or its cap if all caps fit. Floors must fit the capacity together and
+    each floor must be at most its cap (the ledger's reserves and limits guarantee both).
+    O(n log n).
+    """
+    base = float(sum(floor for floor, _, _ in shares))
+    if base >= capacity:
+        return [floor for floor, _, _ in shares]
+    if sum(cap for _, cap, _ in shares) <= capacity:
+        return [cap for _, cap, _ in shares]
+    # Sweep the level upwards over the points where a party starts growing (floor/weight) or
+    # stops (cap/weight). Between two points the total is base + slope * level.
+    events: list[tuple[float, int, int]] = []  # (level, 0 = starts / 1 = stops, party)
+    for i, (floor, cap, weight) in enumerate(shares):
+        if cap > floor:
+            events.append((floor / weight, 0, i))
+            events.append((cap / weight, 1, i))
+    events.sort()
+    slope = 0.0
+    for at, kind, i in events:
+        if slope > 0 and base + slope * at >= capacity:
+            break
+        floor, cap, weight = shares[i]
+        if kind == 0:
+            slope += weight
+            base -= floor
+        else:
+            slope -= weight
+            base += cap
+    else:  # only float rounding gets here: the caps were checked to be over the capacity
+        return [cap for _, cap, _ in shares]
+    level = (capacity - base) / slope
+    return [min(cap, max(floor, level * weight)) for floor, cap, weight in shares]
+
+
+class _Waiter:
+    """One queued request."""
+
+    __slots__ = ("deadline", "enqueued_at", "model", "n_bytes", "seq", "ticket")
+
+    def __init__(
+        self, ticket: Ticket, model: _Model, n_bytes: int, deadline: float, seq: int, now: float
+    ) -> None:
+        self.ticket = ticket
+        self.model = model
+        self.n_bytes = n_bytes
+        self.deadline = deadline
+        self.seq = seq
+        self.enqueued_at = now
+
+
+class _Model:
+    """One model's settings in effect, holdings and queue."""
+
+    __slots__ = (
+        "configured",
+        "held",
+        "limit",
+        "name",
+        "queue",
+        "reserve",
+        "settings",
+        "waiting_bytes",
+        "weight",
+    )
+
+    def __init__(self, name: str, settings: ModelSettings, budget: int) -> None:
+        self.name = name
+        self.settings = settings
+        self.configured = False
+        self.reserve = settings.reserve
+        self.limit = budget if settings.limit is None else min(settings.limit, budget)
+        self.weight = float(settings.weight)
+        self.held = 0
+        self.queue: OrderedDict[Ticket, _Waiter] = OrderedDict()
+        self.waiting_bytes = 0
+
+    def head(self) -> _Waiter:
+        return next(iter(self.queue.values()))
+
+
+_CANDIDATE = object()
+"""The ticket of a request tried against the queue without joining it (try_grant)."""
+
+
+class BudgetLedger:
+    """Bytes held per model against one budget, and the queue of requests waiting for bytes.
+
+    A request of ``n`` bytes by model ``m`` fits when all three hold:
+
+    - ``total_held + n <= budget``;
+    - ``held(m) + n <= limit(m)`` (its limit, or the budget if smaller);
+    - ``n <= budget - total_held - protected(others)``, where ``protected(others)`` is the sum
+      of ``max(0, reserve - held)`` over the other models: their unused reserves are theirs.
+
+    It is granted at once when it fits and no waiting request comes before it in the policy
+    order (see :meth:`grants`); otherwise it waits (:meth:`request`) or is refused (NEVER when
+    it could not fit even if every other model gave everything back). Every method that
+    refuses raises or answers before changing anything.
+
+    Args:
+        budget: Bytes all models may hold together, in [1, 2**50].
+        models: Settings of the configured models; any other model gets :data:`DEFAULT_SETTINGS`
+            when it first asks.
+        max_waiting_per_model: Waiting requests allowed per model.
+        max_waiting: Waiting requests allowed in all.
+
+    Raises:
+        ValueError: A bad budget or queue bound, a model whose settings are not
+            :class:`ModelSettings`, or reserves summing over the budget.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        models: Mapping[str, ModelSettings] | None = None,
+        *,
+        max_waiting_per_model: int = DEFAULT_MAX_WAITING_PER_MODEL,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+    ) -> None:
+        _check_budget(budget)
+        for name, value in (
+            ("max_waiting_per_model", max_waiting_per_model),
+            ("max_waiting", max_waiting),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        configured = dict(models or {})
+        for name, settings in configured.items():
+            _check_model_name(name)
+            if not isinstance(settings, ModelSettings):
+                raise ValueError(
+                    f"model {name!r}: settings must be ModelSettings, got {settings!r}"
+                )
+        reserved = sum(s.reserve for s in configured.values())
+        if reserved > budget:
+            raise ValueError(_reserves_over_budget(reserved, budget))
+        self._budget = budget
+        self._models: dict[str, _Model] = {}
+        self._total_held = 0
+        self._reserved = reserved
+        self._protected = reserved  # nothing is held yet: every reserve is unused
+        self._waiters: dict[Ticket, _Waiter] = {}
+        self._queued_models: dict[_Model, None] = {}  # the models with waiting requests
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._pending: list[Ticket] = []
+        self._settled = True  # no waiting request could be granted now (see _settle)
+        self._seq = 0
+        self.max_waiting_per_model = max_waiting_per_model
+        self.max_waiting = max_waiting
+        for name, settings in configured.items():
+            model = self._models[name] = _Model(name, settings, budget)
+            model.configured = True
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def budget(self) -> int:
+        return self._budget
+
+    @property
+    def total_held(self) -> int:
+        return self._total_held
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests waiting in all (0 means :meth:`grants` has nothing to do)."""
+        return len(self._waiters)
+
+    def held(self, model: str) -> int:
+        """Bytes ``model`` holds (0 for a model never seen)."""
+        found = self._models.get(model)
+        return 0 if found is None else found.held
+
+    def settings_of(self, model: str) -> ModelSettings:
+        """The settings in effect for ``model`` (the defaults for an unconfigured one); change one
+        field with ``dataclasses.replace(ledger.settings_of(m), reserve=...)``."""
+        found = self._models.get(model)
+        return DEFAULT_SETTINGS if found is None else found.settings
+
+    def is_waiting(self, ticket: Ticket) -> bool:
+        return ticket in self._waiters
+
+    # -- holdings -------------------------------------------------------------------------
+
+    def charge(self, model: str, n_bytes: int) -> None:
+        """Add ``n_bytes`` to ``model``'s holdings unconditionally: for blocks that are already
+        held (claims after a restart, an allocation decided elsewhere). May take the total over
+        the budget; then nothing is granted until holdings are back under it."""
+        _check_amount(n_bytes)
+        found = self._models.get(model)
+        self._add(self._model(model) if found is None else found, n_bytes)
+
+    def credit(self, model: str, n_bytes: int) -> None:
+        """Take ``n_bytes`` off ``model``'s holdings (its blocks were freed). Call :meth:`grants`
+        afterwards when :attr:`n_waiting` is not 0.
+
+        Raises:
+            ValueError: More than the model holds (a bookkeeping bug in the caller: nothing is
+                changed, so the ledger stays consistent).
+        """
+        _check_amount(n_bytes)
+        found = self._models.get(model)
+        held = 0 if found is None else found.held
+        if n_bytes > held or found is None:
+            if n_bytes == 0:
+                return
+            raise ValueError(
+                f"credit of {n_bytes} bytes to model {model!r}, which holds only {held}: "
+                "the caller's accounting is wrong (nothing changed)"
+            )
+        self._add(found, -n_bytes)
+
+    def _add(self, model: _Model, n_bytes: int) -> None:
+        """Holdings of ``model`` += ``n_bytes`` (either sign), keeping the total and the sum of
+        unused reserves current without looking at any other model."""
+        held = model.held
+        reserve = model.reserve
+        unused_before = reserve - held if held < reserve else 0
+        held += n_bytes
+        model.held = held
+        self._total_held += n_bytes
+        self._protected += (reserve - held if held < reserve else 0) - unused_before
+        self._settled = False
+
+    # -- requests -------------------------------------------------------------------------
+
+    def try_grant(self, model: str, n_bytes: int) -> Verdict:
+        """Grant ``n_bytes`` to ``model`` now (charged) or say why not; never queues.
+
+        Waiting requests that the policy serves first are not overtaken (WAIT with
+        BEHIND_WAITERS). O(1) while nobody waits.
+
+        Raises:
+            ValueError: ``n_bytes`` is not an int >= 0.
+        """
+        if type(n_bytes) is not int or n_bytes < 0:
+            _refuse_request_size(n_bytes)
+        rec = self._models.get(model)
+        if rec is None:
+            return self._as_new_model(model, lambda: self.try_grant(model, n_bytes))
+        if self._waiters:
+            return self._decide(rec, n_bytes, _CANDIDATE, math.inf, 0.0, queue=False)
+        # The hot path: the three rules of the class docstring, inlined.
+        held = rec.held
+        if held + n_bytes <= rec.limit:
+            reserve = rec.reserve
+            unused_own = reserve - held if held < reserve else 0
+            if n_bytes <= self._budget - self._total_held - (self._protected - unused_own):
+                held += n_bytes
+                rec.held = held
+                self._total_held += n_bytes
+                self._protected += (reserve - held if held < reserve else 0) - unused_own
+                return GRANTED
+        if n_bytes > self._ceiling(rec):
+            return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
+        return self._refusal(rec, n_bytes, self._shortage(rec, n_bytes), queued=False)
+
+    def request(
+        self, model: str, n_bytes: int, ticket: Ticket, deadline: float, now: float
+    ) -> Verdict:
+        """Grant ``n_bytes`` to ``model`` now (charged), or queue it under ``ticket`` until
+        ``deadline``, or refuse it (NEVER, QUEUE_FULL: not queued).
+
+        A queued request is granted by a later :meth:`grants` call (which names its ticket,
+        already charged), leaves by :meth:`cancel`, or by :meth:`expire` once ``deadline`` has
+        passed. A request whose ``deadline <= now`` is answered at once, like :meth:`try_grant`.
+
+        If :meth:`grants` was not called after the last change, placing this request first
+        settles the queue, which may grant other waiting requests too: the next :meth:`grants`
+        returns them (the same holds for :meth:`try_grant`).
+
+        Args:
+            model: The requesting model's name.
+            n_bytes: Bytes it asks for (0 is granted at once: it takes nothing from anyone).
+            ticket: Unique among waiting requests.
+            deadline: Monotonic time after which it stops waiting.
+            now: Monotonic time now (its arrival, shown as its waiting age).
+
+        Raises:
+            ValueError: ``n_bytes`` is not an int >= 0, or ``ticket`` already waits.
+        """
+        if ticket in self._waiters:
+            raise ValueError(f"ticket {ticket!r} already waits for memory")
+        if deadline != deadline or now != now:  # NaN would corrupt the deadline heap's order
+            raise ValueError(f"deadline and now must be numbers, got {deadline!r} and {now!r}")
+        if type(n_bytes) is not int or n_bytes < 0:
+            _refuse_request_size(n_bytes)
+        if model not in self._models:
+            return self._as_new_model(
+                model, lambda: self.request(model, n_bytes, ticket, deadline, now)
+            )
+        if deadline <= now:
+            return self.try_grant(model, n_bytes)
+        if not self._waiters:
+            verdict = self.try_grant(model, n_bytes)
+            if verdict.outcome is not Outcome.WAIT:
+                return verdict
+        return self._decide(self._models[model], n_bytes, ticket, deadline, now, queue=True)
+
+    def _as_new_model(self, model: str, call: Callable[[], Verdict]) -> Verdict:
+        """``call()`` for a model seen for the first time, whose record is kept only if the
+        request was granted or queued: a refusal leaves no trace."""
+        self._model(model)
+        try:
+            verdict = call()
+        finally:
+            rec = self._models[model]
+            if not (rec.held or rec.queue):
+                del self._models[model]
+        return verdict
+
+    def _decide(
+        self, rec: _Model, n_bytes: int, ticket: Ticket, deadline: float, now: float, queue: bool
+    ) -> Verdict:
+        """The slow path: NEVER, or where the policy puts the request among the waiting ones."""
+        if n_bytes == 0:
+            return GRANTED
+        if n_bytes > self._ceiling(rec):
+            return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
+        if rec.queue:  # first come first served within a model
+            return self._wait(rec, n_bytes, ticket, deadline, now, queue, Reason.BEHIND_WAITERS)
+        # In a settled queue a request that does not fit waits, and joining the queue lets no
+        # other request go (it adds demand; it frees nothing). One that fits may be first in
+        # the policy order, or within its share past a blocked head: let the policy decide.
+        if not self._settled or self._fits(rec, n_bytes):
+            waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
+            self._settle()
+            if ticket not in self._waiters:  # granted by the policy just now
+                if ticket is not _CANDIDATE:
+                    self._pending.remove(ticket)
+                return GRANTED
+            self._remove(waiter)
+        return self._wait(rec, n_bytes, ticket, deadline, now, queue, self._shortage(rec, n_bytes))
+
+    def _wait(
+        self,
+        rec: _Model,
+        n_bytes: int,
+        ticket: Ticket,
+        deadline: float,
+        now: float,
+        queue: bool,
+        reason: Reason,
+    ) -> Verdict:
+        """Queue the request if it may wait and there is room, and say why it waits."""
+        if not queue:
+            return self._refusal(rec, n_bytes, reason, queued=False)
+        full = None
+        if len(rec.queue) >= self.max_waiting_per_model:
+            full = Reason.MODEL_QUEUE_FULL
+        elif len(self._waiters) >= self.max_waiting:
+            full = Reason.ALL_QUEUES_FULL
+        if full is not None:
+            return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
+        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
+        heapq.heappush(self._deadlines, (deadline, waiter.seq, waiter))
+        return self._refusal(rec, n_bytes, reason, queued=True)
+
+    def _shortage(self, rec: _Model, n_bytes: int) -> Reason:
+        """Why ``n_bytes`` does not go to ``rec`` now (BEHIND_WAITERS if it would fit)."""
+        held = rec.held
+        if held + n_bytes > rec.limit:
+            return Reason.OWN_LIMIT
+        free = self._budget - self._total_held
+        if n_bytes > free:
+            return Reason.BUDGET_FULL
+        if n_bytes > free - self._protected_from(rec):
+            return Reason.RESERVES_PROTECTED
+        return Reason.BEHIND_WAITERS
+
+    def _fits(self, rec: _Model, n_bytes: int) -> bool:
+        """The three rules (budget, own limit, others' unused reserves), queue aside."""
+        return (
+            rec.held + n_bytes <= rec.limit
+            and n_bytes <= self._budget - self._total_held - self._protected_from(rec)
+        )
+
+    def _protected_from(self, rec: _Model) -> int:
+        """Unused reserves of the models other than ``rec``."""
+        held, reserve = rec.held, rec.reserve
+        return self._protected - (reserve - held if held < reserve else 0)
+
+    def _ceiling(self, rec: _Model) -> int:
+        """The most ``rec`` could ever hold: min(limit, budget - other models' reserves)."""
+        return max(0, min(rec.limit, self._budget - (self._reserved - rec.reserve)))
+
+    def _refusal(
+        self,
+        rec: _Model,
+        n_bytes: int,
+        reason: Reason,
+        queued: bool,
+        outcome: Outcome = Outcome.WAIT,
+    ) -> Verdict:
+        if outcome is Outcome.WAIT and reason in (Reason.OVER_LIMIT, Reason.OVER_CEILING):
+            outcome = Outcome.NEVER
+        return Verdict(
+            outcome,
+            reason,
+            queued,
+            rec.name,
+            n_bytes,
+            rec.held,
+            rec.limit,
+            self._ceiling(rec),
+            self._budget,
+            self._total_held,
+            self._protected_from(rec),
+        )
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def _enqueue(
+        self, rec: _Model, n_bytes: int, ticket: Ticket, deadline: float, now: float
+    ) -> _Waiter:
+        self._seq += 1
+        waiter = _Waiter(ticket, rec, n_bytes, deadline, self._seq, now)
+        if not rec.queue:
+            self._queued_models[rec] = None
+        rec.queue[ticket] = waiter
+        rec.waiting_bytes += n_bytes
+        self._waiters[ticket] = waiter
+        return waiter
+
+    def _remove(self, waiter: _Waiter) -> None:
+        rec = waiter.model
+        del rec.queue[waiter.ticket]
+        del self._waiters[waiter.ticket]
+        rec.waiting_bytes -= waiter.n_bytes
+        if not rec.queue:
+            del self._queued_models[rec]
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Stop waiting for ``ticket`` (its client gave up or its session ended). Returns whether
+        it was waiting. Call :meth:`grants` afterwards: a blocked request at the front of the
+        policy order may have held others back.
+
+        A ticket already granted but not yet returned by :meth:`grants` is not waiting: this
+        returns False and its bytes stay charged; credit them if its blocks will not be handed
+        out."""
+        waiter = self._waiters.get(ticket)
+        if waiter is None:
+            return False
+        self._remove(waiter)
+        self._settled = False
+        self._compact_deadlines()
+        return True
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Remove and return the waiting tickets whose deadline is ``<= now``, earliest first.
+        Call :meth:`grants` afterwards when any expired (see :meth:`cancel`)."""
+        expired: list[Ticket] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, waiter = heapq.heappop(heap)
+            if self._waiters.get(waiter.ticket) is waiter:
+                self._remove(waiter)
+                expired.append(waiter.ticket)
+                self._settled = False
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a waiting request (for the caller's poll timeout)."""
+        heap = self._deadlines
+        while heap and self._waiters.get(heap[0][2].ticket) is not heap[0][2]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _compact_deadlines(self) -> None:
+        """Drop deadline entries of requests no longer waiting once they outnumber the live
+        ones, so granted and cancelled requests do not pile up in the heap."""
+        if len(self._deadlines) > 2 * len(self._waiters) + 64:
+            self._deadlines = [(w.deadline, w.seq, w) for w in self._waiters.values()]
+            heapq.heapify(self._deadlines)
+
+    def grants(self) -> list[Ticket]:
+        """Grant what the policy allows now, and return the tickets granted (each already
+        charged) since the last call, in the order they were granted.
+
+        Call it after anything that can let a waiting request go: :meth:`credit`,
+        :meth:`set_budget`, :meth:`set_model`, :meth:`cancel`, :meth:`expire`. O(1) when nobody
+        waits.
+
+        The policy, applied until no waiting request can go:
+
+        1. Within a model, first come first served: only the head of its queue is considered.
+        2. A head blocked only by its own model's limit is passed over: it waits for its own
+           model's bytes and holds up nobody else.
+        3. Models below their reserve go first, in the order their heads arrived.
+        4. Then the others by weighted max-min: the smallest ``held / weight`` first (ties by
+           arrival).
+        5. Backfill: when a model's head does not fit (budget full, or other models' reserves),
+           models after it in this order may still be granted, but only up to their
+           entitlement (the water-filling share of :class:`ModelBudgetView`). Freed bytes
+           beyond their fair shares thus stay free until the blocked head fits, so a large
+           request is not starved by a stream of small ones, and no model below its fair share
+           waits for a larger one. A model below its reserve is never held back.
+        """
+        if self._waiters and not self._settled:
+            self._settle()
+        if not self._pending:
+            return []
+        granted = self._pending
+        self._pending = []
+        self._compact_deadlines()
+        return granted
+
+    def _settle(self) -> None:
+        """Grant waiting heads in policy order until none can go (see :meth:`grants`); granted
+        tickets are appended to ``_pending``."""
+        entitlement: dict[_Model, float] | None = None
+        while True:
+            heads = []
+            for rec in self._queued_models:
+                head = next(iter(rec.queue.values()))
+                if rec.held + head.n_bytes <= rec.limit:  # else it waits for its own bytes
+                    heads.append((_policy_key(rec, head), head))
+            heads.sort(key=_first)
+            blocked_ahead = False
+            for _, head in heads:
+                rec = head.model
+                if self._fits(rec, head.n_bytes):
+                    if blocked_ahead and rec.held >= rec.reserve:
+                        if entitlement is None:
+                            # Demand (held + waiting) does not change while granting: a grant
+                            # moves bytes from waiting to held. One computation serves the pass.
+                            entitlement = self._entitlements()
+                        if rec.held + head.n_bytes > entitlement.get(rec, 0.0):
+                            continue
+                    self._grant(head)
+                    break
+                blocked_ahead = True
+            else:
+                self._settled = True
+                return
+
+    def _grant(self, waiter: _Waiter) -> None:
+        rec = waiter.model
+        self._remove(waiter)
+        self._add(rec, waiter.n_bytes)
+        assert rec.held <= rec.limit and self._total_held <= self._budget, (
+            f"granted {waiter.n_bytes} to {rec.name!r} beyond its limit or the budget"
+        )
+        if waiter.ticket is not _CANDIDATE:
+            self._pending.append(waiter.ticket)
+
+    def _entitlements(self) -> dict[_Model, float]:
+        """Each model's water-filling share for demand = held + waiting bytes (see
+        :class:`ModelBudgetView`). The capacity shared is the budget less the reserves that sit
+        idle (reserve above demand): other models never get those bytes (until issue 13 lends
+        them out, when the capacity becomes the whole budget)."""
+        recs = []
+        shares = []
+        idle_reserves = 0
+        for rec in self._models.values():
+            demand = rec.held + rec.waiting_bytes
+            if demand < rec.reserve:
+                idle_reserves += rec.reserve - demand
+            if demand:
+                recs.append(rec)
+                shares.append((min(demand, rec.reserve), min(demand, rec.limit), rec.weight))
+        capacity = self._budget - idle_reserves
+        return dict(zip(recs, water_fill(capacity, shares), strict=True))
+
+    def _refuse_impossible(self) -> list[tuple[Ticket, Verdict]]:
+        """Remove and return the waiting requests that settings just made impossible."""
+        refused = []
+        for waiter in list(self._waiters.values()):
+            rec = waiter.model
+            if waiter.n_bytes > self._ceiling(rec):
+                self._remove(waiter)
+                reason = _never_reason(rec, waiter.n_bytes)
+                refused.append(
+                    (waiter.ticket, self._refusal(rec, waiter.n_bytes, reason, queued=False))
+                )
+        if refused:
+            self._compact_deadlines()
+        return refused
+
+    # -- settings -------------------------------------------------------------------------
+
+    def set_budget(self, budget: int) -> list[tuple[Ticket, Verdict]]:
+        """Change the budget live. Lowering it below what is held is allowed: nothing is taken
+        back, and nothing is granted until holdings are under it. Call :meth:`grants` afterwards
+        (raising it may let requests go).
+
+        Returns:
+            The waiting requests that can now never be granted, removed from the queue, each
+            with its NEVER verdict to answer it with.
+
+        Raises:
+            ValueError: Not an int in [1, 2**50], or below the sum of the reserves.
+        """
+        _check_budget(budget)
+        if self._reserved > budget:
+            raise ValueError(_reserves_over_budget(self._reserved, budget))
+        self._budget = budget
+        self._settled = False
+        for rec in self._models.values():
+            limit = rec.settings.limit
+            rec.limit = budget if limit is None else min(limit, budget)
+        return self._refuse_impossible()
+
+    def set_model(self, model: str, settings: ModelSettings) -> list[tuple[Ticket, Verdict]]:
+        """Set ``model``'s settings live (it becomes configured). A limit or reserve below what
+        it holds takes nothing back: the model gets nothing more until it is under its limit.
+        Call :meth:`grants` afterwards.
+
+        Returns:
+            As :meth:`set_budget` (a raised reserve lowers what the other models can ever get).
+
+        Raises:
+            ValueError: ``settings`` is not ModelSettings, or the reserves would sum over the
+                budget (nothing changed).
+        """
+        _check_model_name(model)
+        if not isinstance(settings, ModelSettings):
+            raise ValueError(f"model {model!r}: settings must be ModelSettings, got {settings!r}")
+        found = self._models.get(model)
+        old_reserve = 0 if found is None else found.reserve
+        reserved = self._reserved - old_reserve + settings.reserve
+        if reserved > self._budget:
+            raise ValueError(_reserves_over_budget(reserved, self._budget, model))
+        rec = self._model(model) if found is None else found
+        held = rec.held
+        unused_before = old_reserve - held if held < old_reserve else 0
+        rec.settings = settings
+        rec.configured = True
+        rec.reserve = settings.reserve
+        rec.limit = self._budget if settings.limit is None else min(settings.limit, self._budget)
+        rec.weight = float(settings.weight)
+        self._reserved = reserved
+        self._protected += (rec.reserve - held if held < rec.reserve else 0) - unused_before
+        self._settled = False
+        return self._refuse_impossible()
+
+    def forget_model(self, model: str) -> bool:
+        """Drop an unconfigured model that holds nothing and waits for nothing (its last session
+        ended), so names of workers long gone do not pile up. Configured models are kept: their
+        settings outlive their workers. Returns whether it was dropped."""
+        found = self._models.get(model)
+        if found is None or found.configured or found.held or found.queue:
+            return False
+        del self._models[model]
+        return True
+
+    def _model(self, name: str) -> _Model:
+        """The record of ``name``, created with the default settings on first use."""
+        found = self._models.get(name)
+        if found is None:
+            _check_model_name(name)
+            found = self._models[name] = _Model(name, DEFAULT_SETTINGS, self._budget)
+        return found
+
+    # -- answers for people ---------------------------------------------------------------
+
+    def fit(self, model: str, bytes_per_sequence: int, concurrency: int = 1) -> FitAnswer:
+        """Would ``concurrency`` more sequences of ``bytes_per_sequence`` bytes each fit
+        ``model``? (See :class:`FitAnswer` for the verdicts; :func:`bytes_for_context` computes
+        ``bytes_per_sequence``.) Changes nothing, even for a model never seen.
+
+        Raises:
+            ValueError: ``bytes_per_sequence`` or ``concurrency`` is not a positive int.
+        """
+        for name, value in (
+            ("bytes_per_sequence", bytes_per_sequence),
+            ("concurrency", concurrency),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        found = self._models.get(model)
+        rec = _Model(model, DEFAULT_SETTINGS, self._budget) if found is None else found
+        need = bytes_per_sequence * concurrency
+        held = rec.held
+        room_in_limit = max(0, rec.limit - held)
+        available_now = max(
+            0, min(room_in_limit, self._budget - self._total_held - self._protected_from(rec))
+        )
+        others_reserves = self._reserved - rec.reserve
+        after_return = max(0, min(room_in_limit, self._budget - held - others_reserves))
+        most_ever = self._ceiling(rec)
+        verdict: FitVerdict
+        if need <= available_now:
+            verdict = "now"
+        elif need <= rec.reserve:
+            verdict = "within_reserve"
+        elif need <= most_ever:
+            verdict = "after_others_return"
+        else:
+            verdict = "never"
+        return FitAnswer(
+            verdict,
+            need,
+            held,
+            available_now,
+            after_return,
+            most_ever,
+            rec.reserve,
+            rec.limit,
+            available_now // bytes_per_sequence,
+            most_ever // bytes_per_sequence,
+        )
+
+    def snapshot(self, now: float | None = None) -> BudgetSnapshot:
+        """Everything an operator sees: the budget and, per model, holdings, settings, borrowed
+        bytes, entitlement and waiting demand. ``now`` (monotonic) adds waiting ages."""
+        entitlement = self._entitlements()
+        models = {}
+        for name, rec in self._models.items():
+            oldest = None
+            if rec.queue and now is not None:
+                oldest = max(0.0, now - rec.head().enqueued_at)
+            models[name] = ModelBudgetView(
+                held=rec.held,
+                reserve=rec.reserve,
+                limit=rec.settings.limit,
+                effective_limit=rec.limit,
+                weight=rec.weight,
+                borrowed=max(0, rec.held - rec.reserve),
+                entitlement=int(entitlement.get(rec, 0.0)),
+                waiting=len(rec.queue),
+                waiting_bytes=rec.waiting_bytes,
+                oldest_wait_s=oldest,
+                configured=rec.configured,
+            )
+        return BudgetSnapshot(
+            budget=self._budget,
+            total_held=self._total_held,
+            free=max(0, self._budget - self._total_held),
+            over_budget=max(0, self._total_held - self._budget),
+            reserved=self._reserved,
+            protected=self._protected,
+            waiting=len(self._waiters),
+            models=models,
+        )
+
+    def check_invariants(self) -> None:
+        """Recount everything kept incrementally and check the queue against its indices.
+
+        Raises:
+            AssertionError: With what disagrees (a bug in this module).
+        """
+        recs = list(self._models.values())
+        total = sum(r.held for r in recs)
+        assert self._total_held == total, f"total_held {self._total_held} != sum of held {total}"
+        reserved = sum(r.reserve for r in recs)
+        assert self._reserved == reserved, (
+            f"reserved {self._reserved} != sum of reserves {reserved}"
+        )
+        assert reserved <= self._budget, f"reserves {reserved} over the budget {self._budget}"
+        protected = sum(max(0, r.reserve - r.held) for r in recs)
+        assert self._protected == protected, f"protected {self._protected} != recount {protected}"
+        n_queued = 0
+        for rec in recs:
+            assert rec.held >= 0, f"model {rec.name!r} holds {rec.held} bytes"
+            s = rec.settings
+            assert (rec.reserve, rec.weight) == (s.reserve, float(s.weight)), rec.name
+            want_limit = self._budget if s.limit is None else min(s.limit, self._budget)
+            assert rec.limit == want_limit, f"{rec.name!r}: limit {rec.limit} != {want_limit}"
+            seqs = [w.seq for w in rec.queue.values()]
+            assert seqs == sorted(seqs), f"{rec.name!r}: queue out of arrival order"
+            for ticket, waiter in rec.queue.items():
+                assert waiter.ticket == ticket and waiter.model is rec, f"misfiled {ticket!r}"
+                assert self._waiters.get(ticket) is waiter, f"{ticket!r} missing from the index"
+            waiting_bytes = sum(w.n_bytes for w in rec.queue.values())
+            assert rec.waiting_bytes == waiting_bytes, f"{rec.name!r}: waiting bytes off"
+            n_queued += len(rec.queue)
+            assert self._models.get(rec.name) is rec
+        assert n_queued == len(self._waiters), f"{len(self._waiters)} indexed, {n_queued} queued"
+        queued_models = {rec for rec in recs if rec.queue}
+        assert set(self._queued_models) == queued_models, "models with waiters misindexed"
+        in_heap = {id(w) for _, _, w in self._deadlines}
+        for waiter in self._waiters.values():
+            assert id(waiter) in in_heap, f"{waiter.ticket!r} waits with no deadline entry"
+            assert waiter.ticket is not _CANDIDATE, "a try_grant candidate was left queued"
+
+
+def _policy_key(rec: _Model, head: _Waiter) -> tuple[int, float, int]:
+    """Sort key of a waiting model: below its reserve first (by arrival of its head), then the
+    smallest held/weight (ties by arrival)."""
+    if rec.held < rec.reserve:
+        return (0, 0.0, head.seq)
+    return (1, rec.held / rec.weight, head.seq)
+
+
+def _first(item: tuple[tuple[int, float, int], _Waiter]) -> tuple[int, float, int]:
+    return item[0]
+
+
+def _never_reason(rec: _Model, n_bytes: int) -> Reason:
+    return Reason.OVER_LIMIT if n_bytes > rec.limit else Reason.OVER_CEILING
+
+
+def _check_budget(budget: int) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BYTES:
+        raise ValueError(f"budget must be an int in [1, {MAX_BYTES}] bytes, got {budget!r}")
+
+
+def _check_amount(n_bytes: int) -> None:
+    if type(n_bytes) is not int or not 0 <= n_bytes <= MAX_BYTES:
+        raise ValueError(f"a byte count must be an int in [0, {MAX_BYTES}], got {n_bytes!r}")
+
+
+def _refuse_request_size(n_bytes: object) -> None:
+    # A request may ask for any size (a huge one is NEVER, with the numbers); only its type and
+    # sign are errors.
+    raise ValueError(f"a request must be for an int >= 0 bytes, got {n_bytes!r}")
+
+
+def _check_model_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise ValueError(f"a model name must be a str, got {name!r}")
+
+
+def _reserves_over_budget(reserved: int, budget: int, model: str | None = None) -> str:
+    which = f" with model {model!r}'s new reserve" if model is not None else ""
+    return (
+        f"the reserves{which} sum to {format_bytes(reserved)}, over the budget "
+        f"{format_bytes(budget)}: lower some reserves or raise the budget"
+    )
