@@ -53,6 +53,15 @@ def peer_uid(address: bytes) -> int | None:
     return None
 
 
+def peer_pid(address: bytes) -> int | None:
+    """The pid in a ZAP address or ``Peer-Address`` property of an ipc peer
+    (``localhost:uid:gid:pid`` on Linux), or None when the platform gave none (macOS)."""
+    parts = address.decode(errors="replace").split(":")
+    if len(parts) >= 4 and parts[1].isdigit() and parts[3].isdigit():
+        return int(parts[3])
+    return None
+
+
 class PeerAuthenticator:
     """Answers libzmq's ZAP requests for the daemon's sockets.
 

@@ -28,6 +28,7 @@ from vqpool.daemon.admin import AdminRequestHandler
 from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
 from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
+from vqpool.daemon.peer_process import RequestPeer
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.config import (
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vqpoold")
 
 LIVENESS_INTERVAL = 0.25
-"""Seconds between two checks of every session's process (reaps a killed worker well inside
-the promised 2 s at the cost of one /proc read per session per tick)."""
+"""Seconds between two checks of every worker process (reaps a killed worker well inside the
+promised 2 s at the cost of one /proc read per process per tick)."""
 
 MAX_MESSAGES_PER_WAKE = 256
 """Requests served from one socket before looking at the other and at the clock."""
@@ -150,6 +151,7 @@ class Server:
         self._stop_signal: int | None = None
         self._bad_frames = PeerLogLimiter()
         self._metrics: MetricsExporter | None = None
+        self._peers: dict[str, RequestPeer] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only record it: the self-pipe written by Python's C-level handler wakes the loop.
@@ -193,6 +195,7 @@ class Server:
         auth = coord.peer_auth = PeerAuthenticator(context)
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
+            self._peers = {"worker": worker_handler.peer, "admin": RequestPeer()}
             handle_worker: Handle = worker_handler.handle
             handle_admin: Handle = admin_handler.handle
             # Before binding: a port in use must fail start-up with no socket to close.
@@ -341,21 +344,31 @@ class Server:
             if now >= next_check:
                 coord.reap_dead_sessions(now)
                 coord.check_claim_period(now)
+                coord.write_roll_if_changed()
                 coord.timeline.sample(coord.allocator)
                 next_check = now + LIVENESS_INTERVAL
 
     def _serve(
-        self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str
+        self,
+        sock: zmq.Socket[bytes],
+        handle: Handle,
+        coord: Coordinator,
+        name: str,
     ) -> None:
         """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``."""
+        peer = self._peers[name]  # given each request's routing-id frame while it is handled
+        recv_routing_id = sock.recv
         recv = sock.recv_multipart
         send = sock.send_multipart
         monotonic = time.monotonic
         for _ in range(MAX_MESSAGES_PER_WAKE):
             try:
-                frames = recv(zmq.NOBLOCK)
+                # Zero-copy for the routing-id frame only: it carries the connection's
+                # properties (the peer's pid, which hello checks: daemon/peer_process.py).
+                routing_id = recv_routing_id(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [routing_id.bytes, *recv(zmq.NOBLOCK)]  # a message arrives whole
             if len(frames) == 2:  # DEALER: [peer, request]
                 envelope = frames[:1]
             elif len(frames) == 3 and not frames[1]:  # REQ: [peer, "", request]
@@ -364,6 +377,7 @@ class Server:
                 coord.n_bad_requests += 1
                 self._bad_frames.note(frames[0], name, f"message of {len(frames)} frames dropped")
                 continue
+            peer.frame = routing_id
             envelope.append(handle(frames[-1], frames[0], monotonic()))
             try:
                 send(envelope, zmq.NOBLOCK)
