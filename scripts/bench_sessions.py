@@ -141,6 +141,10 @@ def main() -> None:
                     "first_refusal": refusals[0],
                     "last_refusal": refusals[-1],
                     "hello_median_us": round(statistics.median(hellos) * 1e6, 1),
+                    "hello_p99_us": round(sorted(hellos)[int(len(hellos) * 0.99)] * 1e6, 1),
+                    "hello_first_of_process_us": [
+                        round(r["times"][0] * 1e6) for r in reports if r["times"]
+                    ],
                     "hello_total_s": round(sum(hellos), 4),
                     "roll_entries": len(roll),
                     "idle_cpu_percent": {"no_session": cpu_empty, "all_open": cpu_full},
