@@ -189,6 +189,9 @@ class PoolClient:
         reply = self._send(encode_request(rid, "hello", args), rid, "hello")
         if not reply["ok"]:
             error = reply["error"]
+            refused = error["code"] == ErrorCode.BAD_REQUEST and "'resumes'" in error["message"]
+            if resumes is not None and refused:  # a daemon older than the argument
+                return self._hello()
             raise error_from_wire(error["code"], error["message"])
         result: dict[str, Any] = reply["result"]
         return result
