@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import DaemonProcess, RawClient, WorkerProcess
+from daemon_harness import DaemonProcess, RawClient, WorkerProcess, wait_until
 from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
@@ -93,3 +93,24 @@ def test_sessions_in_total_are_bounded(daemon: DaemonProcess) -> None:
     finally:
         for hog in hogs:
             hog.communicate()
+
+
+def test_every_session_of_a_killed_process_is_reaped(daemon: DaemonProcess) -> None:
+    # Liveness is one look per process: all of its sessions go when it does.
+    endpoint = f"ipc://{daemon.run_dir / WORKER_SOCKET_NAME}"
+    hog = subprocess.Popen(
+        [sys.executable, "-c", SESSION_HOG, endpoint, "3"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hog.stdout is not None
+        assert json.loads(hog.stdout.readline())["opened"] == 3
+        assert daemon.admin("stats")["sessions"] == 3
+        hog.kill()
+        wait_until(lambda: daemon.admin("stats")["sessions"] == 0, timeout=2.0)
+        assert daemon.admin("stats")["sessions_reaped"] == 3
+    finally:
+        hog.kill()
+        hog.communicate()
