@@ -5,14 +5,19 @@ and keep using them. When it starts again on the same run directory, its workers
 boot id in a reply, say hello again and re-declare what they hold (``claim``). Until they have,
 the daemon must not hand out a single block: it could be one a worker is about to claim. So:
 
-* The daemon keeps a **roll** of its workers' processes (pid and start time) in the run
-  directory, rewritten when a session opens or ends (never on the request hot path).
+* The daemon keeps a **roll** of its workers' sessions (pid, process start time, session id)
+  in the run directory. It is rewritten at most once per loop tick when sessions opened or
+  ended, and before the first mutating request of a session it does not list yet is applied:
+  a session is on the roll before it can hold a block, and a burst of hellos costs one write.
 * At start it reads the roll its predecessor left. If a listed process is still alive, a
   **claim period** begins: claims are accepted, allocations are refused with RETRY_LATER (the
   client retries by itself), frees and fill updates of claimed blocks proceed.
-* The period ends when every expected worker has finished its claims (``done``) or exited, or
-  when the grace time (``--claim-grace``) runs out, whichever comes first. A first start, or a
-  restart after every worker left, has no claim period at all.
+* A re-synced client names the session id it held (``resumes`` in its hello), so the period
+  waits for every session of every live process: one process may hold several (two models,
+  two PoolClients), and the first to finish says nothing about the others.
+* The period ends when every expected session has finished its claims (``done``) or its
+  process exited, or when the grace time (``--claim-grace``) runs out, whichever comes first.
+  A first start, or a restart after every worker left, has no claim period at all.
 
 Blocks of workers that never come back were never claimed: they are simply free. Claims after
 the period are still accepted if their blocks are still free (they are taken by id, so a block
@@ -34,13 +39,19 @@ from vqpool.shared.errors import RetryLaterError
 log = logging.getLogger("vqpoold")
 
 ROLL_FILE_NAME = "workers.json"
-"""File in the run directory listing the worker processes of the daemon that wrote it."""
+"""File in the run directory listing the worker sessions of the daemon that wrote it."""
 
 
-def read_roll(run_dir: Path) -> dict[int, psutil.Process]:
-    """The processes the previous daemon's roll lists that are still alive, by pid.
+SessionKey = tuple[int, int | None]
+"""A worker session on the roll: (pid, session id). The session id is None for an entry of a
+roll written before sessions were listed: it stands for every session of that process."""
 
-    A pid now used by another process (start time differs) is not taken for the worker.
+
+def read_roll(run_dir: Path) -> dict[SessionKey, psutil.Process]:
+    """The sessions the previous daemon's roll lists whose process is still alive.
+
+    A pid now used by another process (start time differs) is not taken for the worker. Each
+    process is looked at once, however many sessions it had.
     """
     try:
         entries = json.loads((run_dir / ROLL_FILE_NAME).read_text())
@@ -49,25 +60,40 @@ def read_roll(run_dir: Path) -> dict[int, psutil.Process]:
     except (OSError, ValueError) as exc:
         log.warning("ignoring unreadable %s: %s", run_dir / ROLL_FILE_NAME, exc)
         return {}
-    alive: dict[int, psutil.Process] = {}
+    alive: dict[SessionKey, psutil.Process] = {}
+    looked_at: dict[tuple[int, float], psutil.Process | None] = {}
     for entry in entries if isinstance(entries, list) else []:
         try:
             pid, started = int(entry[0]), float(entry[1])
-            process = psutil.Process(pid)
-            if abs(process.create_time() - started) < 0.01 and _alive(process):
-                alive[pid] = process
-        except (psutil.Error, TypeError, ValueError, IndexError):
+            sid = int(entry[2]) if len(entry) > 2 else None
+            if (pid, started) not in looked_at:
+                looked_at[pid, started] = _worker_process(pid, started)
+            process = looked_at[pid, started]
+            if process is not None:
+                alive[pid, sid] = process
+        except (TypeError, ValueError, IndexError):
             continue
     return alive
 
 
-def write_roll(run_dir: Path, processes: Iterable[psutil.Process]) -> None:
-    """Replace the roll with ``processes`` (atomically: a daemon killed mid-write leaves the old
-    roll or the new one, never half of one)."""
+def _worker_process(pid: int, started: float) -> psutil.Process | None:
+    """The live process ``pid`` if it started at ``started`` (else the pid was recycled)."""
+    try:
+        process = psutil.Process(pid)
+        if abs(process.create_time() - started) < 0.01 and _alive(process):
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
+def write_roll(run_dir: Path, sessions: Iterable[tuple[psutil.Process, int | None]]) -> None:
+    """Replace the roll with ``sessions``, (process, session id) pairs (atomically: a daemon
+    killed mid-write leaves the old roll or the new one, never half of one)."""
     entries = []
-    for process in processes:
+    for process, sid in sessions:
         with contextlib.suppress(psutil.Error):
-            entries.append([process.pid, process.create_time()])
+            entries.append([process.pid, process.create_time(), sid])
     path = run_dir / ROLL_FILE_NAME
     tmp = path.with_suffix(".tmp")
     try:
@@ -84,19 +110,21 @@ class ClaimPeriod:
         grace: Longest the period may last, in seconds.
         started: Monotonic time the period began.
         until: Monotonic time it ends at the latest.
-        expected: Live processes of the previous daemon's workers that have not finished
-            claiming yet, by pid.
-        resynced: Pids that finished claiming.
+        expected: Sessions of the previous daemon, in live processes, that have not finished
+            claiming yet (a process with two PoolClients has two).
+        resynced: Sessions that finished claiming.
         ended: Monotonic time it ended, or None while it runs.
     """
 
-    def __init__(self, expected: dict[int, psutil.Process], grace: float, now: float) -> None:
+    def __init__(
+        self, expected: dict[SessionKey, psutil.Process], grace: float, now: float
+    ) -> None:
         self.grace = grace
         self.started = now
         self.until = now + grace
         self.expected = dict(expected)
         self.n_expected = len(expected)
-        self.resynced: set[int] = set()
+        self.resynced: set[SessionKey] = set()
         self.ended: float | None = None
         self.end_reason = ""
 
@@ -111,30 +139,54 @@ class ClaimPeriod:
             waiting = len(self.expected)
             raise RetryLaterError(
                 f"{op}: vqpoold restarted and is taking back blocks its workers still hold "
-                f"({waiting} worker(s) not re-synced yet); new allocations start within "
+                f"({waiting} session(s) not re-synced yet); new allocations start within "
                 f"{max(0.0, self.until - now):.2f}s: retry"
             )
 
-    def note_done(self, pid: int, now: float) -> None:
-        """Worker ``pid`` finished its claims."""
-        self.resynced.add(pid)
-        self.expected.pop(pid, None)
+    def note_done(self, pid: int, resumes: int | None, now: float) -> None:
+        """A session of process ``pid`` finished its claims; ``resumes`` is the session id it
+        held before the restart, as its hello named it (None from a client that names none)."""
+        key = self._expected_key(pid, resumes)
+        if key is not None:
+            self.resynced.add(key)
+            del self.expected[key]
         self.check(now)
+
+    def _expected_key(self, pid: int, resumes: int | None) -> SessionKey | None:
+        """The expected session a done from ``pid`` naming ``resumes`` ends, if any.
+
+        The session it names; else the process-wide entry of an older roll; else, for a client
+        that names no session (an older client), the process's one expected session, if it has
+        exactly one: a done that could be any of several sessions' ends none of them.
+        """
+        for key in ((pid, resumes), (pid, None)):
+            if key in self.expected:
+                return key
+        if resumes is None:
+            keys = [key for key in self.expected if key[0] == pid]
+            if len(keys) == 1:
+                return keys[0]
+        return None
 
     def check(self, now: float) -> bool:
         """End the period if it is over; whether it has ended."""
         if self.ended is not None:
             return True
-        for pid, process in list(self.expected.items()):
-            if not _alive(process):
-                del self.expected[pid]
+        alive: dict[int, bool] = {}  # one look per process, however many sessions it had
+        for key, process in list(self.expected.items()):
+            pid = key[0]
+            if pid not in alive:
+                alive[pid] = _alive(process)
+            if not alive[pid]:
+                del self.expected[key]
         if not self.expected:
-            self._end(now, "every expected worker re-synced or exited")
+            self._end(now, "every expected session re-synced or its process exited")
         elif now >= self.until:
+            pids = sorted({pid for pid, _ in self.expected})
             self._end(
                 now,
                 f"grace of {self.grace:g}s ran out; {len(self.expected)} expected "
-                f"worker(s) never re-synced (pids {sorted(self.expected)})",
+                f"session(s) never re-synced (pids {pids})",
             )
         return self.ended is not None
 
@@ -142,7 +194,7 @@ class ClaimPeriod:
         self.ended = now
         self.end_reason = reason
         log.info(
-            "claim period over after %.3fs (%s): %d of %d expected worker(s) re-synced; "
+            "claim period over after %.3fs (%s): %d of %d expected session(s) re-synced; "
             "serving allocations",
             now - self.started,
             reason,

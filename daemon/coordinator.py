@@ -99,14 +99,15 @@ class Coordinator:
         if expected:
             self.claim_period = ClaimPeriod(expected, claim_grace, self.started_monotonic)
             log.info(
-                "%d worker(s) of the previous daemon are alive (pids %s): taking their claims "
-                "for up to %gs before serving allocations",
+                "%d session(s) of the previous daemon's workers are alive (pids %s): taking "
+                "their claims for up to %gs before serving allocations",
                 len(expected),
-                sorted(expected),
+                sorted({pid for pid, _ in expected}),
                 claim_grace,
             )
         self.claiming: ClaimPeriod | None = self.claim_period
-        self._write_roll()
+        self._roll_dirty = False
+        self.write_roll()
 
     # -- owners ------------------------------------------------------------------------------------
 
@@ -336,7 +337,7 @@ class Coordinator:
                 self.n_owners_claimed += 1
                 results.append(None)
         if done and self.claiming is not None:
-            self.claiming.note_done(session.pid, time.monotonic())
+            self.claiming.note_done(session.pid, session.resumes, time.monotonic())
             if self.claiming.ended is not None:
                 self._claim_period_over()
         return results
@@ -376,18 +377,41 @@ class Coordinator:
 
     def _claim_period_over(self) -> None:
         self.claiming = None
-        self._write_roll()  # drop expected workers that never came back
+        self._roll_dirty = True  # drop expected sessions that never came back
 
-    def _write_roll(self) -> None:
-        processes = [session.process for session in self.sessions]
-        if self.claiming is not None:  # a restart now must still wait for them
-            processes += self.claiming.expected.values()
-        write_roll(self.run_dir, processes)
+    def write_roll(self) -> None:
+        """Write the roll now: every session, and while claims are taken the expected sessions
+        not resumed by one of them (a restart now must still wait for those)."""
+        sessions = list(self.sessions)
+        entries = [(session.process, session.sid) for session in sessions]
+        if self.claiming is not None:
+            resumed = {(s.pid, s.resumes) for s in sessions if s.resumes is not None}
+            entries += [
+                (process, sid)
+                for (pid, sid), process in self.claiming.expected.items()
+                if (pid, sid) not in resumed
+            ]
+        write_roll(self.run_dir, entries)
+        for session in sessions:
+            session.on_roll = True
+        self._roll_dirty = False
 
-    def session_opened(self, session: Session) -> None:
-        """Record a new session in the roll (so a restarted daemon waits for its claims)."""
+    def write_roll_if_changed(self) -> None:
+        """Write the roll if sessions opened or ended since it was last written (called by the
+        server loop's tick: a burst of hellos or goodbyes costs one write, not one each)."""
+        if self._roll_dirty:
+            self.write_roll()
+
+    def session_opened(self, session: Session, resumes: int | None) -> None:
+        """Count a new session; it goes on the roll at the next tick, or before its first
+        mutating request if that comes first (see ``WorkerRequestHandler``).
+
+        Args:
+            resumes: The session id the client held under the previous daemon lifetime.
+        """
         self.n_sessions_opened += 1
-        self._write_roll()
+        session.resumes = resumes
+        self._roll_dirty = True
 
     # -- session lifecycle -------------------------------------------------------------------------
 
@@ -405,14 +429,14 @@ class Coordinator:
             self._unbind(owner)
         self.sessions.close(session)
         self.replies.forget(session.sid)
-        self._write_roll()
+        self._roll_dirty = True
         return len(owners), n_blocks
 
     def reap_dead_sessions(self, now: float) -> None:
-        """End every session whose worker exited or stayed stopped past its lease."""
-        for session in self.sessions:
-            reason = session.reap_reason(now, self.lease)
-            if reason is not None:
+        """End every session whose worker exited or stayed stopped past its lease (one look at
+        each process, however many sessions it holds)."""
+        for process in self.sessions.processes():
+            for session, reason in process.reap_reasons(now, self.lease):
                 n_owners, n_blocks = self.end_session(session)
                 self.n_sessions_reaped += 1
                 log.info(

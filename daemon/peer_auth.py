@@ -17,8 +17,8 @@ Three layers keep other users and other protocols away from the request handlers
 Why ZAP rather than a hello-first rule in the request handler: ZAP runs inside libzmq's
 handshake, once per connection, so garbage never reaches the decoder at all and costs the
 request hot path nothing; and it is the one place where the kernel's peer credentials are
-available per connection (a per-message ``Peer-Address`` property would cost a zero-copy
-receive and a property lookup on every request).
+available per connection (checking the per-message ``Peer-Address`` property instead would
+cost a property lookup on every request; only hello reads it, see ``daemon/peer_process.py``).
 
 The handler is a REP socket on ``inproc://zeromq.zap.01`` in the daemon's context, served by
 the daemon's own poll loop: no thread. It must be bound before the sockets it guards, since
@@ -51,6 +51,15 @@ def peer_uid(address: bytes) -> int | None:
     parts = address.decode(errors="replace").split(":")
     if len(parts) >= 3 and parts[1].isdigit():
         return int(parts[1])
+    return None
+
+
+def peer_pid(address: bytes) -> int | None:
+    """The pid in a ZAP address or ``Peer-Address`` property of an ipc peer
+    (``localhost:uid:gid:pid`` on Linux), or None when the platform gave none (macOS)."""
+    parts = address.decode(errors="replace").split(":")
+    if len(parts) >= 4 and parts[1].isdigit() and parts[3].isdigit():
+        return int(parts[3])
     return None
 
 

@@ -36,6 +36,7 @@ from vqpool.daemon.coordinator import Coordinator, new_boot_id
 from vqpool.daemon.dispatch import PeerLogLimiter
 from vqpool.daemon.exit_status import ExitStatus
 from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
+from vqpool.daemon.peer_process import RequestPeer
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.config import (
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vqpoold")
 
 LIVENESS_INTERVAL = 0.25
-"""Seconds between two checks of every session's process (reaps a killed worker well inside
-the promised 2 s at the cost of one /proc read per session per tick)."""
+"""Seconds between two checks of every worker process (reaps a killed worker well inside the
+promised 2 s at the cost of one /proc read per process per tick)."""
 
 MAX_MESSAGES_PER_WAKE = 256
 """Requests served from one socket before looking at the other and at the clock."""
@@ -236,6 +237,7 @@ class Server:
         self._stop_signal: int | None = None
         self._bad_frames = PeerLogLimiter()
         self._metrics: MetricsExporter | None = None
+        self._peers: dict[str, RequestPeer] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only record it: the self-pipe written by Python's C-level handler wakes the loop.
@@ -285,6 +287,7 @@ class Server:
         guard = ConnectionGuard(context, fd_limit)
         try:
             worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
+            self._peers = {"worker": worker_handler.peer, "admin": RequestPeer()}
             handle_worker: Handle = worker_handler.handle
             handle_admin: Handle = admin_handler.handle
             # Before binding: a port in use must fail start-up with no socket to close.
@@ -470,6 +473,7 @@ class Server:
                 coord.reap_dead_sessions(now)
                 guard.check()
                 coord.check_claim_period(now)
+                coord.write_roll_if_changed()
                 coord.timeline.sample(coord.allocator, coord.blocks_by_model)
                 next_check = now + LIVENESS_INTERVAL
 
@@ -477,14 +481,23 @@ class Server:
         self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str
     ) -> None:
         """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``."""
-        recv = sock.recv_multipart
+        peer = self._peers[name]  # given each request's routing-id frame while it is handled
+        recv = sock.recv
+        getsockopt = sock.getsockopt
         send = sock.send_multipart
         monotonic = time.monotonic
         for _ in range(MAX_MESSAGES_PER_WAKE):
             try:
-                frames = recv(zmq.NOBLOCK)
+                # Zero-copy for the routing-id frame only: it carries the connection's
+                # properties (the peer's pid, which hello checks: daemon/peer_process.py).
+                routing_id = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            # The rest as bytes (a message arrives whole; a ROUTER always has a part after the
+            # routing id). recv_multipart by hand: it costs ~0.8 us less per request.
+            frames = [routing_id.bytes, recv(zmq.NOBLOCK)]
+            while getsockopt(zmq.RCVMORE):
+                frames.append(recv(zmq.NOBLOCK))
             if len(frames) == 2:  # DEALER: [peer, request]
                 envelope = frames[:1]
             elif len(frames) == 3 and not frames[1]:  # REQ: [peer, "", request]
@@ -493,6 +506,7 @@ class Server:
                 coord.n_bad_requests += 1
                 self._bad_frames.note(frames[0], name, f"message of {len(frames)} frames dropped")
                 continue
+            peer.frame = routing_id
             envelope.append(handle(frames[-1], frames[0], monotonic()))
             try:
                 send(envelope, zmq.NOBLOCK)

@@ -6,6 +6,11 @@ request, not by its ZeroMQ connection: a client that reopens its socket (Lazy Pi
 session, and a dropped connection says nothing about the process behind it. A session ends by
 ``goodbye``, by an admin ``evict_session``, or by reaping when its process is gone (exited,
 killed, or its pid now belongs to another process) or stopped past its lease.
+
+Sessions are grouped by process: liveness is one check per process per tick however many
+sessions it holds, and a process may hold at most ``MAX_SESSIONS_PER_PROCESS`` of them (the
+daemon at most ``MAX_SESSIONS``), so a client that says hello in a loop cannot make every tick
+or every admin view cost more without bound.
 """
 
 from __future__ import annotations
@@ -19,9 +24,15 @@ from dataclasses import dataclass, field
 
 import psutil
 from vqpool.shared.allocator import Owner
-from vqpool.shared.errors import UnauthorizedError
+from vqpool.shared.errors import TooManySessionsError, UnauthorizedError
 
 log = logging.getLogger("vqpoold")
+
+MAX_SESSIONS_PER_PROCESS = 32
+"""Sessions one process may hold: one per PoolClient, i.e. per model it serves."""
+
+MAX_SESSIONS = 512
+"""Sessions the daemon holds at once, all processes together."""
 
 _GONE = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
 _STOPPED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
@@ -46,6 +57,9 @@ class Session:
         n_requests: Requests served.
         running: Requests the worker said it runs, in its last ``ping`` that said (None: never).
         queued: Requests the worker said it queues, likewise.
+        resumes: The session id this client held under the previous daemon lifetime, named in
+            its hello after a restart (the claim period waits for every such session).
+        on_roll: Whether the roll of workers (``daemon/claims.py``) lists this session yet.
     """
 
     sid: int
@@ -61,26 +75,12 @@ class Session:
     n_requests: int = 0
     running: int | None = None
     queued: int | None = None
+    resumes: int | None = None
+    on_roll: bool = False
 
-    def reap_reason(self, now: float, lease: float) -> str | None:
-        """Why this session should be reaped now, or None while its worker lives.
-
-        A running process is never reaped, however long it has been silent: a heartbeat thread
-        starved by a long native call must not cost the worker its blocks (another worker would
-        be handed ids whose memory the first still uses). A stopped process is reaped once its
-        lease has run out.
-        """
-        try:
-            if not self.process.is_running():
-                return "process exited (its pid belongs to another process now)"
-            status = self.process.status()
-        except psutil.NoSuchProcess:
-            return "process exited"
-        except psutil.AccessDenied:
-            return None
-        if status in _GONE:
-            return "process exited"
-        if status in _STOPPED and now - self.last_heard > lease:
+    def lease_expired(self, now: float, lease: float) -> str | None:
+        """Why this session of a stopped process is reaped now, or None within its lease."""
+        if now - self.last_heard > lease:
             return f"process stopped and silent for {now - self.last_heard:.1f}s (lease {lease:g}s)"
         return None
 
@@ -114,18 +114,59 @@ def verify_worker_process(pid: int) -> psutil.Process:
     return process
 
 
+@dataclass(eq=False, slots=True)
+class ProcessSessions:
+    """One worker process and its sessions, by session id."""
+
+    process: psutil.Process
+    sessions: dict[int, Session] = field(default_factory=dict)
+
+    def reap_reasons(self, now: float, lease: float) -> list[tuple[Session, str]]:
+        """The sessions to reap now, each with why: all of them once the process is gone.
+
+        A running process is never reaped, however long it has been silent: a heartbeat thread
+        starved by a long native call must not cost the worker its blocks (another worker would
+        be handed ids whose memory the first still uses). A stopped process's sessions are
+        reaped once their lease has run out. One look at the process, whatever its sessions.
+        """
+        process = self.process
+        status = ""
+        try:
+            if not process.is_running():
+                gone = "process exited (its pid belongs to another process now)"
+            else:
+                status = process.status()
+                gone = "process exited" if status in _GONE else ""
+        except psutil.NoSuchProcess:
+            gone = "process exited"
+        except psutil.AccessDenied:
+            return []
+        if gone:
+            return [(session, gone) for session in self.sessions.values()]
+        if status not in _STOPPED:
+            return []
+        expired = ((s, s.lease_expired(now, lease)) for s in self.sessions.values())
+        return [(session, reason) for session, reason in expired if reason is not None]
+
+
 class SessionTable:
-    """The live sessions, by session id and by hello nonce."""
+    """The live sessions, by session id, by hello nonce and by process."""
 
     def __init__(self) -> None:
         self._by_sid: dict[int, Session] = {}
         self._by_nonce: dict[str, Session] = {}
+        # psutil.Process hashes and compares by (pid, start time): a recycled pid is another key.
+        self._by_process: dict[psutil.Process, ProcessSessions] = {}
 
     def __len__(self) -> int:
         return len(self._by_sid)
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._by_sid.values()))
+
+    def processes(self) -> list[ProcessSessions]:
+        """Every process with a session, with its sessions."""
+        return list(self._by_process.values())
 
     def get(self, sid: int | None) -> Session | None:
         """The session ``sid`` names, or None."""
@@ -144,14 +185,32 @@ class SessionTable:
         nonce: str,
         now: float,
     ) -> Session:
-        """A new session for a verified worker process."""
+        """A new session for a verified worker process.
+
+        Raises:
+            TooManySessionsError: The process holds MAX_SESSIONS_PER_PROCESS sessions, or the
+                daemon MAX_SESSIONS; nothing was opened.
+        """
+        group = self._by_process.get(process)
+        if group is not None and len(group.sessions) >= MAX_SESSIONS_PER_PROCESS:
+            raise TooManySessionsError(
+                f"hello: process {process.pid} already holds {MAX_SESSIONS_PER_PROCESS} sessions, "
+                "the most one process may; close a PoolClient it no longer uses (goodbye) first"
+            )
+        if len(self._by_sid) >= MAX_SESSIONS:
+            raise TooManySessionsError(
+                f"hello: vqpoold already holds {MAX_SESSIONS} sessions, the most it serves at "
+                "once; no session was opened"
+            )
+        if group is None:
+            group = self._by_process[process] = ProcessSessions(process)
         sid = secrets.randbits(62)
         while sid in self._by_sid:
             sid = secrets.randbits(62)
         session = Session(
             sid=sid,
             pid=process.pid,
-            process=process,
+            process=group.process,
             model=model,
             bytes_per_block=bytes_per_block,
             client_version=client_version,
@@ -161,9 +220,15 @@ class SessionTable:
         )
         self._by_sid[sid] = session
         self._by_nonce[nonce] = session
+        group.sessions[sid] = session
         return session
 
     def close(self, session: Session) -> None:
         """Forget ``session`` (its owners must have been released already)."""
         self._by_sid.pop(session.sid, None)
         self._by_nonce.pop(session.nonce, None)
+        group = self._by_process.get(session.process)
+        if group is not None:
+            group.sessions.pop(session.sid, None)
+            if not group.sessions:
+                del self._by_process[session.process]

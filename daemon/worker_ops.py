@@ -20,6 +20,7 @@ from typing import Any
 
 from vqpool.daemon.coordinator import Coordinator
 from vqpool.daemon.dispatch import PeerLogLimiter, error_reply
+from vqpool.daemon.peer_process import RequestPeer
 from vqpool.daemon.sessions import Session, verify_worker_process
 from vqpool.shared.errors import (
     BadRequestError,
@@ -112,10 +113,13 @@ class WorkerRequestHandler:
 
     ``last_op`` and ``last_code`` tell the op and outcome (0 or the error code) of the request
     handled last, for the metrics (``daemon/metrics.py``); a cached reply counts as 0.
+    ``peer`` is the connection of the request being handled (set by the server loop): hello
+    checks the pid it declares against the connected process's.
     """
 
     def __init__(self, coord: Coordinator) -> None:
         self._coord = coord
+        self.peer = RequestPeer()
         self._bad_log = PeerLogLimiter()
         self.last_op = ""
         self.last_code = 0
@@ -174,6 +178,8 @@ class WorkerRequestHandler:
         mutating = op in MUTATING_OPS
         try:
             if mutating:
+                if not session.on_roll:  # a restart must wait for it once it may hold blocks
+                    coord.write_roll()
                 if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
                     coord.claiming.refuse_allocation(op, now)
                     coord.check_claim_period(now)  # its time ran out just now
@@ -218,6 +224,12 @@ class WorkerRequestHandler:
         session = coord.sessions.by_nonce(args["nonce"])
         if session is None:
             process = verify_worker_process(args["pid"])
+            connected = self.peer.pid()
+            if connected is not None and connected != process.pid:
+                raise UnauthorizedError(
+                    f"hello: pid {process.pid} is not the process connected ({connected}); "
+                    "a session follows the process that opens it"
+                )
             bytes_per_block = args["bytes_per_block"]
             if type(bytes_per_block) is int:
                 bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
@@ -229,13 +241,14 @@ class WorkerRequestHandler:
                 args["nonce"],
                 now,
             )
-            coord.session_opened(session)
+            coord.session_opened(session, args["resumes"])
             log.info(
-                "session %x opened: pid %d, model %r, client %s",
+                "session %x opened: pid %d, model %r, client %s%s",
                 session.sid,
                 session.pid,
                 session.model,
                 session.client_version or "?",
+                "" if session.resumes is None else f", resumes session {session.resumes:x}",
             )
         elif session.pid != args["pid"]:
             raise BadRequestError("hello: this nonce belongs to another process's session")

@@ -20,6 +20,7 @@ from vqpool.shared.errors import (
     NotOwnerError,
     OwnerAlreadyActiveError,
     RetryLaterError,
+    TooManySessionsError,
     UnauthorizedError,
     VqpoolError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "OwnerAlreadyActiveError",
     "PoolConfig",
     "RetryLaterError",
+    "TooManySessionsError",
     "UnauthorizedError",
     "VqpoolError",
 ]

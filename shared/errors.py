@@ -26,6 +26,7 @@ class ErrorCode(IntEnum):
     DAEMON_RESTARTED = 32
     RETRY_LATER = 33
     CLAIM_CONFLICT = 34
+    TOO_MANY_SESSIONS = 35
     INTERNAL = 99
 
 
@@ -101,6 +102,12 @@ class ClaimConflictError(VqpoolError):
     code = ErrorCode.CLAIM_CONFLICT
 
 
+class TooManySessionsError(VqpoolError):
+    """A hello refused: the process, or the daemon as a whole, has as many sessions as allowed."""
+
+    code = ErrorCode.TOO_MANY_SESSIONS
+
+
 class DaemonUnavailableError(VqpoolError):
     """The daemon did not answer in time. Raised by the client only, never sent on the wire."""
 
@@ -124,6 +131,7 @@ _CLASS_FOR_CODE: dict[int, type[Exception]] = {
     ErrorCode.DAEMON_RESTARTED: DaemonRestartedError,
     ErrorCode.RETRY_LATER: RetryLaterError,
     ErrorCode.CLAIM_CONFLICT: ClaimConflictError,
+    ErrorCode.TOO_MANY_SESSIONS: TooManySessionsError,
     ErrorCode.INTERNAL: InternalError,
 }
 

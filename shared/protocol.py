@@ -400,6 +400,12 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
             help="bytes one block of each stream holds in this worker",
         ),
         Field("client_version", _text, required=False, default=""),
+        Field(
+            "resumes",
+            lambda v, n: check_int(v, n, 0),
+            required=False,
+            help="after a daemon restart: the session id this client held before it",
+        ),
     ),
     GOODBYE: (),
     PING: (

@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
-from vqpool.daemon.peer_auth import peer_uid
+from daemon_harness import DaemonProcess, RawClient, remove_tree, short_tmpdir
+from vqpool.daemon.peer_auth import peer_pid, peer_uid
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
-from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.errors import DaemonUnavailableError, ErrorCode
 from vqpool.worker import PoolClient
 
 needs_root = pytest.mark.skipif(
@@ -50,7 +50,7 @@ CLIENT_SCRIPT = ADD_VENV + textwrap.dedent(
     """
     import sys
     from vqpool.shared.admin_client import AdminClient
-    from vqpool.shared.errors import DaemonUnavailableError
+    from vqpool.shared.errors import DaemonUnavailableError, ErrorCode
     from vqpool.worker import PoolClient
     try:
         with PoolClient(sys.argv[1], name="peer", timeout=2.0) as pool:
@@ -181,6 +181,34 @@ def test_peer_uid_is_read_from_the_zap_address() -> None:
     assert peer_uid(b"localhost:1000:1000:4242") == 1000
     assert peer_uid(b"") is None  # a platform that gives no credentials
     assert peer_uid(b"tcp://127.0.0.1:5555") is None
+    assert peer_pid(b"localhost:1000:1000:4242") == 4242
+    assert peer_pid(b"") is None
+    assert peer_pid(b"tcp://127.0.0.1:5555") is None
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="only Linux tells libzmq the pid of an ipc peer"
+)
+def test_hello_naming_another_process_is_refused(daemon: DaemonProcess) -> None:
+    # A live process of the daemon's user, and pid 1: today's uid check alone let a client
+    # borrow either (its session then lived and died with that process, not with the client).
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    client = RawClient(daemon.run_dir)
+    try:
+        for pid in (bystander.pid, 1):
+            reply = client.call("hello", {"pid": pid, "model": "liar", "nonce": f"n{pid}"})
+            assert reply["error"]["code"] == ErrorCode.UNAUTHORIZED, reply
+            if pid == bystander.pid or os.geteuid() == 0:  # else pid 1 is another user's
+                assert f"not the process connected ({os.getpid()})" in reply["error"]["message"]
+        assert daemon.admin("stats")["sessions"] == 0
+        session = client.hello()  # the truth is served, and the session follows this process
+        assert daemon.admin("sessions")[0]["pid"] == os.getpid()
+        assert session["sid"] == daemon.admin("sessions")[0]["sid"]
+    finally:
+        client.close()
+        bystander.communicate()
 
 
 def zmtp3_greeting(mechanism: bytes) -> bytes:

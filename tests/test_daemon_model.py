@@ -179,7 +179,9 @@ class DaemonMachine(RuleBasedStateMachine):
         # options, so shrinks are undone, and every block held is claimed back.
         assert self._wait(lambda: not self.daemon.admin("stats")["claims"]["active"])
         claims = self.daemon.admin("stats")["claims"]
-        assert (claims["resynced"], claims["owners_refused"]) == (3, 0), claims
+        # A session goes on the roll at the tick after its hello or before its first mutating
+        # request, so one that held nothing yet may not be expected: all that were came back.
+        assert claims["resynced"] == claims["expected"] and claims["owners_refused"] == 0, claims
         assert claims["owners_claimed"] == len(self.owners)
         self.total = {"k": PER_STREAM, "v": PER_STREAM}
 

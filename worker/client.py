@@ -181,7 +181,9 @@ class PoolClient:
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self, resumes: int | None = None) -> dict[str, Any]:
+        """Open a session; ``resumes`` names the one this client held before a daemon restart
+        (the restarted daemon's claim period waits for each session it expects)."""
         args: dict[str, Any] = {
             "pid": os.getpid(),
             "model": self.name,
@@ -193,10 +195,15 @@ class PoolClient:
             args["bytes_per_block"] = (
                 bytes_per_block if isinstance(bytes_per_block, int) else dict(bytes_per_block)
             )
+        if resumes is not None:
+            args["resumes"] = resumes
         rid = next(self._ids)
         reply = self._send(encode_request(rid, "hello", args), rid, "hello")
         if not reply["ok"]:
             error = reply["error"]
+            refused = error["code"] == ErrorCode.BAD_REQUEST and "'resumes'" in error["message"]
+            if resumes is not None and refused:  # a daemon older than the argument
+                return self._hello()
             raise error_from_wire(error["code"], error["message"])
         result: dict[str, Any] = reply["result"]
         return result
@@ -328,7 +335,7 @@ class PoolClient:
                 due: see :meth:`_send_claims`).
         """
         started = time.monotonic()
-        hello = self._hello()
+        hello = self._hello(resumes=self.session_id)
         config = config_from_wire(hello["config"])
         old = self._config
         if (config.block_size, config.separate_kv) != (old.block_size, old.separate_kv):
