@@ -97,7 +97,11 @@ def write_roll(run_dir: Path, sessions: Iterable[tuple[psutil.Process, int | Non
     path = run_dir / ROLL_FILE_NAME
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps(entries))
+        # 0600 like the lock file: the roll names the user's processes (the 0700 run directory
+        # already keeps others out; this keeps it private if the file is copied elsewhere).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(entries))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot write %s: %s (a restart will not wait for claims)", path, exc)

@@ -203,6 +203,8 @@ def test_requests_without_session_or_with_stale_boot_are_refused(daemon: DaemonP
         client.sid = 12345
         reply = client.call("allocate", {"stream": "k", "n_tokens": 16, "owner": 1})
         assert reply["error"]["code"] == ErrorCode.NO_SESSION
+        # Session ids read the same everywhere people see them: hex (12345 is 3039).
+        assert "no session 3039 " in reply["error"]["message"]
     finally:
         client.close()
     assert daemon.admin("stats")["stats"]["n_allocations"] == 0

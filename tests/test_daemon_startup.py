@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, RawClient, remove_tree, short_tmpdir
+from vqpool.daemon.claims import ROLL_FILE_NAME
 from vqpool.shared.config import ADMIN_SOCKET_NAME, LOCK_FILE_NAME, WORKER_SOCKET_NAME
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -71,6 +73,9 @@ def test_signal_stops_cleanly_within_a_second(daemon: DaemonProcess, sig: int) -
     assert not (daemon.run_dir / WORKER_SOCKET_NAME).exists()
     assert not (daemon.run_dir / ADMIN_SOCKET_NAME).exists()
     assert f"stopped on {signal.Signals(sig).name}" in daemon.log()
+    # What docs/protocol.md says a stop leaves: the lock and the roll, both private.
+    left = {path.name: stat.S_IMODE(path.stat().st_mode) for path in daemon.run_dir.iterdir()}
+    assert left == {LOCK_FILE_NAME: 0o600, ROLL_FILE_NAME: 0o600}, left
 
 
 def test_stale_socket_of_killed_daemon_is_replaced(start_daemon: StartDaemon) -> None:
