@@ -47,7 +47,7 @@ from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.launch import DaemonProcess, ProcessExitedError, WorkerProcess
 from vqpool.worker.models import model_spec_problem
 
 # The daemon's configuration. 96 blocks = 48 K + 48 V blocks of 16 token slots (768 tokens per
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     config = base / "vqpoold.toml"
     config.write_text(DAEMON_CONFIG)
     processes: list[DaemonProcess | WorkerProcess] = []
-    ok = False
+    ok = explained = False
     try:
         print(
             f"starting vqpoold (run directory {run_dir}) and {len(models)} workers ...", flush=True
@@ -310,7 +310,13 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             processes.append(worker)
         ready_timeout = 60.0 if args.model is None else 1800.0  # real models may download
         for worker in workers.values():
-            worker.wait_ready(ready_timeout)
+            try:
+                worker.wait_ready(ready_timeout)
+            except ProcessExitedError as exc:
+                # The worker said why in one line (a model that cannot be loaded): say only that.
+                print(f"demo: {exc.last_line}", file=sys.stderr)
+                explained = True
+                raise SystemExit(exc.status) from None
             print(f"  {worker.model} on {worker.url}", flush=True)
 
         with AdminClient(run_dir) as admin:
@@ -362,7 +368,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
         for process in reversed(processes):
             if process.process is not None:
                 process.stop()
-        if not ok:
+        if not ok and not explained:
             for log in sorted(base.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
 

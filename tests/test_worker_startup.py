@@ -164,3 +164,19 @@ def test_the_demo_refuses_a_model_that_is_not_one_in_one_line(base: Path) -> Non
     )
     assert result.returncode == 2
     assert "has no config.json" in one_error_line(result)
+
+
+def test_the_demo_names_a_model_that_fails_to_load_in_one_line(base: Path) -> None:
+    # A well-formed hub id that cannot be had offline passes the up-front checks; the worker then
+    # fails to load it and says why in one line, which is all the demo says.
+    demo = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+    result = subprocess.run(
+        [sys.executable, str(demo), "--model", UNKNOWN_HUB_ID, "--model", "builtin:llama"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=offline_env(base),
+    )
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert line.startswith("demo: ") and UNKNOWN_HUB_ID in line, line

@@ -37,6 +37,21 @@ def stop_process(process: subprocess.Popen[Any], sig: int, timeout: float) -> in
     return process.returncode
 
 
+class ProcessExitedError(RuntimeError):
+    """A started process exited while its caller waited for it to be ready.
+
+    Attributes:
+        status: Its exit status.
+        last_line: The last line it wrote (a vqpool command says why it stopped in one line).
+    """
+
+    def __init__(self, what: str, status: int, log: str) -> None:
+        super().__init__(f"{what} exited with status {status}:\n{log[-4000:]}")
+        self.status = status
+        lines = log.strip().splitlines()
+        self.last_line = lines[-1] if lines else ""
+
+
 class _Process:
     """A subprocess whose output goes to ``log_path``."""
 
@@ -61,9 +76,7 @@ class _Process:
     def _check_alive(self, what: str) -> None:
         assert self.process is not None
         if self.process.poll() is not None:
-            raise RuntimeError(
-                f"{what} exited with status {self.process.returncode}:\n{self.log()[-4000:]}"
-            )
+            raise ProcessExitedError(what, self.process.returncode, self.log())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Send ``sig``, wait for the exit status (SIGKILL after ``timeout``)."""
