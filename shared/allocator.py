@@ -148,9 +148,9 @@ class Block:
 
 
 class BlockList(list[Block]):
-    """The blocks one ``allocate()`` call handed out, in order: a real ``list``, as the seed's
-    ``allocate`` returns, and also the allocator's own record of that allocation (its "chunk"),
-    so an allocation costs one object beside its Blocks.
+    """The blocks one ``allocate()`` (or ``claim()``) call handed out, in order: a real
+    ``list``, as the seed's ``allocate`` returns, and also the allocator's own record of that
+    allocation (its "chunk"), so an allocation costs one object beside its Blocks.
 
     The list is filled with its ``Block`` objects before it is handed out, so every reader sees
     them, C code that reads a list's storage directly (msgpack, ``list.__len__``) included.
@@ -164,13 +164,12 @@ class BlockList(list[Block]):
     pickling) are plain lists of the same Block objects.
 
     Callers that need only ids (the daemon, which sends them over the wire) use
-    :meth:`BlockPoolAllocator.allocate_ids`: the record of such an allocation is a BlockList
-    too, but its list stays empty, no Block is built, and it is never handed out.
+    :meth:`BlockPoolAllocator.allocate_ids` and ``claim_ids``: the record of such an allocation
+    is a BlockList too, but its list stays empty, no Block is built, and it is never handed out.
     """
 
     __slots__ = (
         "_blocks",
-        "_pool",
         "_positions",
         "block_ids",
         "dead",
@@ -181,10 +180,7 @@ class BlockList(list[Block]):
         "stream",
     )
 
-    def __init__(
-        self, pool: BlockPoolAllocator, ids: tuple[int, ...], stream: str, format: str, owner: Owner
-    ) -> None:
-        self._pool = pool
+    def __init__(self, ids: tuple[int, ...], stream: str, format: str, owner: Owner) -> None:
         self.block_ids = ids
         self.stream = stream
         self.format = format
@@ -192,8 +188,8 @@ class BlockList(list[Block]):
         self.fill: dict[int, int] | None = None  # block id -> n_used, for blocks not full
         self.n_freed = 0  # blocks of this allocation freed one by one
         self.dead = False  # every block freed: map entries still naming this chunk are stale
-        # The Block objects the allocator keeps in step, in allocation order, once built (the
-        # list itself may since have been reordered or changed by its caller).
+        # The Block objects the allocator keeps in step, in allocation order (the list itself
+        # may since have been reordered or changed by its caller); None on the ids path.
         self._blocks: list[Block] | None = None
         self._positions: dict[int, int] | None = None  # block id -> index in _blocks
 
@@ -214,10 +210,6 @@ class BlockList(list[Block]):
             blocks = [Block(bid, stream, format, block_size, owner, True) for bid in ids]
         self._blocks = blocks
         self.extend(blocks)
-
-    def holds(self, block_id: int) -> bool:
-        """Whether ``block_id`` is still allocated through this allocation."""
-        return not self.dead and self._pool._chunk_of.get(block_id) is self
 
     def _sync_block(self, block_id: int, n_used: int, freed: bool) -> None:
         """Keep a Block object this list handed out in step with the allocator, as the seed's
@@ -316,7 +308,7 @@ class BlockPoolAllocator:
         }
         self._next_block_id = per_stream * len(streams)
         # Block id -> the allocation (chunk) it came from; an entry is live while
-        # ``chunk.holds(id)``. Entries left by free_all() are stale and overwritten on reuse.
+        # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
         self._chunk_of: dict[int, BlockList] = {}
         # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
         # while it holds a block.
@@ -485,7 +477,7 @@ class BlockPoolAllocator:
                     if new_hi < hi:
                         taken.extend(range(hi - 1, new_hi - 1, -1))
                     ids = tuple(taken)
-            chunk = BlockList(self, ids, stream, format, owner)
+            chunk = BlockList(ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
@@ -670,7 +662,7 @@ class BlockPoolAllocator:
                         f"in this pool (retired, another stream's, or beyond the pool's "
                         f"{self._counts[_N_BLOCKS]} blocks); nothing was claimed"
                     )
-            chunk = BlockList(self, ids, s, format, owner)
+            chunk = BlockList(ids, s, format, owner)
             if fill:
                 chunk.fill = fill
             if with_blocks:
