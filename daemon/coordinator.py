@@ -21,7 +21,7 @@ from vqpool.daemon.peer_auth import PeerAuthenticator
 from vqpool.daemon.replies import ReplyCache
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline
-from vqpool.shared.allocator import Block, BlockList, BlockPoolAllocator, Owner, PoolConfig
+from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
     ClaimConflictError,
     NotOwnerError,
@@ -147,11 +147,11 @@ class Coordinator:
         self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
     ) -> list[int]:
         """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
-        return list(self._allocate(session, stream, n_tokens, owner, fmt).block_ids)
+        return list(self._allocate(session, stream, n_tokens, owner, fmt))
 
     def _allocate(
         self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
-    ) -> BlockList:
+    ) -> tuple[int, ...]:
         """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
         (an exhausted pool included, unlike the local allocator) leaves no owner bound or
         registered that was not before."""
@@ -164,10 +164,10 @@ class Coordinator:
                 "allocate in steps"
             )
         if holder is not None:  # already ours: the allocator alone decides
-            return self.allocator.allocate(stream, n_tokens, owner, fmt)
+            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
         try:
             self._bind(owner, session)
-            return self.allocator.allocate(stream, n_tokens, owner, fmt)
+            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
         except BaseException:
             # An exhausted allocate registers the owner (seed behaviour); it held nothing before.
             self.allocator.release_owner(owner)
@@ -192,7 +192,7 @@ class Coordinator:
                 f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
             )
         results: list[list[int] | dict[str, Any]] = []
-        done: list[BlockList] = []
+        done: list[tuple[Owner, tuple[int, ...]]] = []  # (owner, ids) allocated so far
         bound: list[Owner] = []  # owners this request bound to the session
         holder = self._holder
         errors = ItemErrors()
@@ -201,30 +201,32 @@ class Coordinator:
             for index, (stream, n_tokens, owner, fmt) in enumerate(items):
                 unbound = owner not in holder
                 try:
-                    blocks = allocate(session, stream, n_tokens, owner, fmt)
+                    ids = allocate(session, stream, n_tokens, owner, fmt)
                 except (ValueError, VqpoolError) as exc:
                     results.append(errors.entry(index, exc))
                     continue
-                done.append(blocks)
+                done.append((owner, ids))
                 if unbound:
                     bound.append(owner)
-                results.append(list(blocks.block_ids))
+                results.append(list(ids))
         except BaseException:
             self._undo_allocations(done, bound)
             raise
         return results
 
-    def _undo_allocations(self, done: list[BlockList], bound: list[Owner]) -> None:
+    def _undo_allocations(
+        self, done: list[tuple[Owner, tuple[int, ...]]], bound: list[Owner]
+    ) -> None:
         """Free what an interrupted allocate_many allocated, unbind the owners it bound, and
         keep registered the owners the session held before (freeing their last block released
         them)."""
         allocator = self.allocator
-        for blocks in reversed(done):
-            allocator.free(blocks)
+        for _, ids in reversed(done):
+            allocator.free_ids(ids)
         for owner in bound:
             allocator.release_owner(owner)
             self._unbind(owner)
-        for owner in {blocks.owner for blocks in done}.difference(bound):
+        for owner in {owner for owner, _ in done}.difference(bound):
             if not allocator.is_active(owner):
                 allocator.register_owner(owner)
 
@@ -244,7 +246,7 @@ class Coordinator:
                     f"free: block {block_id} is held by another worker session; nothing was freed"
                 )
             touched.add(owner)
-        allocator.free([Block(block_id) for block_id in block_ids])
+        allocator.free_ids(block_ids)
         for owner in touched:
             if not allocator.is_active(owner):
                 self._unbind(owner)
@@ -355,13 +357,13 @@ class Coordinator:
         allocator = self.allocator
         if holder is None and not groups:
             allocator.register_owner(owner)
-        claimed: list[BlockList] = []
+        claimed: list[tuple[int, ...]] = []
         try:
             for stream, fmt, block_ids, fills in groups:
-                claimed.append(allocator.claim(owner, stream, block_ids, fills, fmt))
+                claimed.append(allocator.claim_ids(owner, stream, block_ids, fills, fmt))
         except BaseException:
-            for chunk in claimed:  # all or nothing per owner
-                allocator.free(chunk)
+            for group_ids in claimed:  # all or nothing per owner
+                allocator.free_ids(group_ids)
             if holder is session and not allocator.is_active(owner):
                 allocator.register_owner(owner)  # it was held with no block: keep it so
             raise

@@ -67,8 +67,7 @@ def alloc_free_all(n_blocks: int) -> Callable[[BlockPoolAllocator, int], None]:
 
 
 def alloc_read_free(pool: BlockPoolAllocator, loops: int) -> None:
-    """The seed's usage: allocate, read every Block of the list (built on that first use), free
-    the list."""
+    """The seed's usage: allocate, read every Block of the list, free the list."""
     allocate, free = pool.allocate, pool.free
     for _ in range(loops):
         blocks = allocate("k", 16 * 16, 1)

@@ -11,11 +11,11 @@ frees, and with every block it handed out:
 
 * No object per free block. Each stream's free list is a stack of recycled ids on top of a
   never-used id range kept as two ints, so building a pool of a million blocks is O(1).
-* No object per allocated block either, unless someone asks for one. One allocate() call is one
-  ``BlockList`` (the ids, stream, format and owner they share); the only per-block work is one
-  dict write (block id -> its BlockList), done in C. A BlockList is a real ``list``, as the
-  seed returns, but its ``Block`` objects are built when the caller first uses it; what the
-  caller then does to the list never changes the allocator's record (``block_ids``).
+* One record per allocation: a ``BlockList`` (the ids, stream, format and owner they share);
+  the only per-block bookkeeping is one dict write (block id -> its BlockList), done in C.
+  ``allocate()`` returns that BlockList filled with its ``Block`` objects, a real ``list`` as
+  the seed returns; what the caller does to the list never changes the allocator's record
+  (``block_ids``). ``allocate_ids()`` (the daemon's path) builds no Block at all.
 * Frees in any order are O(1) per block: a block is found through that dict, never searched for.
   ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
   entry counts only while its allocation is not dead, and a new allocation overwrites it.
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import is_
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, SupportsIndex
 
 from vqpool.shared.errors import (
     BlockPoolExhaustedError,
@@ -148,9 +148,12 @@ class Block:
 
 
 class BlockList(list[Block]):
-    """The blocks one ``allocate()`` call handed out, in order: a real ``list``, as the seed's
-    ``allocate`` returns, and also the allocator's own record of that allocation (its "chunk"),
-    so an allocation costs one object, not one per block.
+    """The blocks one ``allocate()`` (or ``claim()``) call handed out, in order: a real
+    ``list``, as the seed's ``allocate`` returns, and also the allocator's own record of that
+    allocation (its "chunk"), so an allocation costs one object beside its Blocks.
+
+    The list is filled with its ``Block`` objects before it is handed out, so every reader sees
+    them, C code that reads a list's storage directly (msgpack, ``list.__len__``) included.
 
     The list belongs to the caller: every list operation works on it (``append``, ``extend``,
     ``pop``, ``sort``, slice assignment, ``+=``...) and changes only the list. The allocator's
@@ -160,14 +163,13 @@ class BlockList(list[Block]):
     blocks the list holds when it is called. Copies (``copy()``, ``blocks[:]``, ``copy.copy``,
     pickling) are plain lists of the same Block objects.
 
-    The ``Block`` objects are built the first time anyone uses the list, from the allocation's
-    current state (a block freed since then reads as free); the daemon, which sends ids over the
-    wire, never pays for them. Until then the list is an :class:`_UntouchedBlockList`.
+    Callers that need only ids (the daemon, which sends them over the wire) use
+    :meth:`BlockPoolAllocator.allocate_ids` and ``claim_ids``: the record of such an allocation
+    is a BlockList too, but its list stays empty, no Block is built, and it is never handed out.
     """
 
     __slots__ = (
         "_blocks",
-        "_pool",
         "_positions",
         "block_ids",
         "dead",
@@ -178,10 +180,7 @@ class BlockList(list[Block]):
         "stream",
     )
 
-    def __init__(
-        self, pool: BlockPoolAllocator, ids: tuple[int, ...], stream: str, format: str, owner: Owner
-    ) -> None:
-        self._pool = pool
+    def __init__(self, ids: tuple[int, ...], stream: str, format: str, owner: Owner) -> None:
         self.block_ids = ids
         self.stream = stream
         self.format = format
@@ -189,18 +188,32 @@ class BlockList(list[Block]):
         self.fill: dict[int, int] | None = None  # block id -> n_used, for blocks not full
         self.n_freed = 0  # blocks of this allocation freed one by one
         self.dead = False  # every block freed: map entries still naming this chunk are stale
-        # The Block objects the allocator keeps in step, in allocation order, once built (the
-        # list itself may since have been reordered or changed by its caller).
+        # The Block objects the allocator keeps in step, in allocation order (the list itself
+        # may since have been reordered or changed by its caller); None on the ids path.
         self._blocks: list[Block] | None = None
         self._positions: dict[int, int] | None = None  # block id -> index in _blocks
 
-    def holds(self, block_id: int) -> bool:
-        """Whether ``block_id`` is still allocated through this allocation."""
-        return not self.dead and self._pool._chunk_of.get(block_id) is self
+    def _build_blocks(self, block_size: int) -> None:
+        """Fill the list with one Block per id, as a new allocation holds it (full, but for
+        the ``fill`` entries). Called once, by the allocator, before the list is handed out."""
+        ids, fill = self.block_ids, self.fill
+        stream, format, owner = self.stream, self.format, self.owner
+        if len(ids) == 1:  # the commonest allocation (a decode step's next block): no loop
+            bid = ids[0]
+            n_used = fill.get(bid, block_size) if fill else block_size
+            blocks = [Block(bid, stream, format, n_used, owner, True)]
+        elif fill:
+            blocks = [
+                Block(bid, stream, format, fill.get(bid, block_size), owner, True) for bid in ids
+            ]
+        else:
+            blocks = [Block(bid, stream, format, block_size, owner, True) for bid in ids]
+        self._blocks = blocks
+        self.extend(blocks)
 
     def _sync_block(self, block_id: int, n_used: int, freed: bool) -> None:
-        """Keep a Block object this list already built in step with the allocator, as the
-        seed's shared objects were. Called by the allocator only when ``_blocks`` is set."""
+        """Keep a Block object this list handed out in step with the allocator, as the seed's
+        shared objects were. Called by the allocator only when ``_blocks`` is set."""
         blocks = self._blocks
         assert blocks is not None, "no Block objects to keep in step"
         if len(blocks) == 1:
@@ -224,103 +237,6 @@ class BlockList(list[Block]):
     ) -> tuple[type[list[Block]], tuple[list[Block]]]:
         # A copy or an unpickled list is not the allocation's record: a plain list of the blocks.
         return (list, (list(self),))
-
-
-class _UntouchedBlockList(BlockList):
-    """A BlockList nobody has used yet: its list storage is still empty and its Block objects
-    unbuilt. What ``allocate()`` and ``claim()`` return.
-
-    Every list method first builds the Block objects into the list (:meth:`_fill`) and turns the
-    object into a plain :class:`BlockList`, then does its work; from then on the list's own C
-    methods run with nothing in between. ``len()`` needs no Blocks. ``free()`` frees a list of
-    this class as its whole allocation without reading it: nobody can have changed it.
-
-    (Code that calls ``list``'s methods on it unbound, e.g. ``list.append(blocks, b)``, or C
-    code that reads a list's storage directly, bypasses this and sees an empty list.)
-    """
-
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def _fill(self) -> None:
-        """Build the Block objects into the list and become a BlockList. Called through the
-        class, not ``self``: a method bound before another call filled the list (as in
-        ``blocks.append(blocks[0])``) finds the object a BlockList already, and does nothing."""
-        pool = self._pool
-        # Under the lock: a consistent state, and every later change syncs the objects.
-        pool._lock.acquire()  # not "with": see BlockPoolAllocator.allocate()
-        try:
-            if type(self) is not _UntouchedBlockList:
-                return  # another thread filled it meanwhile
-            size = pool._block_size
-            fill = self.fill or {}
-            stream, format, owner = self.stream, self.format, self.owner
-            blocks = [
-                Block(bid, stream, format, fill.get(bid, size), owner, True)
-                if self.holds(bid)
-                else Block(bid, stream, format, 0, None, True)
-                for bid in self.block_ids
-            ]
-            self._blocks = blocks
-            list.extend(self, blocks)
-            self.__class__ = BlockList  # type: ignore[assignment]  # it stops being untouched
-        finally:
-            pool._lock.release()
-
-    def __radd__(self, other: object) -> object:
-        # list has no __radd__: fill, then let Python fall back to other + self (list's concat).
-        _UntouchedBlockList._fill(self)
-        return NotImplemented
-
-
-def _filling_first(name: str) -> Callable[..., Any]:
-    method = getattr(list, name)
-    fill = _UntouchedBlockList._fill
-
-    def call(self: _UntouchedBlockList, *args: Any, **kwargs: Any) -> Any:
-        fill(self)
-        return method(self, *args, **kwargs)
-
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-# Every list method that reads or changes the contents (all but __len__, above).
-for _name in (
-    "__add__",
-    "__contains__",
-    "__delitem__",
-    "__eq__",
-    "__ge__",
-    "__getitem__",
-    "__gt__",
-    "__iadd__",
-    "__imul__",
-    "__iter__",
-    "__le__",
-    "__lt__",
-    "__mul__",
-    "__ne__",
-    "__repr__",
-    "__reversed__",
-    "__rmul__",
-    "__setitem__",
-    "append",
-    "clear",
-    "copy",
-    "count",
-    "extend",
-    "index",
-    "insert",
-    "pop",
-    "remove",
-    "reverse",
-    "sort",
-):
-    setattr(_UntouchedBlockList, _name, _filling_first(_name))
-del _name
 
 
 class _FreeList:
@@ -392,7 +308,7 @@ class BlockPoolAllocator:
         }
         self._next_block_id = per_stream * len(streams)
         # Block id -> the allocation (chunk) it came from; an entry is live while
-        # ``chunk.holds(id)``. Entries left by free_all() are stale and overwritten on reuse.
+        # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
         self._chunk_of: dict[int, BlockList] = {}
         # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
         # while it holds a block.
@@ -493,11 +409,28 @@ class BlockPoolAllocator:
         (MemoryError, KeyboardInterrupt included), nothing is allocated and no owner registered;
         blocks the pool grew by stay, free.
 
+        Returns:
+            The new blocks, one ``Block`` each, in a :class:`BlockList` (a real ``list``).
+
         Raises:
             ValueError: ``n_tokens`` <= 0, or a stream this pool does not have.
             BlockPoolExhaustedError: Too few free blocks and no room to grow; nothing allocated
                 (the owner stays registered, as in the seed).
         """
+        return self._allocate_chunk(stream, n_tokens, owner, format, True)
+
+    def allocate_ids(
+        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16"
+    ) -> tuple[int, ...]:
+        """allocate() for callers that need only the ids (the daemon): the same allocation, the
+        same errors, but no ``Block`` object is built. Free them with :meth:`free_ids`."""
+        return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
+
+    def _allocate_chunk(
+        self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
+    ) -> BlockList:
+        """allocate(): the new allocation's record, its list filled with Blocks if
+        ``with_blocks`` (built before anything changes: building them can fail too)."""
         if n_tokens <= 0:
             raise ValueError(f"BlockPoolAllocator: n_tokens must be > 0, got {n_tokens}")
         if not self._separate_kv:
@@ -544,10 +477,12 @@ class BlockPoolAllocator:
                     if new_hi < hi:
                         taken.extend(range(hi - 1, new_hi - 1, -1))
                     ids = tuple(taken)
-            chunk = _UntouchedBlockList(self, ids, stream, format, owner)
+            chunk = BlockList(ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
+            if with_blocks:
+                chunk._build_blocks(block_size)
             active = self._active_owners
             was_active = owner in active
             grown_unused = self._grown_unused
@@ -660,6 +595,31 @@ class BlockPoolAllocator:
             ClaimConflictError: An id that is not free in ``stream``: held by an owner, retired
                 by shrink, in another stream, or never part of this pool. Nothing was claimed.
         """
+        return self._claim_chunk(owner, stream, block_ids, fills, format, True)
+
+    def claim_ids(
+        self,
+        owner: Owner,
+        stream: str,
+        block_ids: Sequence[int],
+        fills: Sequence[int] | None = None,
+        format: str = "fp16",
+    ) -> tuple[int, ...]:
+        """claim() for callers that need only the ids (the daemon): the same claim, the same
+        errors, but no ``Block`` object is built. Returns the ids claimed, in order."""
+        return self._claim_chunk(owner, stream, block_ids, fills, format, False).block_ids
+
+    def _claim_chunk(
+        self,
+        owner: Owner,
+        stream: str,
+        block_ids: Sequence[int],
+        fills: Sequence[int] | None,
+        format: str,
+        with_blocks: bool,
+    ) -> BlockList:
+        """claim(): the new allocation's record, its list filled with Blocks if
+        ``with_blocks`` (built before anything changes)."""
         s = self._resolve_stream(stream)
         ids = tuple(block_ids)
         if not ids:
@@ -702,10 +662,12 @@ class BlockPoolAllocator:
                         f"in this pool (retired, another stream's, or beyond the pool's "
                         f"{self._counts[_N_BLOCKS]} blocks); nothing was claimed"
                     )
-            claimed.update(ids)
-            chunk = _UntouchedBlockList(self, ids, s, format, owner)
+            chunk = BlockList(ids, s, format, owner)
             if fill:
                 chunk.fill = fill
+            if with_blocks:
+                chunk._build_blocks(block_size)
+            claimed.update(ids)
             holdings = self._holdings.get(owner)
             if holdings is None:
                 self._holdings[owner] = {id(chunk): chunk}
@@ -813,9 +775,9 @@ class BlockPoolAllocator:
         marked free (owner None, n_used 0), as the seed's shared objects were. A list allocate()
         returned frees what it lists now, whatever its caller changed in it.
         """
-        # An allocation's own list, untouched or still holding just the Block objects built for
-        # it (same objects, same order: an O(len) check in C), is the whole allocation.
-        if type(blocks) is _UntouchedBlockList or (
+        # An allocation's own list still holding just the Block objects built for it (same
+        # objects, same order: an O(len) check in C) is the whole allocation.
+        if (
             type(blocks) is BlockList
             and blocks._blocks is not None
             and len(blocks) == len(blocks._blocks)
@@ -823,37 +785,10 @@ class BlockPoolAllocator:
         ):
             self._lock.acquire()  # not "with": see allocate()
             try:
-                if blocks.dead or blocks.n_freed:
-                    self._free_ids_locked(blocks.block_ids)
-                    self._record_history()
-                    return
-                # The common case, inlined: a whole live allocation none of whose blocks was
-                # freed alone. No per-block bookkeeping: its map entries just go stale.
-                chunk = blocks
-                chunk.dead = True
-                if chunk._blocks is not None:
-                    chunk._sync_all_freed()
-                ids = chunk.block_ids
-                free = self._free[chunk.stream]
-                if free.claimed:
-                    free.give_back(ids)
-                else:
-                    free.recycled.extend(ids)
-                # _drop_chunk_locked(chunk), inlined: the call alone is 3% of allocate+free.
-                owner = chunk.owner
-                chunks = self._holdings[owner]
-                del chunks[id(chunk)]
-                if not chunks:
-                    del self._holdings[owner]
-                    self._active_owners.discard(owner)
-                counts = self._counts
-                counts[_N_FREES] += len(ids)
-                if chunk.fill:
-                    counts[_FRAGMENTED] -= len(chunk.fill)
-                self._history.append(tuple(counts))
-                return
+                self._free_chunk_locked(blocks)
             finally:
                 self._lock.release()
+            return
         objects = list(blocks)
         with self._lock:
             self._free_ids_locked([b.block_id for b in objects])
@@ -861,6 +796,58 @@ class BlockPoolAllocator:
         for block in objects:
             block.owner = None
             block.n_used = 0
+
+    def free_ids(self, block_ids: Iterable[int]) -> None:
+        """free() by id, for callers that hold ids, not Block objects (the daemon). Already-free
+        ids are skipped. The ids of one whole allocation, in the order allocate_ids() or
+        claim_ids() gave them, are freed at once, with no per-block work."""
+        ids = block_ids if type(block_ids) is tuple else tuple(block_ids)
+        self._lock.acquire()  # not "with": see allocate()
+        try:
+            chunk = self._chunk_of.get(ids[0]) if ids else None
+            # Not dead and nothing freed alone: every id of the chunk is still held by it.
+            if (
+                chunk is not None
+                and not chunk.dead
+                and not chunk.n_freed
+                and chunk.block_ids == ids
+            ):
+                self._free_chunk_locked(chunk)
+                return
+            self._free_ids_locked(ids)
+            self._record_history()
+        finally:
+            self._lock.release()
+
+    def _free_chunk_locked(self, chunk: BlockList) -> None:
+        """Free every block an allocation still holds, and record one history row."""
+        if chunk.dead or chunk.n_freed:
+            self._free_ids_locked(chunk.block_ids)
+            self._record_history()
+            return
+        # The common case: a whole live allocation none of whose blocks was freed alone. No
+        # per-block bookkeeping: its map entries just go stale.
+        chunk.dead = True
+        if chunk._blocks is not None:
+            chunk._sync_all_freed()
+        ids = chunk.block_ids
+        free = self._free[chunk.stream]
+        if free.claimed:
+            free.give_back(ids)
+        else:
+            free.recycled.extend(ids)
+        # _drop_chunk_locked(chunk), inlined: the call alone is 3% of allocate+free.
+        owner = chunk.owner
+        chunks = self._holdings[owner]
+        del chunks[id(chunk)]
+        if not chunks:
+            del self._holdings[owner]
+            self._active_owners.discard(owner)
+        counts = self._counts
+        counts[_N_FREES] += len(ids)
+        if chunk.fill:
+            counts[_FRAGMENTED] -= len(chunk.fill)
+        self._history.append(tuple(counts))
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
         chunk_of = self._chunk_of

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import random
 import threading
 from collections.abc import Callable
 
+import msgpack
 import pytest
 from vqpool.shared import (
     DEFAULT_BLOCK_SIZE,
@@ -583,8 +585,7 @@ def test_free_of_a_shortened_list_frees_exactly_what_is_listed(looked_first: boo
     pool.check_invariants()
 
 
-def test_untouched_list_changed_with_its_own_blocks() -> None:
-    # blocks.append is looked up before blocks[0] builds the Blocks: the call must still work.
+def test_list_changed_with_its_own_blocks() -> None:
     pool = pool_of(n_blocks=16)
     blocks = pool.allocate("k", 32, owner=1)
     blocks.append(blocks[0])
@@ -658,6 +659,32 @@ FIRST_READS = {
 def test_first_read_of_a_block_list_sees_its_blocks(read: Callable[[list[Block]], object]) -> None:
     pool = pool_of(n_blocks=8)
     blocks = pool.allocate("k", 40, owner=1)
-    first = read(blocks)  # the first thing done with the list: its Blocks are not built yet
+    first = read(blocks)  # the first thing done with the list
     assert first == read(list(blocks))
     assert ids_of(blocks) == [3, 2, 1]
+
+
+# C code reads a list's storage directly (PyList_GET_SIZE, PySequence_Fast): it must find every
+# block there right after allocate() or claim(), with no Python-level list method called first.
+C_READS: dict[str, tuple[Callable[[list[Block]], object], object]] = {
+    "msgpack": (
+        lambda b: msgpack.unpackb(msgpack.packb(b, default=lambda x: x.block_id)),
+        [3, 2, 1],
+    ),
+    "json": (lambda b: json.loads(json.dumps(b, default=lambda x: x.block_id)), [3, 2, 1]),
+    "list.__len__": (list.__len__, 3),
+    "list.__getitem__": (lambda b: list.__getitem__(b, -1).block_id, 1),
+    "list.copy": (lambda b: ids_of(list.copy(b)), [3, 2, 1]),
+    "list.__iter__": (lambda b: ids_of(list.__iter__(b)), [3, 2, 1]),
+    "tuple": (lambda b: ids_of(tuple(b)), [3, 2, 1]),
+}
+
+
+@pytest.mark.parametrize(("read", "want"), C_READS.values(), ids=C_READS.keys())
+@pytest.mark.parametrize("how", ["allocate", "claim"])
+def test_c_readers_see_every_block_right_away(
+    read: Callable[[list[Block]], object], want: object, how: str
+) -> None:
+    pool = pool_of(n_blocks=8)
+    blocks = pool.allocate("k", 40, owner=1) if how == "allocate" else pool.claim(1, "k", [3, 2, 1])
+    assert read(blocks) == want

@@ -127,22 +127,50 @@ def test_allocate_changes_nothing_when_interrupted(
     pool.check_invariants()
 
 
-def test_allocate_interrupted_inside_blocklist_changes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("built", ["BlockList", "Block"], ids=["record", "blocks"])
+@pytest.mark.parametrize("claimed", [False, True], ids=["plain", "after-claims"])
+def test_allocate_interrupted_building_its_list_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, built: str, claimed: bool
 ) -> None:
-    pool, twin = busy_pool(False), busy_pool(False)
+    # The allocation's record (a BlockList) and its Block objects are built before anything
+    # changes; building either can fail.
+    pool, twin = busy_pool(claimed), busy_pool(claimed)
     before = observable(pool)
 
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(allocator_module, "_UntouchedBlockList", interrupted)
+    monkeypatch.setattr(allocator_module, built, interrupted)
     with pytest.raises(KeyboardInterrupt):
         pool.allocate("k", 100, "new")
+    with pytest.raises(KeyboardInterrupt):
+        pool.claim("claimer-2", "k", [10])
     monkeypatch.undo()
     pool.check_invariants()
     assert observable(pool) == before
     assert pool.allocate("k", 100, "new").block_ids == twin.allocate("k", 100, "new").block_ids
+    assert observable(pool) == observable(twin)
+
+
+def test_ids_path_builds_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, twin = busy_pool(True), busy_pool(True)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(allocator_module, "Block", interrupted)
+    ids = pool.allocate_ids("k", 100, "new")
+    claimed = pool.claim_ids("claimer-2", "k", [10, 11], [3, 16])
+    pool.free_ids(ids[:2])
+    pool.free_ids(claimed)
+    monkeypatch.undo()
+    want = twin.allocate("k", 100, "new")
+    twin.claim("claimer-2", "k", [10, 11], [3, 16])
+    twin.free(want[:2])
+    twin.free_all("claimer-2")
+    assert ids == want.block_ids and claimed == (10, 11)
+    assert observable(pool) == observable(twin)
+    pool.check_invariants()
 
 
 @pytest.mark.parametrize("exc", [MemoryError, KeyboardInterrupt])

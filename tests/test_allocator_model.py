@@ -98,16 +98,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         owner=OWNERS,
         f=FORMATS,
         look=st.booleans(),
+        ids_only=st.booleans(),
     )
     def allocate(
-        self, stream: str, n_tokens: int, owner: object, f: str, look: bool
+        self, stream: str, n_tokens: int, owner: object, f: str, look: bool, ids_only: bool
     ) -> list[Block]:
-        """Allocate; with ``look`` False the list is handed on untouched (its Blocks unbuilt)."""
-        got = outcome(lambda: self.pool.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
+        """Allocate; with ``look`` False the list is handed on unread. ``ids_only`` takes the
+        daemon's path (allocate_ids) and hands on copies rebuilt from the ids, as from a wire
+        message."""
+        allocate = self.pool.allocate_ids if ids_only else self.pool.allocate
+        got = outcome(lambda: allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         want = outcome(lambda: self.model.allocate(stream, n_tokens, owner, f))  # type: ignore[arg-type]
         assert got[0] == want[0], (got, want)
         if got[0] != "ok":
             return []
+        if ids_only:
+            assert type(got[1]) is tuple and list(got[1]) == want[1]
+            return [Block(block_id) for block_id in got[1]]
         blocks: BlockList = got[1]
         assert isinstance(blocks, list) and len(blocks) == len(want[1])
         assert list(blocks.block_ids) == want[1]
@@ -131,8 +138,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 assert want[0] == "ok" and [b.block_id for b in result] == want[1]
 
-    @rule(target=handed_out, data=st.data(), stream=STREAMS, owner=OWNERS, f=FORMATS)
-    def claim(self, data: st.DataObject, stream: str, owner: object, f: str) -> Sequence[Block]:
+    @rule(
+        target=handed_out,
+        data=st.data(),
+        stream=STREAMS,
+        owner=OWNERS,
+        f=FORMATS,
+        ids_only=st.booleans(),
+    )
+    def claim(
+        self, data: st.DataObject, stream: str, owner: object, f: str, ids_only: bool
+    ) -> Sequence[Block]:
         """Claim ids by number, as a restarted daemon does: mostly free ones, sometimes held,
         retired, another stream's or out-of-pool ones, sometimes with bad fills."""
         model = self.model
@@ -149,11 +165,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         good_fills = st.lists(st.integers(0, size), min_size=len(ids), max_size=len(ids))
         bad_fills = st.lists(st.integers(-1, size + 1), max_size=5)
         fills = data.draw(st.one_of(st.none(), st.none(), good_fills, bad_fills))
-        got = outcome(lambda: self.pool.claim(owner, stream, ids, fills, f))  # type: ignore[arg-type]
+        claim = self.pool.claim_ids if ids_only else self.pool.claim
+        got = outcome(lambda: claim(owner, stream, ids, fills, f))  # type: ignore[arg-type]
         want = outcome(lambda: model.claim(owner, stream, ids, fills, f))  # type: ignore[arg-type]
         assert got[0] == want[0], (got, want)
         if got[0] != "ok":
             return []
+        if ids_only:
+            assert got[1] == tuple(ids)
+            return [Block(block_id) for block_id in ids]
         blocks: Sequence[Block] = got[1]
         assert [b.block_id for b in blocks] == ids
         for b in blocks:
@@ -219,6 +239,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free_allocation(self, blocks: Sequence[Block]) -> None:
         """Free a list allocate() returned, as it lists now (possibly changed or stale)."""
         self.pool.free(blocks)
+        self.model.free_ids([b.block_id for b in blocks])
+
+    @rule(blocks=handed_out)
+    def free_ids(self, blocks: Sequence[Block]) -> None:
+        """Free by id what a handed-out list lists now, as the daemon does (a whole unchanged
+        allocation takes free_ids' fast path)."""
+        self.pool.free_ids([b.block_id for b in blocks])
         self.model.free_ids([b.block_id for b in blocks])
 
     @rule(owner=OWNERS)
