@@ -269,7 +269,7 @@ class BudgetAccounting:
         return n
 
     def _answer(self, parked: ParkedRequest, reply: bytes) -> None:
-        self._coord.replies.remember(parked.session.sid, parked.rid, reply)
+        self._coord.replies.remember(parked.session.sid, parked.rid, reply, late=True)
         if parked.envelope is not None:
             self.outbox.append((parked.envelope, reply))
 

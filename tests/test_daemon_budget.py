@@ -389,3 +389,24 @@ def test_budget_metrics_are_published(start_daemon, clients) -> None:
         assert samples[(name, (("model", "a"),))] == for_a, name
         assert samples[(name, (("model", "b"),))] == for_b, name
     assert samples[("vqpool_model_bytes_held", (("model", "b"), ("stream", "k")))] == 5000
+
+
+def test_a_grant_after_many_later_requests_is_still_cached_for_a_resend(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    rid = b.send_allocate("b", 1, wait=10)
+    for i in range(80):  # more than the reply cache keeps per session: ids above rid evicted
+        assert b.call("register_owner", {"owner": f"r{i}"})["ok"]
+    b.send_allocate("b", 1, wait=10, rid=rid)  # still parked: not refused as too old
+    assert b.no_reply(0.1)
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    granted = b.recv()
+    assert granted["ok"] and granted["id"] == rid
+    b.send_allocate("b", 1, wait=10, rid=rid)
+    assert b.recv() == granted
+    assert daemon.admin("budget")["total_held"] == 1000
+    daemon.audit()
