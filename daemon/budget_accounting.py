@@ -122,14 +122,18 @@ class BudgetAccounting:
             OverBudgetError: It can never fit.
             BlockPoolExhaustedError: Not now and not waiting (``wait`` 0, queues full).
         """
+        cost = session.bytes_per_block
+        if not cost:  # not bounded by the budget: nothing to count (the hot path without one)
+            if op == ALLOCATE:
+                return self._coord.allocate(
+                    session, args["stream"], args["n_tokens"], args["owner"], args["format"]
+                )
+            return self._coord.allocate_many(session, args["items"])
         items: Items
         if op == ALLOCATE:
             items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
         else:
             items = args["items"]
-        cost = session.bytes_per_block
-        if not cost:  # not bounded by the budget
-            return self._perform(session, op, items, 0)
         n_bytes = self._bytes_of(items, cost)
         if not n_bytes:
             return self._perform(session, op, items, 0)

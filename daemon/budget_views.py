@@ -41,15 +41,16 @@ def model_views(
     snap = ledger.snapshot(now)
     load: dict[str, list[int]] = {}
     for session in sessions:
-        row = load.setdefault(session.model, [0, 0, 0])
-        row[0] += 1
-        row[1] += session.running or 0
-        row[2] += session.queued or 0
+        counts = load.setdefault(session.model, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += session.running or 0
+        counts[2] += session.queued or 0
     limited = is_limited(ledger)
     views = []
     for name in sorted(snap.models.keys() | load.keys()):
         n_sessions, running, queued = load.get(name, (0, 0, 0))
         view = snap.models.get(name)
+        row: dict[str, Any]
         if view is None:  # served, but never asked the budget for anything yet
             settings = ledger.settings_of(name)
             limit = settings.limit
