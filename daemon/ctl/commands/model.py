@@ -50,7 +50,7 @@ def _limit(text: str) -> int:
     if text.strip().lower() == "none":
         return NO_LIMIT
     try:
-        return parse_bytes(text, what="limit")
+        return parse_bytes(text, what="limit", allow_zero=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, or none") from None
 
