@@ -223,7 +223,7 @@ def test_help_comes_from_the_command_modules(pool: LivePool) -> None:
 
 
 def test_json_output_is_valid_for_every_read_command(pool: LivePool) -> None:
-    for command in ("status", "sessions", "owners", "history", "metrics"):
-        result = run_ctl(pool.run_dir, command, "--json")
+    for command in (["status"], ["sessions"], ["owners"], ["history"], ["metrics"], ["budget"]):
+        result = run_ctl(pool.run_dir, *command, "--json")
         assert result.returncode == 0, result.stderr
         json.loads(result.stdout)
