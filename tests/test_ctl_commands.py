@@ -63,7 +63,9 @@ def test_status_text(pool: LivePool) -> None:
     }
     assert rows["k"] == ["11", "117", "128", "8.6%"]
     assert rows["v"] == ["10", "118", "128", "7.8%"]
-    models = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-2:]}
+    lines = out.splitlines()
+    blocks_table = next(i for i, line in enumerate(lines) if line.startswith("MODEL  SESSIONS"))
+    models = {line.split()[0]: line.split()[1:] for line in lines[blocks_table + 1 :][:2]}
     assert models == {
         "alpha": ["1", "4", "3", "28.0", "KiB"],
         "beta": ["1", "7", "7", "56.0", "KiB"],
