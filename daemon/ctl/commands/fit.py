@@ -1,4 +1,4 @@
-"""Will N more sequences of CONTEXT tokens fit a model's memory? fit --model NAME --context N.
+"""Will C more sequences of N tokens fit a model's memory? fit --model NAME --context N.
 
 Answers for --concurrency sequences (default 1) of --context tokens each (prompt plus tokens to
 generate), on top of what the model holds now, with the bytes per block of a connected worker
@@ -13,8 +13,9 @@ of that model. The verdict, best first:
                             reserves, even with the model holding nothing (exit 12)
 
 Prints the bytes needed and per sequence, what the model holds, the bytes it could get now,
-once others return, and at most; and the largest concurrency that fits now and ever. Exits 4
-when no worker of the model is connected (its bytes per block are unknown).
+once others return, and at most; and the largest concurrency that fits now and ever. --json
+prints the daemon's answer (the exit status is the verdict's all the same). Exits 4 when no
+worker of the model is connected (its bytes per block are unknown).
 """
 
 from __future__ import annotations
