@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.ctl.labels import model_labels
-from vqpool.daemon.ctl.render import ellipsis, fit_fields, table
+from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, table
 from vqpool.shared.byte_sizes import format_bytes
 
 MODEL_HEADERS = [
@@ -40,10 +40,12 @@ def weight(value: float) -> str:
 
 
 def waiting(view: dict[str, Any]) -> str:
-    """Requests a model has parked at the daemon, with their bytes: ``2 (1.5 MiB)``, or ``0``."""
+    """Requests a model has parked at the daemon, with their bytes and how long the oldest has
+    waited: ``2 (1.5 MiB, 3.2s)``, or ``0``."""
     if not view["waiting"]:
         return "0"
-    return f"{view['waiting']} ({format_bytes(view['waiting_bytes'])})"
+    age = "" if view["oldest_wait_s"] is None else f", {duration(view['oldest_wait_s'])}"
+    return f"{view['waiting']} ({format_bytes(view['waiting_bytes'])}{age})"
 
 
 def budget_fields(budget: dict[str, Any]) -> list[str]:

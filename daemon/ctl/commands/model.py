@@ -4,9 +4,9 @@ model list: one row per model (those with workers connected and those configured
 held, its reserve (a floor no other model may take), its limit (a cap on what it may hold;
 "none": only the budget bounds it), its weight (how spare bytes are shared while models wait),
 bytes borrowed (held above the reserve), its entitlement (its fair share now), requests waiting
-for memory (and their bytes), its sessions, and requests its workers run and queue. Above
-the table, the budget line as `vqpoolctl budget` prints it. Model names lose the prefix they do
-not need (as in `watch`); --json has the full names.
+for memory (their bytes, and how long the oldest has waited), its sessions, and requests its
+workers run and queue. Above the table, the budget line as `vqpoolctl budget` prints it. Model
+names lose the prefix they do not need (as in `watch`); --json has the full names.
 
 model set NAME [--reserve SIZE] [--limit SIZE|none] [--weight W]: change the settings of model
 NAME (the name its workers give, in full, as `vqpoolctl sessions` shows it), live, and print
