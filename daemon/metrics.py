@@ -88,7 +88,7 @@ class InstrumentedHandler(Protocol):
     last_op: str
     last_code: int
 
-    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes: ...
+    def handle(self, payload: bytes, peer: bytes, now: float) -> Any: ...
 
 
 class RequestMetrics:
@@ -108,7 +108,7 @@ class RequestMetrics:
 
     def instrument(
         self, socket_name: str, handler: InstrumentedHandler
-    ) -> Callable[[bytes, bytes, float], bytes]:
+    ) -> Callable[[bytes, bytes, float], Any]:
         """``handler.handle`` wrapped to count and time each request."""
         handle = handler.handle
         ops = self.seconds.setdefault(socket_name, {})
@@ -117,7 +117,7 @@ class RequestMetrics:
         bounds = REQUEST_SECONDS_BUCKETS
         n_slots = len(bounds) + 2
 
-        def counted(payload: bytes, peer: bytes, now: float) -> bytes:
+        def counted(payload: bytes, peer: bytes, now: float) -> Any:
             started = perf_counter()
             reply = handle(payload, peer, now)
             elapsed = perf_counter() - started
