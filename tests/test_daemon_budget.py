@@ -5,13 +5,16 @@ settings, and fit answers. Raw protocol clients in this process, one session per
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_harness import DaemonProcess, RawClient, short_tmpdir
+from prometheus_client.parser import text_string_to_metric_families
 from vqpool.shared.errors import ErrorCode
 
 BLOCK = 16  # tokens per block (the daemon's default block size)
@@ -352,3 +355,37 @@ def test_the_start_line_names_the_budget_and_models(start_daemon) -> None:
     models = daemon.admin("model_list")["models"]
     assert models[0]["model"] == "llama" and models[0]["reserve"] == 2 * 2**30
     shutil.rmtree(base, ignore_errors=True)
+
+
+def test_budget_metrics_are_published(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "8000", "--metrics-port", "0")
+    daemon.admin("model_set", model="a", reserve=1000, limit=6000, weight=2.0)
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 3)["ok"]
+    assert b.allocate("b", 5)["ok"]
+    b.send_allocate("b2", 2, wait=10)
+    assert b.no_reply(0.1)
+    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
+    assert match, daemon.log()
+    with urllib.request.urlopen(match.group(1), timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("vqpool_budget_bytes", ())] == 8000
+    assert samples[("vqpool_budget_free_bytes", ())] == 0
+    expected = {
+        "vqpool_model_reserve_bytes": (1000, 0),
+        "vqpool_model_limit_bytes": (6000, 8000),
+        "vqpool_model_weight": (2, 1),
+        "vqpool_model_borrowed_bytes": (2000, 5000),
+        "vqpool_model_waiting_requests": (0, 1),
+        "vqpool_model_waiting_bytes": (0, 2000),
+    }
+    for name, (for_a, for_b) in expected.items():
+        assert samples[(name, (("model", "a"),))] == for_a, name
+        assert samples[(name, (("model", "b"),))] == for_b, name
+    assert samples[("vqpool_model_bytes_held", (("model", "b"), ("stream", "k")))] == 5000
