@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 from ctl_harness import VQPOOLCTL, LivePool, ctl_json, run_ctl
+from daemon_harness import RawClient, wait_until
 
 KIB = 1024
 ALPHA_HELD = 7 * 4096
@@ -315,3 +316,64 @@ def test_help_of_the_budget_commands(pool: LivePool) -> None:
         result = run_ctl(pool.run_dir, "help", topic)
         assert result.returncode == 0 and words in result.stdout, result.stdout
         assert "12 fit: never fits" in result.stdout
+
+
+@pytest.fixture
+def tight_pool() -> Iterator[LivePool]:
+    """alpha and beta hold 84 KiB of a 96 KiB budget given at start-up."""
+    live = LivePool.start("--n-blocks", "256", "--lease", "5", "--budget", "96KiB")
+    yield live
+    live.stop()
+
+
+def _parked_gamma(pool: LivePool) -> RawClient:
+    """A session of model gamma (4096 bytes per block) whose allocate of 16 KiB waits at the
+    daemon: 12 KiB are free."""
+    raw = RawClient(pool.run_dir)
+    hello = raw.call(
+        "hello",
+        {
+            "pid": os.getpid(),
+            "model": "gamma",
+            "nonce": os.urandom(8).hex(),
+            "bytes_per_block": 4096,
+        },
+    )
+    assert hello["ok"], hello
+    raw.sid, raw.boot = hello["result"]["sid"], hello["result"]["boot"]
+    args = {"stream": "k", "n_tokens": 4 * 16, "owner": "g", "wait": 30}
+    raw.send(raw.encode("allocate", args))
+    wait_until(lambda: pool.daemon.admin("budget")["waiting"] == 1, timeout=5)
+    return raw
+
+
+def test_a_waiting_request_shows_everywhere_and_a_lower_budget_refuses_it(
+    tight_pool: LivePool,
+) -> None:
+    pool = tight_pool
+    raw = _parked_gamma(pool)
+    try:
+        shown = run_ctl(pool.run_dir, "budget").stdout.splitlines()
+        assert shown[:3] == ["budget 96 KiB", "held 84 KiB", "free 12 KiB"]
+        assert shown[-1] == "waiting 1"
+        listing = run_ctl(pool.run_dir, "model", "list").stdout
+        gamma = _row(listing, "gamma")
+        assert gamma[1] == "0 B" and gamma[8] == "1", gamma
+        assert re.fullmatch(r"1 \(16 KiB, \d+\.\ds\)", gamma[7]), gamma
+        status = ctl_json(pool.run_dir, "status")
+        view = next(v for v in status["budget"]["models"] if v["model"] == "gamma")
+        assert (view["waiting"], view["waiting_bytes"]) == (1, 16 * KIB)
+        assert status["budget"]["waiting"] == 1
+        frame = _watch_once(pool, 100)
+        line = next(line for line in frame if line.startswith("gamma held"))
+        assert re.search(r"waiting 1 \(16 KiB, \d+\.\ds\)$", line), frame
+        # 16 KiB can never fit an 8 KiB budget: the parked request is refused, and counted.
+        lowered = run_ctl(pool.run_dir, "budget", "8KiB")
+        assert lowered.returncode == 0, lowered.stderr
+        assert lowered.stdout.splitlines()[0] == "budget: 96 KiB -> 8 KiB"
+        assert "refused 1 parked request(s)" in lowered.stdout
+        reply = raw.recv()
+        assert not reply["ok"] and "budget" in reply["error"]["message"], reply
+        assert ctl_json(pool.run_dir, "budget")["waiting"] == 0
+    finally:
+        raw.close()
