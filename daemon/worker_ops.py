@@ -190,12 +190,12 @@ class WorkerRequestHandler:
                 if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
                     coord.claiming.refuse_allocation(op, now)
                     coord.check_claim_period(now)  # its time ran out just now
-                cached = coord.replies.lookup(session.sid, rid)
-                if cached is not None:
-                    return cached
                 parked = coord.budget.parked
                 if parked and (session.sid, rid) in parked:  # a resend: answer the newest one
                     return parked[session.sid, rid]
+                cached = coord.replies.lookup(session.sid, rid)
+                if cached is not None:
+                    return cached
             args = parse_args(op, request.args, WORKER_ARGS[op])
             if op in BUDGETED_OPS:
                 result = coord.budget.allocate(session, op, args, rid, now)

@@ -389,3 +389,76 @@ def test_budget_metrics_are_published(start_daemon, clients) -> None:
         assert samples[(name, (("model", "a"),))] == for_a, name
         assert samples[(name, (("model", "b"),))] == for_b, name
     assert samples[("vqpool_model_bytes_held", (("model", "b"), ("stream", "k")))] == 5000
+
+
+def test_a_grant_after_many_later_requests_is_still_cached_for_a_resend(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    rid = b.send_allocate("b", 1, wait=10)
+    for i in range(80):  # more than the reply cache keeps per session: ids above rid evicted
+        assert b.call("register_owner", {"owner": f"r{i}"})["ok"]
+    b.send_allocate("b", 1, wait=10, rid=rid)  # still parked: not refused as too old
+    assert b.no_reply(0.1)
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    granted = b.recv()
+    assert granted["ok"] and granted["id"] == rid
+    b.send_allocate("b", 1, wait=10, rid=rid)
+    assert b.recv() == granted
+    assert daemon.admin("budget")["total_held"] == 1000
+    daemon.audit()
+
+
+def test_an_evicted_sessions_parked_allocate_is_dropped(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    b.send_allocate("b", 1, wait=10)
+    assert b.no_reply(0.1)
+    daemon.admin("evict_session", sid=b.sid)
+    view = daemon.admin("model_list")
+    assert view["budget"]["waiting"] == 0
+    assert [m["model"] for m in view["models"]] == ["a"]  # b forgotten: unconfigured, no session
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    assert b.no_reply()
+    daemon.audit()
+
+
+def test_allocate_many_asks_for_its_bytes_at_once_and_credits_failed_items(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "5000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert b.allocate("taken", 1)["ok"]
+    items = [["k", 2 * BLOCK, "x", "fp16"], ["k", BLOCK, "taken", "fp16"]]
+    reply = a.call("allocate_many", {"items": items, "wait": 1.0})
+    assert reply["ok"]
+    assert len(reply["result"][0]) == 2
+    assert reply["result"][1]["code"] == ErrorCode.OWNER_ALREADY_ACTIVE
+    held = {m["model"]: m["held"] for m in daemon.admin("model_list")["models"]}
+    assert held == {"a": 2000, "b": 1000}  # the failed item's 1000 bytes were credited back
+    too_many = [["k", BLOCK, f"o{i}", "fp16"] for i in range(3)]  # 3000 > 2000 free
+    assert error_code(a.call("allocate_many", {"items": too_many})) == ErrorCode.POOL_EXHAUSTED
+    assert daemon.admin("budget")["total_held"] == 3000
+    daemon.audit()
+
+
+@pytest.mark.parametrize("wait", [-1, 61, "1", True])
+def test_a_bad_wait_is_a_bad_request(start_daemon, clients, wait: Any) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "5000")
+    a = clients(daemon, "a", 1000)
+    reply = a.call("allocate", {"stream": "k", "n_tokens": BLOCK, "owner": "a", "wait": wait})
+    assert error_code(reply) == ErrorCode.BAD_REQUEST
+    assert daemon.admin("budget")["total_held"] == 0
+
+
+def test_a_budget_without_n_blocks_sizes_the_id_space(start_daemon) -> None:
+    daemon = start_daemon("--budget", "64KiB")
+    config = daemon.admin("stats")["config"]
+    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 64
+    assert "budget: 64 KiB" in daemon.log()
