@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vqpool.daemon.budget import BudgetLedger, bytes_for_context
-from vqpool.daemon.budget_types import ModelSettings, Outcome, Ticket, Verdict
+from vqpool.daemon.budget_types import GRANTED, ModelSettings, Outcome, Ticket, Verdict
 from vqpool.daemon.budget_views import budget_view, fit_to_wire, is_limited, model_views
 from vqpool.daemon.dispatch import error_reply
 from vqpool.daemon.sessions import Session
@@ -84,6 +84,7 @@ class BudgetAccounting:
     ) -> None:
         self._coord = coord
         self.ledger = BudgetLedger(MAX_BYTES if budget is None else budget, models)
+        self._block_size = coord.allocator.config.block_size
         self.parked: dict[Ticket, ParkedRequest] = {}
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Replies of parked requests ready to send: (envelope, reply frame)."""
@@ -129,6 +130,8 @@ class BudgetAccounting:
                     session, args["stream"], args["n_tokens"], args["owner"], args["format"]
                 )
             return self._coord.allocate_many(session, args["items"])
+        if op == ALLOCATE and not args["wait"]:
+            return self._allocate_now(session, args, cost)
         items: Items
         if op == ALLOCATE:
             items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
@@ -153,8 +156,29 @@ class BudgetAccounting:
             raise self.refusal(op, verdict)
         return self._perform(session, op, items, n_bytes)
 
+    def _allocate_now(
+        self, session: Session, args: dict[str, Any], cost: Mapping[str, int]
+    ) -> list[int]:
+        """One ``allocate`` that does not wait (the hot path with a budget): its blocks, all
+        ceil(n_tokens / block_size) of them when it succeeds, cost exactly what is charged."""
+        stream, n_tokens = args["stream"], args["n_tokens"]
+        n_bytes = 0
+        if n_tokens > 0:
+            n_bytes = -(-n_tokens // self._block_size) * cost.get(stream, 0)
+        ledger = self.ledger
+        if n_bytes:
+            verdict = ledger.try_grant(session.model, n_bytes)
+            if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
+                raise self.refusal(ALLOCATE, verdict)
+        try:
+            return self._coord.allocate(session, stream, n_tokens, args["owner"], args["format"])
+        except BaseException:
+            if n_bytes:
+                ledger.credit(session.model, n_bytes)
+            raise
+
     def _bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
-        block_size = self._coord.allocator.config.block_size
+        block_size = self._block_size
         return sum(
             -(-n_tokens // block_size) * cost.get(stream, 0)
             for stream, n_tokens, _, _ in items
