@@ -63,7 +63,9 @@ def test_status_text(pool: LivePool) -> None:
     }
     assert rows["k"] == ["11", "117", "128", "8.6%"]
     assert rows["v"] == ["10", "118", "128", "7.8%"]
-    models = {line.split()[0]: line.split()[1:] for line in out.splitlines()[-2:]}
+    lines = out.splitlines()
+    blocks_table = next(i for i, line in enumerate(lines) if line.startswith("MODEL  SESSIONS"))
+    models = {line.split()[0]: line.split()[1:] for line in lines[blocks_table + 1 :][:2]}
     assert models == {
         "alpha": ["1", "4", "3", "28.0", "KiB"],
         "beta": ["1", "7", "7", "56.0", "KiB"],
@@ -223,7 +225,7 @@ def test_help_comes_from_the_command_modules(pool: LivePool) -> None:
 
 
 def test_json_output_is_valid_for_every_read_command(pool: LivePool) -> None:
-    for command in ("status", "sessions", "owners", "history", "metrics"):
-        result = run_ctl(pool.run_dir, command, "--json")
+    for command in (["status"], ["sessions"], ["owners"], ["history"], ["metrics"], ["budget"]):
+        result = run_ctl(pool.run_dir, *command, "--json")
         assert result.returncode == 0, result.stderr
         json.loads(result.stdout)

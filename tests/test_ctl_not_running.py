@@ -21,6 +21,11 @@ COMMANDS = [
     ["history"],
     ["metrics"],
     ["watch"],
+    ["budget"],
+    ["budget", "6GiB"],
+    ["model", "list"],
+    ["model", "set", "x", "--weight", "2"],
+    ["fit", "--model", "x", "--context", "16"],
 ]
 
 
@@ -47,7 +52,19 @@ def test_stale_socket_of_a_killed_daemon(
 
 
 def test_bad_arguments_exit_2(run_dir: Path) -> None:
-    for args in (["frobnicate"], [], ["status", "--timeout", "0"], ["history", "--limit", "0"]):
+    for args in (
+        ["frobnicate"],
+        [],
+        ["status", "--timeout", "0"],
+        ["history", "--limit", "0"],
+        ["budget", "40x"],
+        ["budget", "0%"],
+        ["model"],
+        ["model", "set", "x"],
+        ["model", "set", "x", "--reserve", "-1GiB"],
+        ["fit", "--model", "x", "--context", "0"],
+        ["fit", "--context", "16"],
+    ):
         result = run_ctl(run_dir, *args)
         assert result.returncode == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr

@@ -15,31 +15,11 @@ from types import ModuleType
 from vqpool.daemon.ctl.commands import COMMANDS
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, CtlError, Exit
-from vqpool.daemon.ctl.options import positive_float
-from vqpool.shared.config import RUN_DIR_ENV, resolve_run_dir, socket_path
+from vqpool.daemon.ctl.options import DEFAULT_TIMEOUT, common_options
+from vqpool.shared.config import resolve_run_dir, socket_path
 from vqpool.shared.errors import VqpoolError
 
-DEFAULT_TIMEOUT = 3.0
-"""Seconds to wait for the daemon's reply (it answers in well under a millisecond)."""
-
 HELP = "help"
-
-
-def _common_options() -> argparse.ArgumentParser:
-    """Options every command takes, before or after the command name."""
-    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    common.add_argument(
-        "--run-dir",
-        metavar="DIR",
-        help=f"the daemon's run directory (env {RUN_DIR_ENV}; default as for vqpoold)",
-    )
-    common.add_argument(
-        "--timeout",
-        type=positive_float,
-        metavar="SECONDS",
-        help=f"how long to wait for the daemon's reply (default {DEFAULT_TIMEOUT:g})",
-    )
-    return common
 
 
 def _summary(module: ModuleType) -> str:
@@ -48,7 +28,7 @@ def _summary(module: ModuleType) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The vqpoolctl parser: one sub-command per module in COMMANDS, plus ``help``."""
-    common = _common_options()
+    common = common_options()
     parser = argparse.ArgumentParser(
         prog="vqpoolctl",
         description="Inspect and steer a running vqpoold (the vqpool coordinator daemon).",

@@ -19,6 +19,12 @@ class Exit(IntEnum):
     """The daemon answered with an error: no such session, a value it does not accept..."""
     CANCELLED = 5
     """A confirmation was declined (evict without --yes answered no, or stdin closed)."""
+    FIT_WITHIN_RESERVE = 10
+    """``fit``: not free now, but within the model's reserve (it comes as its own work ends)."""
+    FIT_AFTER_OTHERS_RETURN = 11
+    """``fit``: fits once other models give back the memory they borrowed."""
+    FIT_NEVER = 12
+    """``fit``: never fits: over the model's limit or the budget (less other models' reserves)."""
 
 
 EXIT_CODES_HELP = """exit codes:
@@ -27,7 +33,10 @@ EXIT_CODES_HELP = """exit codes:
   2  bad arguments
   3  vqpoold is not running (or not answering) on the run directory
   4  refused by the daemon (no such session, a value it does not accept)
-  5  cancelled (a confirmation was declined)"""
+  5  cancelled (a confirmation was declined)
+  10 fit: fits within the model's reserve, not now
+  11 fit: fits once other models give back borrowed memory, not now
+  12 fit: never fits (over the model's limit or the budget)"""
 
 
 class CtlError(Exception):

@@ -5,6 +5,28 @@ from __future__ import annotations
 import argparse
 
 from vqpool.daemon.commands import COMMANDS as ADMIN_COMMANDS
+from vqpool.shared.config import RUN_DIR_ENV
+
+DEFAULT_TIMEOUT = 3.0
+"""Seconds to wait for the daemon's reply (it answers in well under a millisecond)."""
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes, before or after the command name (a parent parser for
+    each command's parser, and for the actions of a command that has several)."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    common.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help=f"the daemon's run directory (env {RUN_DIR_ENV}; default as for vqpoold)",
+    )
+    common.add_argument(
+        "--timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help=f"how long to wait for the daemon's reply (default {DEFAULT_TIMEOUT:g})",
+    )
+    return common
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,12 @@ returns an exit status. :data:`COMMANDS` maps command names to modules, in help 
 from types import ModuleType
 
 from vqpool.daemon.ctl.commands import (
+    budget,
     evict,
+    fit,
     history,
     metrics,
+    model,
     owners,
     sessions,
     shrink,
@@ -20,5 +23,17 @@ from vqpool.daemon.ctl.commands import (
 
 COMMANDS: dict[str, ModuleType] = {
     module.__name__.rsplit(".", 1)[-1]: module
-    for module in (status, sessions, owners, shrink, evict, history, metrics, watch)
+    for module in (
+        status,
+        sessions,
+        owners,
+        budget,
+        model,
+        fit,
+        shrink,
+        evict,
+        history,
+        metrics,
+        watch,
+    )
 }

@@ -1,14 +1,18 @@
 """Show whether vqpoold runs and the state of its pool.
 
 Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
-free and total per stream, fragmentation, and what the workers of each model hold (blocks and
-bytes). Exits 3 when no daemon answers on the run directory.
+free and total per stream, fragmentation, what the workers of each model hold (blocks and
+bytes), and the memory budget: the budget, bytes held and free, reserves and requests waiting,
+and per model its bytes held, reserve, limit, weight, bytes borrowed above its reserve,
+entitlement and requests waiting (as `vqpoolctl model list`). Exits 3 when no daemon answers on
+the run directory.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from vqpool.daemon.ctl.budgets import budget_report
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json
@@ -23,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(ctl: Ctl, args: argparse.Namespace) -> int:
     stats = ctl.call("stats")
     models = per_model(ctl.call("sessions"))
+    listing = ctl.call("model_list")
     if ctl.as_json:
-        ctl.print_json({**stats, "in_use": in_use(stats), "models": models})
+        budget = {**listing["budget"], "models": listing["models"]}
+        ctl.print_json({**stats, "in_use": in_use(stats), "models": models, "budget": budget})
         return Exit.OK
     st = stats["stats"]
     used = in_use(stats)
@@ -66,4 +72,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         ]
         headers = ["MODEL", "SESSIONS", *(f"BLOCKS {s.upper()}" for s in streams), "BYTES HELD"]
         ctl.print(table(headers, rows, right={"BYTES HELD"}))
+    ctl.print()
+    for line in budget_report(listing):
+        ctl.print(line)
     return Exit.OK

@@ -4,7 +4,10 @@ Shows, per stream, blocks in use against the total as a bar with the free count;
 stream, the blocks its workers hold as bars (with bytes held) and the requests its workers are
 running and have queued (as the workers last reported them in their heartbeat; "-" for a
 worker that does not report them); fragmentation; and the rates of block allocations and of
-refused (exhausted) allocations since the previous refresh. Lines fit the terminal's width;
+refused (exhausted) allocations since the previous refresh; then the memory budget (budget,
+bytes held and free, reserves, requests waiting) and per model its bytes held, reserve, limit,
+weight, bytes borrowed above its reserve and requests waiting for memory with their bytes.
+Lines fit the terminal's width;
 model names lose their org or directory prefix, and long ones their middle, keeping the part
 that tells them apart. When stdout is not a terminal (a pipe or a file), each refresh is
 printed as plain lines (no escape codes), frames two blank lines apart, COLUMNS (default 100)
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
 
+from vqpool.daemon.ctl.budgets import budget_fields, labelled_lines, model_fields
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.labels import model_labels
@@ -55,10 +59,14 @@ class Reading:
     at: float
     stats: dict[str, Any]
     sessions: list[dict[str, Any]]
+    budgets: dict[str, Any]
+    """The ``model_list`` reply: the budget map and one view per model."""
 
     @classmethod
     def take(cls, ctl: Ctl) -> Reading:
-        return cls(time.monotonic(), ctl.call("stats"), ctl.call("sessions"))
+        return cls(
+            time.monotonic(), ctl.call("stats"), ctl.call("sessions"), ctl.call("model_list")
+        )
 
     def rates(self, previous: Reading | None) -> dict[str, float | None]:
         """Blocks allocated and allocations exhausted per second since ``previous``."""
@@ -133,11 +141,35 @@ def render(reading: Reading, previous: Reading | None, width: int, interval: flo
     )
     lines.append("")
     models = per_model(reading.sessions)
-    if not models:
+    views = reading.budgets["models"]
+    labels = model_labels(
+        sorted({*models, *(v["model"] for v in views)}), max(12, width // 3), ellipsis()
+    )
+    if models:
+        lines += _model_bars(models, labels, streams, width)
+    else:
         lines.append("no worker sessions")
-        return lines
-    labels = model_labels(list(models), max(12, width // 3), ellipsis())
-    label_width = max(len(label) for label in labels.values())
+    return lines + _budget_lines(reading.budgets, labels, width)
+
+
+def _budget_lines(budgets: dict[str, Any], labels: dict[str, str], width: int) -> list[str]:
+    """The budget, then one model per line (wrapped under the label when too long)."""
+    lines = ["", *fit_fields(budget_fields(budgets["budget"]), width, "  ")]
+    views = budgets["models"]
+    label_width = max((len(labels[v["model"]]) for v in views), default=0)
+    for view in views:
+        lines += labelled_lines(labels[view["model"]], label_width, model_fields(view), width)
+    return lines
+
+
+def _model_bars(
+    models: dict[str, dict[str, Any]],
+    labels: dict[str, str],
+    streams: dict[str, dict[str, int]],
+    width: int,
+) -> list[str]:
+    """Per model and stream, the blocks held as a bar, with bytes and requests."""
+    label_width = max(len(labels[name]) for name in models)
     heads: list[str] = []
     fractions: list[float] = []
     held_texts: list[str] = []
@@ -154,7 +186,7 @@ def render(reading: Reading, previous: Reading | None, width: int, interval: flo
             loads.append(model_loads[i] if i < len(model_loads) else "")
     held_width = max(len(text) for text in held_texts)
     tails = [f"{text:<{held_width}}  {load}" for text, load in zip(held_texts, loads, strict=True)]
-    return lines + _bar_lines(heads, fractions, tails, width)
+    return _bar_lines(heads, fractions, tails, width)
 
 
 def _json_lines(ctl: Ctl, interval: float, count: int | None) -> int:
@@ -170,6 +202,7 @@ def _json_lines(ctl: Ctl, interval: float, count: int | None) -> int:
                 "fragmentation": reading.stats["stats"]["fragmentation"],
                 **reading.rates(previous),
                 "models": per_model(reading.sessions),
+                "budget": {**reading.budgets["budget"], "models": reading.budgets["models"]},
             }
             print(json.dumps(record, sort_keys=True), file=ctl.out, flush=True)
             n += 1
