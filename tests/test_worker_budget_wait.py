@@ -67,7 +67,7 @@ def test_a_waiting_allocation_leaves_the_client_free_for_other_calls(pool: PoolC
     assert {b.block_id for b in pool.blocks_for("y")} == {b.block_id for b in granted}
     assert sorted(b.block_id for b in pool.held_blocks()) == sorted(
         b.block_id
-        for b in [*full[1 : BUDGET_BLOCKS // 2], *full[BUDGET_BLOCKS // 2 + 1 :]] + granted
+        for b in [*full[1 : BUDGET_BLOCKS // 2], *full[BUDGET_BLOCKS // 2 + 1 :], *granted]
     )
 
 
