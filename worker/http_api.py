@@ -45,6 +45,7 @@ from vqpool.worker.openai_api import (
 from vqpool.worker.scheduler import (
     GenerationJob,
     JobEnd,
+    NeverFitsError,
     QueueFullError,
     Scheduler,
     ScoredToken,
@@ -244,6 +245,8 @@ class ServingHandler(BaseHTTPRequestHandler):
             )
             try:
                 app.scheduler.submit(job)
+            except NeverFitsError as exc:
+                raise ApiError(400, str(exc), param="max_tokens") from None
             except (QueueFullError, ShuttingDownError) as exc:
                 raise ApiError(
                     503, str(exc), kind="overloaded", headers={"Retry-After": "1"}
