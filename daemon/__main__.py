@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="blocks in the pool at start, half for keys and half for values unless --shared-kv",
     )
+    parser.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="bytes of KV cache all models may hold together: a size (8GiB, 512MiB) or a share "
+        "of physical memory (40%%); default: no budget (see docs/budget.md)",
+    )
     parser.add_argument("--block-size", type=int, metavar="TOKENS", help="token slots per block")
     parser.add_argument(
         "--shared-kv",
@@ -90,6 +96,8 @@ def settings_from(options: dict[str, Any]) -> DaemonSettings:
         settings = replace(settings, **load_settings_file(config_file))
     if os.environ.get(RUN_DIR_ENV):
         settings = replace(settings, run_dir=os.environ[RUN_DIR_ENV])
+    if "n_blocks" in options:
+        options["n_blocks_given"] = True
     return replace(settings, **options)
 
 

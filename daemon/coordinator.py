@@ -12,10 +12,12 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vqpool.daemon.budget_accounting import BudgetAccounting
+from vqpool.daemon.budget_types import ModelSettings
 from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.peer_auth import PeerAuthenticator
 from vqpool.daemon.replies import ReplyCache
@@ -59,6 +61,8 @@ class Coordinator:
             no worker of a previous daemon was alive at start.
         claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
             attribute the request hot path looks at.
+        budget: The memory budget's ledger and the allocations waiting for it
+            (``daemon/budget_accounting.py``); every change of holdings goes through it.
     """
 
     def __init__(
@@ -69,8 +73,11 @@ class Coordinator:
         run_dir: Path,
         claim_grace: float = 0.0,
         boot_id: str | None = None,
+        budget: int | None = None,
+        models: Mapping[str, ModelSettings] | None = None,
     ) -> None:
         self.allocator = BlockPoolAllocator(config)
+        self.budget = BudgetAccounting(self, budget, models)
         self.sessions = SessionTable()
         self.replies = ReplyCache()
         self.boot_id = boot_id or new_boot_id()
@@ -235,7 +242,9 @@ class Coordinator:
         owner_of = allocator.owner_of
         holder = self._holder
         touched: set[Owner] = set()
-        for block_id in block_ids:
+        cost = session.bytes_per_block
+        n_bytes = 0
+        for block_id in dict.fromkeys(block_ids) if cost else block_ids:
             owner = owner_of(block_id)
             if owner is None:
                 continue
@@ -244,7 +253,10 @@ class Coordinator:
                     f"free: block {block_id} is held by another worker session; nothing was freed"
                 )
             touched.add(owner)
+            if cost:
+                n_bytes += cost.get(allocator.stream_of(block_id) or "", 0)
         allocator.free([Block(block_id) for block_id in block_ids])
+        self.budget.credit(session, n_bytes)
         for owner in touched:
             if not allocator.is_active(owner):
                 self._unbind(owner)
@@ -252,7 +264,9 @@ class Coordinator:
     def free_all(self, session: Session, owner: Owner) -> None:
         """free_all() of an owner this session holds (an unknown owner is a no-op)."""
         self._require_held(session, owner, "free_all")
+        n_bytes = self.budget.bytes_of_owner(session, owner)
         self.allocator.free_all(owner)
+        self.budget.credit(session, n_bytes)
         self._unbind(owner)
 
     def register_owner(self, session: Session, owner: Owner) -> None:
@@ -365,6 +379,11 @@ class Coordinator:
             if holder is session and not allocator.is_active(owner):
                 allocator.register_owner(owner)  # it was held with no block: keep it so
             raise
+        cost = session.bytes_per_block
+        if cost:  # charged unconditionally: these blocks are held already (docs/budget.md)
+            self.budget.charge(
+                session, sum(len(chunk.block_ids) * cost.get(chunk.stream, 0) for chunk in claimed)
+            )
         self.n_blocks_claimed += len(ids)
         if holder is None:
             self._bind(owner, session)
@@ -422,12 +441,14 @@ class Coordinator:
         """
         allocator = self.allocator
         owners = list(session.owners)
-        n_blocks = 0
+        n_blocks = n_bytes = 0
         for owner in owners:
             n_blocks += allocator.n_blocks_for(owner)
+            n_bytes += self.budget.bytes_of_owner(session, owner)
             allocator.free_all(owner)
             self._unbind(owner)
         self.sessions.close(session)
+        self.budget.session_ended(session, n_bytes)
         self.replies.forget(session.sid)
         self._roll_dirty = True
         return len(owners), n_blocks
@@ -490,4 +511,4 @@ class Coordinator:
             for owner in session.owners:
                 if self._holder.get(owner) is not session:
                     problems.append(f"session {session.sid:x} lists owner {owner!r} it lacks")
-        return problems
+        return problems + self.budget.recount_problems()

@@ -88,7 +88,7 @@ class InstrumentedHandler(Protocol):
     last_op: str
     last_code: int
 
-    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes: ...
+    def handle(self, payload: bytes, peer: bytes, now: float) -> Any: ...
 
 
 class RequestMetrics:
@@ -108,7 +108,7 @@ class RequestMetrics:
 
     def instrument(
         self, socket_name: str, handler: InstrumentedHandler
-    ) -> Callable[[bytes, bytes, float], bytes]:
+    ) -> Callable[[bytes, bytes, float], Any]:
         """``handler.handle`` wrapped to count and time each request."""
         handle = handler.handle
         ops = self.seconds.setdefault(socket_name, {})
@@ -117,7 +117,7 @@ class RequestMetrics:
         bounds = REQUEST_SECONDS_BUCKETS
         n_slots = len(bounds) + 2
 
-        def counted(payload: bytes, peer: bytes, now: float) -> bytes:
+        def counted(payload: bytes, peer: bytes, now: float) -> Any:
             started = perf_counter()
             reply = handle(payload, peer, now)
             elapsed = perf_counter() - started
@@ -181,11 +181,14 @@ class MetricsSnapshot:
     uptime: float
     version: str
     boot_id: str
+    budget: dict[str, Any]  # the budget admin op's view
+    models: list[dict[str, Any]]  # the model_list op's views
 
     @classmethod
     def take(cls, coord: Coordinator, requests: RequestMetrics, version: str) -> MetricsSnapshot:
         """The daemon's state now. Loop thread only; O(allocations held), paid once per scrape."""
         allocator = coord.allocator
+        now = time.monotonic()
         held: dict[tuple[str, str], tuple[int, int]] = {}
         for session in coord.sessions:
             for usage in coord.usage_by(session).values():
@@ -210,6 +213,8 @@ class MetricsSnapshot:
             uptime=coord.uptime(),
             version=version,
             boot_id=coord.boot_id,
+            budget=coord.budget.view(now),
+            models=coord.budget.model_views(now),
         )
 
 
@@ -263,6 +268,8 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     yield blocks
     yield bytes_held
 
+    yield from _budget_families(snap)
+
     yield GaugeMetricFamily("vqpool_sessions", "Live worker sessions.", snap.sessions)
     yield GaugeMetricFamily("vqpool_owners", "Active owner ids.", snap.owners)
     counters = (
@@ -306,6 +313,47 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
             buckets.append((bound, cumulative))
         seconds.add_metric([socket_name, op], buckets, row[-1])
     yield seconds
+
+
+_MODEL_GAUGES = (
+    ("vqpool_model_reserve_bytes", "reserve", "Bytes of the budget kept for a model."),
+    (
+        "vqpool_model_limit_bytes",
+        "effective_limit",
+        "Most bytes a model may hold (its limit, or the budget if smaller; absent if neither).",
+    ),
+    ("vqpool_model_weight", "weight", "A model's weight in sharing spare bytes."),
+    (
+        "vqpool_model_borrowed_bytes",
+        "borrowed",
+        "Bytes a model holds above its reserve (what issue 13's reclaim may ask back).",
+    ),
+    (
+        "vqpool_model_waiting_requests",
+        "waiting",
+        "Allocations of a model waiting at the daemon for memory.",
+    ),
+    ("vqpool_model_waiting_bytes", "waiting_bytes", "Bytes those waiting allocations ask for."),
+)
+
+
+def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+    """The memory budget (absent without one) and each model's settings and demand. Bytes held
+    per model are ``vqpool_model_bytes_held`` (by stream) above."""
+    budget = snap.budget
+    if budget["budget"] is not None:
+        yield GaugeMetricFamily(
+            "vqpool_budget_bytes", "Bytes all models may hold together.", budget["budget"]
+        )
+        yield GaugeMetricFamily(
+            "vqpool_budget_free_bytes", "Bytes of the budget not held.", budget["free"]
+        )
+    for name, key, doc in _MODEL_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["model"])
+        for view in snap.models:
+            if view[key] is not None:
+                family.add_metric([view["model"]], view[key])
+        yield family
 
 
 class _SnapshotCollector(Collector):

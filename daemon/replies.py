@@ -84,12 +84,16 @@ class ReplyCache:
             )
         return cached
 
-    def remember(self, sid: int, rid: int, reply: bytes) -> None:
-        """Keep ``reply`` for a resend of ``rid``, evicting the oldest beyond the bounds."""
+    def remember(self, sid: int, rid: int, reply: bytes, *, late: bool = False) -> None:
+        """Keep ``reply`` for a resend of ``rid``, evicting the oldest beyond the bounds.
+
+        ``late``: the reply of a request that waited at the daemon (a parked allocation) while
+        the session's later requests were answered: it is kept even if ids above it were
+        evicted meanwhile (it is the newest reply now, and the one a resend must find)."""
         entry = self._sessions.get(sid)
         if entry is None:
             entry = self._sessions[sid] = _SessionReplies()
-        elif rid <= entry.floor or rid in entry.replies:
+        elif (rid <= entry.floor and not late) or rid in entry.replies:
             return  # a refused stale id, or a reply already kept
         entry.replies[rid] = reply
         entry.n_bytes += len(reply)

@@ -23,8 +23,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
+import psutil
 import zmq
 from vqpool.daemon.admin import AdminRequestHandler
+from vqpool.daemon.budget import BudgetLedger
+from vqpool.daemon.budget_settings import models_from_toml
+from vqpool.daemon.budget_types import ModelSettings
 from vqpool.daemon.connection_guard import (
     LISTEN_BACKLOG,
     ConnectionGuard,
@@ -39,6 +43,7 @@ from vqpool.daemon.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticat
 from vqpool.daemon.peer_process import RequestPeer
 from vqpool.daemon.worker_ops import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.shared.allocator import PoolConfig
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes, parse_budget
 from vqpool.shared.config import (
     ADMIN_SOCKET_NAME,
     LOCK_FILE_NAME,
@@ -67,7 +72,9 @@ ZAP_BATCH = 16
 SHUTDOWN_LINGER_MS = 200
 """How long closing a socket at shutdown may wait to flush the last replies."""
 
-Handle = Callable[[bytes, bytes, float], bytes]
+Handle = Callable[[bytes, bytes, float], Any]
+"""A socket's request handler: the reply frame, or (worker socket) a
+:class:`~vqpool.daemon.budget_accounting.ParkedRequest` to answer later."""
 
 
 def _input_pending(sock: zmq.Socket[bytes]) -> bool:
@@ -228,6 +235,34 @@ def describe_pool(config: PoolConfig) -> str:
     return f"{per_stream * len(streams)} blocks x {config.block_size} tokens, {split}, {grow}"
 
 
+def budget_settings(settings: DaemonSettings) -> tuple[int | None, dict[str, ModelSettings]]:
+    """The budget in bytes (None: none) and the configured models' settings.
+
+    Raises:
+        ValueError: A bad budget or model entry, or reserves summing over the budget.
+    """
+    budget = None
+    if settings.budget is not None:
+        budget = parse_budget(settings.budget, psutil.virtual_memory().total)
+    models = models_from_toml(settings.models)
+    BudgetLedger(MAX_BYTES if budget is None else budget, models)  # checks the reserves
+    return budget, models
+
+
+def describe_budget(budget: int | None, models: dict[str, ModelSettings]) -> str:
+    """The budget and the configured models, for the start line."""
+    text = "none" if budget is None else format_bytes(budget)
+    if not models:
+        return text
+    shown = []
+    for name, s in models.items():
+        limit = "none" if s.limit is None else format_bytes(s.limit)
+        shown.append(
+            f"{name!r} (reserve {format_bytes(s.reserve)}, limit {limit}, weight {s.weight:g})"
+        )
+    return f"{text}, models {', '.join(shown)}"
+
+
 class Server:
     """One vqpoold: bind, serve until SIGTERM/SIGINT, stop cleanly."""
 
@@ -256,7 +291,8 @@ class Server:
         except ValueError as exc:
             raise StartupError(str(exc), ExitStatus.BAD_RUN_DIR) from exc
         try:
-            pool_config = self.settings.pool_config()
+            budget, models = budget_settings(self.settings)
+            pool_config = self.settings.pool_config(budget)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         if self.settings.lease <= 0:
@@ -276,6 +312,8 @@ class Server:
             run_dir=run_dir,
             claim_grace=self.settings.claim_grace,
             boot_id=boot_id,
+            budget=budget,
+            models=models,
         )
         fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
@@ -306,13 +344,15 @@ class Server:
             max_connections = guard.arm()
             log.info(
                 "vqpoold %s (pid %d, boot %s) listening on ipc://%s (workers) and ipc://%s "
-                "(admin); pool: %s; lease %gs; up to %d connections (open-file limit %d%s)",
+                "(admin); pool: %s; budget: %s; lease %gs; up to %d connections (open-file limit "
+                "%d%s)",
                 DAEMON_VERSION,
                 coord.pid,
                 coord.boot_id,
                 worker_path,
                 admin_path,
                 describe_pool(pool_config),
+                describe_budget(budget, models),
                 coord.lease,
                 max_connections,
                 fd_limit,
@@ -439,6 +479,7 @@ class Server:
             poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
+        budget = coord.budget
         while self._stop_signal is None:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
             # The ZAP socket is looked at only when its fd says something changed: reading its
@@ -449,7 +490,12 @@ class Server:
             if busy or (zap_ready := _input_pending(zap)):
                 timeout_ms = 0
             else:
-                timeout_ms = max(0, int((next_check - time.monotonic()) * 1000) + 1)
+                wake_at = next_check
+                if budget.parked:  # a parked request's deadline may come first
+                    deadline = budget.ledger.next_deadline()
+                    if deadline is not None and deadline < wake_at:
+                        wake_at = deadline
+                timeout_ms = max(0, int((wake_at - time.monotonic()) * 1000) + 1)
             for fd, _ in poller.poll(timeout_ms):
                 if fd == wake_fd:
                     with contextlib.suppress(BlockingIOError):
@@ -466,6 +512,11 @@ class Server:
                     guard.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
+            if budget.parked:
+                budget.expire(time.monotonic())
+                budget.hand_out()
+            if budget.outbox:
+                self._send_late_replies(worker, coord)
             if self._metrics is not None:
                 self._metrics.publish_if_wanted()
             now = time.monotonic()
@@ -507,8 +558,23 @@ class Server:
                 self._bad_frames.note(frames[0], name, f"message of {len(frames)} frames dropped")
                 continue
             peer.frame = routing_id
-            envelope.append(handle(frames[-1], frames[0], monotonic()))
+            reply = handle(frames[-1], frames[0], monotonic())
+            if type(reply) is not bytes:  # parked: answered later on the newest envelope
+                reply.envelope = envelope
+                continue
+            envelope.append(reply)
             try:
                 send(envelope, zmq.NOBLOCK)
             except zmq.ZMQError:  # EAGAIN: peer's queue full; EHOSTUNREACH: peer gone
                 coord.n_replies_dropped += 1
+
+    @staticmethod
+    def _send_late_replies(sock: zmq.Socket[bytes], coord: Coordinator) -> None:
+        """Send the replies of parked requests that were granted, expired or refused."""
+        outbox = coord.budget.outbox
+        for envelope, reply in outbox:
+            try:
+                sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                coord.n_replies_dropped += 1
+        outbox.clear()

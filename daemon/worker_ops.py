@@ -18,6 +18,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from vqpool.daemon.budget_accounting import ParkedRequest
 from vqpool.daemon.coordinator import Coordinator
 from vqpool.daemon.dispatch import PeerLogLimiter, error_reply
 from vqpool.daemon.peer_process import RequestPeer
@@ -37,6 +38,7 @@ from vqpool.shared.protocol import (
     ADMIN_OPS,
     ALLOCATE,
     ALLOCATE_MANY,
+    FIT,
     GOODBYE,
     HELLO,
     MUTATING_OPS,
@@ -70,6 +72,10 @@ CLAIM_PERIOD_REFUSED = frozenset({ALLOCATE, ALLOCATE_MANY, REGISTER_OWNER})
 """Ops refused with RETRY_LATER while a restarted daemon takes claims: each could hand out a
 block or owner id that a worker is about to claim back."""
 
+BUDGETED_OPS = frozenset({ALLOCATE, ALLOCATE_MANY})
+"""Ops that ask the memory budget first, and may be parked until it grants them
+(``daemon/budget_accounting.py``)."""
+
 Handler = Callable[[Coordinator, Session, dict[str, Any]], Any]
 
 
@@ -89,10 +95,6 @@ def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> None:
 HANDLERS: dict[str, Handler] = {
     GOODBYE: _goodbye,
     "ping": _ping,
-    "allocate": lambda coord, session, a: coord.allocate(
-        session, a["stream"], a["n_tokens"], a["owner"], a["format"]
-    ),
-    "allocate_many": lambda coord, session, a: coord.allocate_many(session, a["items"]),
     "free": lambda coord, session, a: coord.free(session, a["block_ids"]),
     "free_all": lambda coord, session, a: coord.free_all(session, a["owner"]),
     "register_owner": lambda coord, session, a: coord.register_owner(session, a["owner"]),
@@ -104,8 +106,11 @@ HANDLERS: dict[str, Handler] = {
     "history": lambda coord, session, a: [stats_to_wire(s) for s in coord.allocator.history],
     "metrics": lambda coord, session, a: coord.allocator.stats.to_prometheus(),
     "claim": lambda coord, session, a: coord.claim(session, a["owners"], a["done"]),
+    FIT: lambda coord, session, a: coord.budget.fit(
+        session.model, session.bytes_per_block, a["context"], a["concurrency"]
+    ),
 }
-assert HANDLERS.keys() == WORKER_OPS - {HELLO}
+assert HANDLERS.keys() == WORKER_OPS - {HELLO} - BUDGETED_OPS
 
 
 class WorkerRequestHandler:
@@ -125,8 +130,10 @@ class WorkerRequestHandler:
         self.last_code = 0
         self._stale_boot_logged = False
 
-    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
-        """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``."""
+    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | ParkedRequest:
+        """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
+        for an allocation that waits for memory, its :class:`ParkedRequest` (no reply now: the
+        server loop keeps the envelope in it and sends the reply once there is one)."""
         coord = self._coord
         coord.n_requests += 1
         boot = coord.boot_id
@@ -183,11 +190,20 @@ class WorkerRequestHandler:
                 if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
                     coord.claiming.refuse_allocation(op, now)
                     coord.check_claim_period(now)  # its time ran out just now
+                parked = coord.budget.parked
+                if parked and (session.sid, rid) in parked:  # a resend: answer the newest one
+                    return parked[session.sid, rid]
                 cached = coord.replies.lookup(session.sid, rid)
                 if cached is not None:
                     return cached
             args = parse_args(op, request.args, WORKER_ARGS[op])
-            reply = encode_result(rid, boot, HANDLERS[op](coord, session, args))
+            if op in BUDGETED_OPS:
+                result = coord.budget.allocate(session, op, args, rid, now)
+                if type(result) is ParkedRequest:
+                    return result
+            else:
+                result = HANDLERS[op](coord, session, args)
+            reply = encode_result(rid, boot, result)
         except RetryLaterError as exc:
             # Not cached: the same request must be served once the claim period is over.
             self.last_code = exc.code
@@ -233,6 +249,7 @@ class WorkerRequestHandler:
             bytes_per_block = args["bytes_per_block"]
             if type(bytes_per_block) is int:
                 bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
+            coord.budget.check_hello(bytes_per_block, coord.allocator.streams)
             session = coord.sessions.open(
                 process,
                 args["model"],

@@ -12,10 +12,14 @@ Measured:
 * requests/s of allocate+free loops from 1, 2 and 4 client processes;
 * allocate_many of 64 one-block allocations in one message against 64 separate allocate calls:
   blocks/s, target >= 20x;
-* the same round trip through PoolClient (the worker library), for its own overhead.
+* the same round trip through PoolClient (the worker library), for its own overhead;
+* with ``--budget SIZE``: the same round trip against a second vqpoold run with that memory
+  budget, its sessions declaring bytes per block (so every allocation goes through the budget
+  ledger), side by side with the first; target p50 within 1.05x of the daemon without budget.
 
     scripts/bench_daemon.py            # full run, about a minute
     scripts/bench_daemon.py --quick    # a smoke run of every measurement
+    scripts/bench_daemon.py --budget 1GiB  # also the round trip with a memory budget on
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ import zmq
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import encode_request
+
+BENCH_BYTES_PER_BLOCK = 4096
+"""Bytes per block the sessions of the budget measurement declare (a tiny model's block)."""
 
 SERVER_CPU = 0
 CLIENT_CPU = 1
@@ -75,13 +82,15 @@ def echo_server(endpoint: str) -> None:
 class Session:
     """A raw DEALER session (hello first when the server is vqpoold)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, bytes_per_block: int | None = None) -> None:
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.next_id = 1
-        args = {"pid": os.getpid(), "model": "bench", "nonce": os.urandom(8).hex()}
+        args: dict[str, Any] = {"pid": os.getpid(), "model": "bench", "nonce": os.urandom(8).hex()}
+        if bytes_per_block is not None:  # priced by the daemon's memory budget
+            args["bytes_per_block"] = bytes_per_block
         result = self.call("hello", args).get("result")
         # An echo server answers with the request itself: no session, same message shapes.
         self.sid: int = result["sid"] if result else 0
@@ -154,7 +163,7 @@ def client_main(args: argparse.Namespace) -> None:
         pool_client_pairs(args.run_dir, args.count // 10)  # warm up
         print(json.dumps({"times": pool_client_pairs(args.run_dir, args.count)}), flush=True)
         return
-    session = Session(args.endpoint)
+    session = Session(args.endpoint, args.bytes_per_block)
     alloc_free_pairs(session, 200)  # warm up
     print("ready", flush=True)
     sys.stdin.readline()
@@ -183,9 +192,13 @@ def spawn(argv: list[str]) -> subprocess.Popen[str]:
     return process
 
 
-def run_clients(endpoint: str, run_dir: str, task: str, count: int, n: int) -> list[Any]:
+def run_clients(
+    endpoint: str, run_dir: str, task: str, count: int, n: int, bytes_per_block: int | None = None
+) -> list[Any]:
     """Start ``n`` client processes, release them together, collect their JSON results."""
     argv = ["--client", task, "--endpoint", endpoint, "--run-dir", run_dir, "--count", str(count)]
+    if bytes_per_block is not None:
+        argv += ["--bytes-per-block", str(bytes_per_block)]
     clients = [spawn(argv) for _ in range(n)]
     for client in clients:
         assert client.stdin is not None
@@ -199,7 +212,7 @@ def run_clients(endpoint: str, run_dir: str, task: str, count: int, n: int) -> l
     return results
 
 
-def start_daemon(run_dir: Path) -> subprocess.Popen[bytes]:
+def start_daemon(run_dir: Path, *options: str) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",
@@ -210,6 +223,7 @@ def start_daemon(run_dir: Path) -> subprocess.Popen[bytes]:
         "65536",
         "--log-level",
         "WARNING",
+        *options,
     ]
     process = subprocess.Popen(argv, preexec_fn=lambda: pin(SERVER_CPU))
     deadline = time.monotonic() + 15
@@ -236,6 +250,12 @@ def main() -> None:
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bytes-per-block", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="also measure the round trip against a vqpoold with this memory budget",
+    )
     args = parser.parse_args()
     if args.client:
         args.task = args.client
@@ -252,6 +272,10 @@ def main() -> None:
     daemon_endpoint = f"ipc://{run_dir}/worker.sock"
     echo_endpoint = f"ipc://{base}/echo.sock"
     daemon = start_daemon(run_dir)
+    budget_run_dir = base / "budget"
+    budget_daemon = start_daemon(budget_run_dir, "--budget", args.budget) if args.budget else None
+    budget_p50: list[float] = []
+    plain_p50: list[float] = []
     echo = spawn(["--echo", echo_endpoint])
     placement = (
         f"servers on cpu {SERVER_CPU}, clients on cpu {CLIENT_CPU}"
@@ -280,9 +304,24 @@ def main() -> None:
                 batch[name].append((result["single"], result["batch"]))
             (result,) = run_clients(daemon_endpoint, str(run_dir), "poolclient", pairs, 1)
             client_p50.append(statistics.median(result["times"]))
+            if budget_daemon is not None:  # side by side: off, on, off, on...
+                (result,) = run_clients(
+                    f"ipc://{budget_run_dir}/worker.sock",
+                    str(budget_run_dir),
+                    "pairs",
+                    pairs,
+                    1,
+                    BENCH_BYTES_PER_BLOCK,
+                )
+                budget_p50.append(statistics.median(result["times"]))
+                (result,) = run_clients(daemon_endpoint, str(run_dir), "pairs", pairs, 1)
+                plain_p50.append(statistics.median(result["times"]))
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait()
+        if budget_daemon is not None:
+            budget_daemon.send_signal(signal.SIGTERM)
+            budget_daemon.wait()
         echo.kill()
         echo.wait()
         shutil.rmtree(base, ignore_errors=True)
@@ -304,6 +343,13 @@ def main() -> None:
         f"  through PoolClient: p50 {med(client_p50) * us:.1f} us "
         f"({med(client_p50) / med(p50['daemon']):.2f}x the raw daemon round trip)"
     )
+    if budget_p50:
+        ratio = med(budget_p50) / med(plain_p50)
+        print(
+            f"  with --budget {args.budget} (sessions declare {BENCH_BYTES_PER_BLOCK} bytes per "
+            f"block): p50 {med(budget_p50) * us:.1f} us against {med(plain_p50) * us:.1f} us "
+            f"without, measured alternately: {ratio:.3f}x (target <= 1.05x)"
+        )
     print("\nrequests/s, allocate+free loops")
     print(f"  {'clients':8} {'echo':>9} {'daemon':>9} {'ratio':>7}")
     for n in (1, 2, 4):

@@ -954,6 +954,13 @@ class BlockPoolAllocator:
             chunks = self._holdings.get(owner, {})
             return sum(len(c.block_ids) - c.n_freed for c in chunks.values())
 
+    def stream_of(self, block_id: int) -> str | None:
+        """The stream of ``block_id`` while it is allocated, else None (the daemon's budget
+        prices a freed block by its stream)."""
+        with self._lock:
+            chunk = self._live_chunk(block_id)
+            return None if chunk is None else chunk.stream
+
     def owner_of(self, block_id: int) -> Owner | None:
         """The owner holding ``block_id``, or None if it is free, retired or never existed."""
         with self._lock:

@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,11 @@ MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" else 107
 # a frozen worker does not starve the others for minutes.
 DEFAULT_LEASE_SECONDS = 10.0
 DEFAULT_N_BLOCKS = 1024
+
+# With a budget and no --n-blocks, the id space is sized from the budget: one id per KiB of it
+# per stream (no real block is that small), at most 2^24 ids per stream.
+BUDGET_BYTES_PER_ID = 1024
+MAX_IDS_PER_STREAM = 2**24
 
 # After a restart, how long the daemon waits for its previous workers to re-declare their blocks
 # before it serves new allocations (it stops waiting as soon as all of them have). Four heartbeats
@@ -104,6 +109,10 @@ class DaemonSettings:
         log_level: Python logging level name for the daemon's stderr log.
         metrics_port: Serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free
             port, logged at start); None (the default) serves none.
+        budget: Bytes of KV cache all models may hold together: a size (``"8GiB"``, an int of
+            bytes) or a share of physical memory (``"40%"``); None: no budget (docs/budget.md).
+        models: Per-model budget settings as written in the TOML ``[models."NAME"]`` tables
+            (``reserve``, ``limit``, ``weight``), checked by the daemon at start.
     """
 
     run_dir: str | None = None
@@ -116,9 +125,28 @@ class DaemonSettings:
     claim_grace: float = DEFAULT_CLAIM_GRACE_SECONDS
     log_level: str = "INFO"
     metrics_port: int | None = None
+    budget: str | int | None = None
+    models: dict[str, Any] = field(default_factory=dict)
+    n_blocks_given: bool = field(default=False, repr=False)
+    """Whether ``n_blocks`` was set by the file or the command line (else a budget sizes the id
+    space)."""
 
-    def pool_config(self) -> PoolConfig:
-        """The allocator configuration these settings describe (validated by PoolConfig)."""
+    def pool_config(self, budget_bytes: int | None = None) -> PoolConfig:
+        """The allocator configuration these settings describe (validated by PoolConfig).
+
+        With a budget of ``budget_bytes`` and no ``n_blocks`` given, the pool grows on demand up
+        to ``budget // 1 KiB`` blocks per stream (at most 2^24): the budget binds, not the ids.
+        """
+        if budget_bytes is not None and not self.n_blocks_given:
+            n_streams = 1 if self.shared_kv else 2
+            per_stream = max(1, min(budget_bytes // BUDGET_BYTES_PER_ID, MAX_IDS_PER_STREAM))
+            return PoolConfig(
+                block_size=self.block_size,
+                n_blocks=min(self.n_blocks, per_stream * n_streams),
+                separate_kv=not self.shared_kv,
+                grow_on_exhaustion=True,
+                max_blocks=per_stream * n_streams,
+            )
         return PoolConfig(
             block_size=self.block_size,
             n_blocks=self.n_blocks,
@@ -139,6 +167,8 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "claim_grace": (int, float),
     "log_level": (str,),
     "metrics_port": (int,),
+    "budget": (str, int),
+    "models": (dict,),
 }
 
 
@@ -157,7 +187,9 @@ def load_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     table = data.get("vqpoold", data)
     if not isinstance(table, dict):
         raise ValueError(f"{path}: [vqpoold] must be a table")
-    known = {f.name for f in fields(DaemonSettings)}
+    if table is not data and "models" in data:  # [models."NAME"] tables beside [vqpoold]
+        table = {**table, "models": data["models"]}
+    known = {f.name for f in fields(DaemonSettings)} - {"n_blocks_given"}
     settings: dict[str, Any] = {}
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
@@ -168,4 +200,6 @@ def load_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             names = " or ".join(t.__name__ for t in types)
             raise ValueError(f"{path}: {raw_key} must be {names}, got {value!r}")
         settings[key] = value
+    if "n_blocks" in settings:
+        settings["n_blocks_given"] = True
     return settings

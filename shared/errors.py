@@ -21,6 +21,7 @@ class ErrorCode(IntEnum):
     POOL_EXHAUSTED = 20
     OWNER_ALREADY_ACTIVE = 21
     NOT_OWNER = 22
+    OVER_BUDGET = 24
     NO_SESSION = 30
     UNAUTHORIZED = 31
     DAEMON_RESTARTED = 32
@@ -52,6 +53,14 @@ class NotOwnerError(VqpoolError):
     """The caller's session does not hold the owner or block it named; nothing was changed."""
 
     code = ErrorCode.NOT_OWNER
+
+
+class OverBudgetError(VqpoolError, ValueError):
+    """An allocation that can never fit the memory budget (over its model's limit, or over the
+    budget minus the other models' reserves); nothing was allocated. A ``ValueError`` too: the
+    request asks for something impossible, not for something scarce right now."""
+
+    code = ErrorCode.OVER_BUDGET
 
 
 class BadRequestError(VqpoolError):
@@ -126,6 +135,7 @@ _CLASS_FOR_CODE: dict[int, type[Exception]] = {
     ErrorCode.POOL_EXHAUSTED: BlockPoolExhaustedError,
     ErrorCode.OWNER_ALREADY_ACTIVE: OwnerAlreadyActiveError,
     ErrorCode.NOT_OWNER: NotOwnerError,
+    ErrorCode.OVER_BUDGET: OverBudgetError,
     ErrorCode.NO_SESSION: NoSessionError,
     ErrorCode.UNAUTHORIZED: UnauthorizedError,
     ErrorCode.DAEMON_RESTARTED: DaemonRestartedError,

@@ -112,6 +112,7 @@ STATS = "stats"
 HISTORY = "history"
 METRICS = "metrics"
 CLAIM = "claim"
+FIT = "fit"
 
 WORKER_OPS = frozenset(
     {
@@ -131,6 +132,7 @@ WORKER_OPS = frozenset(
         HISTORY,
         METRICS,
         CLAIM,
+        FIT,
     }
 )
 
@@ -151,6 +153,10 @@ ADMIN_OPS = frozenset(
         "metrics",
         "audit",
         "ping",
+        "budget",
+        "model_set",
+        "model_list",
+        "fit",
     }
 )
 
@@ -163,6 +169,14 @@ def check_int(value: Any, name: str, lo: int = _INT64_MIN, hi: int = _INT64_MAX)
     if type(value) is not int or not lo <= value <= hi:
         raise BadRequestError(f"{name} must be an integer in {lo}..{hi}, got {_show(value)}")
     return value
+
+
+def check_number(value: Any, name: str, lo: float, hi: float) -> float:
+    """``value`` as a float if it is an int or float (not a bool) in lo..hi, else
+    BadRequestError."""
+    if type(value) not in (int, float) or not lo <= value <= hi:
+        raise BadRequestError(f"{name} must be a number in {lo:g}..{hi:g}, got {_show(value)}")
+    return float(value)
 
 
 def check_str(value: Any, name: str, max_len: int = MAX_TEXT_LEN) -> str:
@@ -382,6 +396,17 @@ def _stream(value: Any, name: str) -> str:
     return check_tag(value, name)
 
 
+MAX_WAIT_SECONDS = 60.0
+"""Longest an allocation may wait at the daemon for memory (``wait``)."""
+
+WAIT_FIELD = Field(
+    "wait",
+    lambda v, n: check_number(v, n, 0.0, MAX_WAIT_SECONDS),
+    required=False,
+    default=0.0,
+    help="seconds the request may wait at the daemon for memory of the budget (0: answer now)",
+)
+
 WORKER_ARGS: dict[str, tuple[Field, ...]] = {
     HELLO: (
         Field("pid", lambda v, n: check_int(v, n, 1, 1 << 31), help="the worker's process id"),
@@ -427,8 +452,9 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
         Field("n_tokens", check_int),
         Field("owner", check_owner),
         Field("format", check_tag, required=False, default="fp16"),
+        WAIT_FIELD,
     ),
-    ALLOCATE_MANY: (Field("items", check_allocations),),
+    ALLOCATE_MANY: (Field("items", check_allocations), WAIT_FIELD),
     FREE: (Field("block_ids", check_block_ids),),
     FREE_ALL: (Field("owner", check_owner),),
     REGISTER_OWNER: (Field("owner", check_owner),),
@@ -449,6 +475,16 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
     STATS: (),
     HISTORY: (),
     METRICS: (),
+    FIT: (
+        Field("context", lambda v, n: check_int(v, n, 1), help="tokens of one sequence"),
+        Field(
+            "concurrency",
+            lambda v, n: check_int(v, n, 1, MAX_ITEMS),
+            required=False,
+            default=1,
+            help="sequences of that size at once",
+        ),
+    ),
 }
 
 

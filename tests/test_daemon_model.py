@@ -7,6 +7,14 @@ holder and from other sessions (not-owner attempts), admin shrink, SIGKILL of a 
 (replaced by a new one), and a SIGKILL + restart of the daemon (every session re-syncs). A
 simple model predicts every outcome; after every step the daemon's admin audit must be clean
 and its owners and per-stream counts must equal the model's.
+
+The memory budget (issue 11) joins in: rules set the budget and a worker model's reserve,
+limit and weight live, and every allocation of the two worker processes (4 KiB per block, one
+model each) is predicted by the grant rule of docs/budget.md as well. After every step the
+bytes held stay within the budget (unless it was lowered below them since) and within each
+model's limit (likewise), the ledger equals the recount (the audit), and each model's bytes
+equal the model's. The in-process session declares no bytes per block: the budget never bounds
+it (which is also why the budget is set live: a daemon started with one refuses such a hello).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ PER_STREAM = 12
 OPTIONS = ("--n-blocks", str(2 * PER_STREAM), "--lease", "1", "--claim-grace", "5")
 OWNERS = st.sampled_from([1, 2, "a", "b", "c"])
 STREAMS = st.sampled_from(["k", "v"])
+BYTES_PER_BLOCK = 4096  # what worker_agent.py declares, every stream
+UNLIMITED = None
 
 
 class InProcessSession:
@@ -49,6 +59,14 @@ class InProcessSession:
 
 
 @dataclass
+class ModelBudget:
+    """A model's settings as the test set them (bytes)."""
+
+    reserve: int = 0
+    limit: int | None = None
+
+
+@dataclass
 class OwnerModel:
     session: int
     blocks: dict[str, list[int]] = field(default_factory=lambda: {"k": [], "v": []})
@@ -66,6 +84,10 @@ class DaemonMachine(RuleBasedStateMachine):
         ]
         self.owners: dict[Any, OwnerModel] = {}
         self.total = {"k": PER_STREAM, "v": PER_STREAM}
+        self.models: list[str | None] = ["w0", "w1", None]  # None: not bounded by the budget
+        self.budget: int | None = UNLIMITED
+        self.settings: dict[str, ModelBudget] = {}
+        self.may_exceed: set[str | None] = set()  # budget (None) or models lowered below holdings
 
     def teardown(self) -> None:
         if hasattr(self, "daemon"):
@@ -78,6 +100,40 @@ class DaemonMachine(RuleBasedStateMachine):
 
     def held(self, stream: str) -> int:
         return sum(len(o.blocks[stream]) for o in self.owners.values())
+
+    def bytes_held(self, model: str) -> int:
+        return sum(
+            BYTES_PER_BLOCK * sum(map(len, o.blocks.values()))
+            for o in self.owners.values()
+            if self.models[o.session] == model
+        )
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes_held(m) for m in {m for m in self.models if m is not None})
+
+    def limit_of(self, model: str) -> int | None:
+        """The model's limit in effect (None: unlimited)."""
+        limit = self.settings.get(model, ModelBudget()).limit
+        if self.budget is None:
+            return limit
+        return self.budget if limit is None else min(limit, self.budget)
+
+    def budget_refusal(self, model: str | None, n_bytes: int) -> str | None:
+        """The error the grant rule gives an allocation of ``n_bytes`` now, or None."""
+        if model is None:
+            return None
+        budget = self.budget if self.budget is not None else 2**50
+        limit = self.limit_of(model)
+        limit = budget if limit is None else limit
+        others = {m: s for m, s in self.settings.items() if m != model}
+        if n_bytes > min(limit, budget - sum(s.reserve for s in others.values())):
+            return "OverBudgetError"
+        held = self.bytes_held(model)
+        protected = sum(max(0, s.reserve - self.bytes_held(m)) for m, s in others.items())
+        total = self.total_bytes()
+        if held + n_bytes > limit or n_bytes > budget - total - protected:
+            return "BlockPoolExhaustedError"
+        return None
 
     def outcome(self, session: int, op: str, *args: Any) -> tuple[str, Any]:
         try:
@@ -92,7 +148,10 @@ class DaemonMachine(RuleBasedStateMachine):
         got = self.outcome(session, "allocate", stream, n_tokens, owner)
         model = self.owners.get(owner)
         n_needed = -(-n_tokens // BLOCK_SIZE)
-        if model is not None and model.session != session:
+        refusal = self.budget_refusal(self.models[session], n_needed * BYTES_PER_BLOCK)
+        if refusal is not None:  # the budget is asked before the owner and the ids
+            assert got[0] == refusal, got
+        elif model is not None and model.session != session:
             assert got[0] == "OwnerAlreadyActiveError", got
         elif self.total[stream] - self.held(stream) < n_needed:
             assert got[0] == "BlockPoolExhaustedError", got  # registers nothing on the daemon
@@ -165,6 +224,7 @@ class DaemonMachine(RuleBasedStateMachine):
         worker.process.wait()
         worker.stop()
         self.sessions[index] = WorkerProcess(self.daemon.run_dir, f"w{index}-again")
+        self.models[index] = f"w{index}-again"
         # Its owners are freed within the reaping interval.
         for owner in [o for o, m in self.owners.items() if m.session == index]:
             del self.owners[owner]
@@ -184,6 +244,62 @@ class DaemonMachine(RuleBasedStateMachine):
         assert claims["resynced"] == claims["expected"] and claims["owners_refused"] == 0, claims
         assert claims["owners_claimed"] == len(self.owners)
         self.total = {"k": PER_STREAM, "v": PER_STREAM}
+        # Live budget settings die with the daemon; claims are charged to their models.
+        self.budget = UNLIMITED
+        self.settings = {}
+        self.may_exceed = set()
+
+    @rule(n_blocks=st.integers(2, 30))
+    def set_budget(self, n_blocks: int) -> None:
+        budget = n_blocks * BYTES_PER_BLOCK
+        reserved = sum(s.reserve for s in self.settings.values())
+        try:
+            view = self.daemon.admin("budget", bytes=budget)
+        except ValueError as exc:
+            assert reserved > budget, exc
+            return
+        assert reserved <= budget and view["budget"] == budget
+        self.budget = budget
+        if self.total_bytes() > budget:
+            self.may_exceed.add(None)
+        for name in {m for m in self.models if m is not None}:
+            limit = self.limit_of(name)
+            if limit is not None and self.bytes_held(name) > limit:
+                self.may_exceed.add(name)
+
+    @rule(
+        index=st.integers(0, 1),
+        reserve=st.integers(0, 8),
+        limit=st.none() | st.integers(0, 20),
+        weight=st.sampled_from([0.5, 1.0, 3.0]),
+    )
+    def set_model(self, index: int, reserve: int, limit: int | None, weight: float) -> None:
+        name = self.models[index]
+        assert name is not None
+        wanted = ModelBudget(reserve * BYTES_PER_BLOCK, None if limit is None else limit * 4096)
+        others = sum(s.reserve for m, s in self.settings.items() if m != name)
+        budget = self.budget if self.budget is not None else 2**50
+        valid = others + wanted.reserve <= budget and (
+            wanted.limit is None or wanted.reserve <= wanted.limit
+        )
+        before = self.daemon.admin("model_list")
+        try:
+            view = self.daemon.admin(
+                "model_set",
+                model=name,
+                reserve=wanted.reserve,
+                limit=-1 if wanted.limit is None else wanted.limit,
+                weight=weight,
+            )
+        except ValueError:
+            assert not valid
+            assert self.daemon.admin("model_list") == before
+            return
+        assert valid and (view["reserve"], view["limit"]) == (wanted.reserve, wanted.limit)
+        self.settings[name] = wanted
+        limit_now = self.limit_of(name)
+        if limit_now is not None and self.bytes_held(name) > limit_now:
+            self.may_exceed.add(name)
 
     @staticmethod
     def _wait(condition: Any, timeout: float = 5.0) -> bool:
@@ -212,12 +328,33 @@ class DaemonMachine(RuleBasedStateMachine):
             for owner, m in self.owners.items()
         }
         assert view == want
+        self.budget_holds()
         streams = self.daemon.admin("stats")["streams"]
         for stream in ("k", "v"):
             assert streams[stream] == {
                 "free": self.total[stream] - self.held(stream),
                 "total": self.total[stream],
             }
+
+    def budget_holds(self) -> None:
+        """Bytes within the budget and the limits (unless lowered below them since), and each
+        model's bytes as the model counts them."""
+        listing = self.daemon.admin("model_list")
+        held = {view["model"]: view["held"] for view in listing["models"]}
+        for name in {m for m in self.models if m is not None}:
+            assert held.get(name, 0) == self.bytes_held(name), (name, held)
+            limit = self.limit_of(name)
+            if limit is not None and self.bytes_held(name) <= limit:
+                self.may_exceed.discard(name)
+            if name not in self.may_exceed and limit is not None:
+                assert self.bytes_held(name) <= limit
+        total = listing["budget"]["total_held"]
+        assert total == self.total_bytes()
+        if self.budget is not None:
+            assert listing["budget"]["budget"] == self.budget
+            if total <= self.budget:
+                self.may_exceed.discard(None)
+            assert None in self.may_exceed or total <= self.budget
 
 
 DaemonMachine.TestCase.settings = settings(

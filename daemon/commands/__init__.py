@@ -10,9 +10,13 @@ from types import ModuleType
 
 from vqpool.daemon.commands import (
     audit,
+    budget,
     evict_session,
+    fit,
     history,
     metrics,
+    model_list,
+    model_set,
     owners,
     ping,
     sessions,
@@ -22,5 +26,19 @@ from vqpool.daemon.commands import (
 
 COMMANDS: dict[str, ModuleType] = {
     module.__name__.rsplit(".", 1)[-1]: module
-    for module in (shrink, sessions, owners, evict_session, stats, history, metrics, audit, ping)
+    for module in (
+        shrink,
+        sessions,
+        owners,
+        evict_session,
+        stats,
+        history,
+        metrics,
+        audit,
+        ping,
+        budget,
+        model_set,
+        model_list,
+        fit,
+    )
 }

@@ -52,6 +52,7 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
             "bytes_total": coord.replies.bytes_total,
         },
         "claims": claims_view(coord),
+        "budget": coord.budget.view(time.monotonic()),
         "connections": {
             "accepted": coord.peer_auth.n_accepted if coord.peer_auth else 0,
             "refused": coord.peer_auth.n_refused if coord.peer_auth else 0,

@@ -1,0 +1,465 @@
+"""The byte budget wired into the daemon: bytes charged and credited as blocks change hands, and
+allocations parked until the ledger grants them.
+
+The ledger (``daemon/budget.py``) knows bytes per model; this layer turns blocks into bytes (a
+block of stream ``s`` costs the holding session's ``bytes_per_block[s]``, 0 when undeclared: such
+a session is not bounded) and keeps the requests that wait. An ``allocate`` or
+``allocate_many`` with ``wait`` > 0 that the ledger queues gets no reply now: it is *parked*
+under its ticket (session id, request id) with the envelope to answer it on, and answered when
+the ledger grants it (the allocation is done then) or at its deadline. The server loop sends
+those late replies (:attr:`BudgetAccounting.outbox`) and calls :meth:`BudgetAccounting.expire`
+and :meth:`BudgetAccounting.hand_out` while anything is parked. See docs/budget.md and
+docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vqpool.daemon.budget import BudgetLedger, bytes_for_context
+from vqpool.daemon.budget_types import FitAnswer, ModelSettings, Outcome, Ticket, Verdict
+from vqpool.daemon.dispatch import error_reply
+from vqpool.daemon.sessions import Session
+from vqpool.shared.allocator import Owner
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
+from vqpool.shared.errors import BlockPoolExhaustedError, OverBudgetError
+from vqpool.shared.protocol import ALLOCATE, encode_result
+
+if TYPE_CHECKING:
+    from vqpool.daemon.coordinator import Coordinator
+
+log = logging.getLogger("vqpoold")
+
+Items = Sequence[tuple[str, int, Owner, str]]
+
+
+class ParkedRequest:
+    """An allocation waiting at the daemon for bytes: what to do once granted, and where the
+    reply goes (``envelope``: the routing frames of the newest send of this request, set by
+    the server loop)."""
+
+    __slots__ = ("deadline", "envelope", "items", "n_bytes", "op", "rid", "session", "wait")
+
+    def __init__(
+        self,
+        session: Session,
+        op: str,
+        items: Items,
+        rid: int,
+        n_bytes: int,
+        wait: float,
+        now: float,
+    ) -> None:
+        self.session = session
+        self.op = op
+        self.items = items
+        self.rid = rid
+        self.n_bytes = n_bytes
+        self.wait = wait
+        self.deadline = now + wait
+        self.envelope: list[bytes] | None = None
+
+
+class BudgetAccounting:
+    """The daemon's ledger and its parked requests.
+
+    Args:
+        coord: The coordinator whose allocator and sessions hold the blocks.
+        budget: Bytes all models may hold together, or None for no budget (an unlimited ledger
+            that still counts, so per-model limits and views work).
+        models: Settings of the configured models.
+
+    Raises:
+        ValueError: Reserves summing over the budget, or bad settings.
+    """
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        budget: int | None,
+        models: Mapping[str, ModelSettings] | None = None,
+    ) -> None:
+        self._coord = coord
+        self.ledger = BudgetLedger(MAX_BYTES if budget is None else budget, models)
+        self.parked: dict[Ticket, ParkedRequest] = {}
+        self.outbox: list[tuple[list[bytes], bytes]] = []
+        """Replies of parked requests ready to send: (envelope, reply frame)."""
+        self.n_refused = 0
+
+    @property
+    def limited(self) -> bool:
+        """Whether a real budget is set (else every view shows ``budget: null``)."""
+        return self.ledger.budget < MAX_BYTES
+
+    # -- hello ---------------------------------------------------------------------------------
+
+    def check_hello(self, bytes_per_block: Mapping[str, int], streams: Sequence[str]) -> None:
+        """Refuse a session that the budget could not bound while a budget is set.
+
+        Raises:
+            ValueError: A pool stream without bytes per block.
+        """
+        if self.limited:
+            missing = [s for s in streams if s not in bytes_per_block]
+            if missing:
+                raise ValueError(
+                    f"hello: a memory budget is set, so bytes_per_block must be declared for "
+                    f"every pool stream ({'+'.join(streams)}); missing: {missing}"
+                )
+
+    # -- allocations ---------------------------------------------------------------------------
+
+    def allocate(
+        self, session: Session, op: str, args: dict[str, Any], rid: int, now: float
+    ) -> Any:
+        """``allocate`` / ``allocate_many`` of ``session`` under the budget: the result, or the
+        :class:`ParkedRequest` when it waits (no reply now).
+
+        Raises:
+            OverBudgetError: It can never fit.
+            BlockPoolExhaustedError: Not now and not waiting (``wait`` 0, queues full).
+        """
+        items: Items
+        if op == ALLOCATE:
+            items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
+        else:
+            items = args["items"]
+        cost = session.bytes_per_block
+        if not cost:  # not bounded by the budget
+            return self._perform(session, op, items, 0)
+        n_bytes = self._bytes_of(items, cost)
+        if not n_bytes:
+            return self._perform(session, op, items, 0)
+        ledger = self.ledger
+        wait = args["wait"]
+        if wait > 0:
+            ticket = (session.sid, rid)
+            verdict = ledger.request(session.model, n_bytes, ticket, now + wait, now)
+            if verdict.queued:
+                parked = self.parked[ticket] = ParkedRequest(
+                    session, op, items, rid, n_bytes, wait, now
+                )
+                return parked
+        else:
+            verdict = ledger.try_grant(session.model, n_bytes)
+        if verdict.outcome is not Outcome.GRANT:
+            raise self.refusal(op, verdict)
+        return self._perform(session, op, items, n_bytes)
+
+    def _bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
+        block_size = self._coord.allocator.config.block_size
+        return sum(
+            -(-n_tokens // block_size) * cost.get(stream, 0)
+            for stream, n_tokens, _, _ in items
+            if n_tokens > 0
+        )
+
+    def _perform(self, session: Session, op: str, items: Items, charged: int) -> Any:
+        """Do the allocation whose ``charged`` bytes the ledger granted; credit back what the
+        allocator did not hand out (failed items, a refused request)."""
+        coord = self._coord
+        try:
+            if op == ALLOCATE:
+                stream, n_tokens, owner, fmt = items[0]
+                result: Any = coord.allocate(session, stream, n_tokens, owner, fmt)
+                held = [(stream, result)]
+            else:
+                result = coord.allocate_many(session, items)
+                held = [
+                    (item[0], ids)
+                    for item, ids in zip(items, result, strict=True)
+                    if type(ids) is list
+                ]
+        except BaseException:
+            if charged:
+                self.ledger.credit(session.model, charged)
+            raise
+        if charged or session.bytes_per_block:
+            cost = session.bytes_per_block
+            spent = sum(len(ids) * cost.get(stream, 0) for stream, ids in held) if cost else 0
+            if spent < charged:
+                self.ledger.credit(session.model, charged - spent)
+            elif spent > charged:  # a session with bytes: never happens in practice
+                self.ledger.charge(session.model, spent - charged)
+        return result
+
+    # -- holdings changed elsewhere ------------------------------------------------------------
+
+    def bytes_of_owner(self, session: Session, owner: Owner) -> int:
+        """Bytes the blocks of ``owner`` (held by ``session``) cost now."""
+        cost = session.bytes_per_block
+        if not cost:
+            return 0
+        usage = self._coord.allocator.usage(owner)
+        return sum(n * cost.get(stream, 0) for stream, (n, _) in usage.items())
+
+    def credit(self, session: Session, n_bytes: int) -> None:
+        """``session``'s blocks worth ``n_bytes`` were freed."""
+        if n_bytes:
+            self.ledger.credit(session.model, n_bytes)
+
+    def charge(self, session: Session, n_bytes: int) -> None:
+        """``session`` holds blocks worth ``n_bytes`` that it did not allocate (claims)."""
+        if n_bytes:
+            self.ledger.charge(session.model, n_bytes)
+
+    def session_ended(self, session: Session, n_bytes: int) -> None:
+        """``session`` ended, its blocks worth ``n_bytes`` freed: its parked requests are
+        dropped (never answered: nobody is left to read them), and a model no session serves
+        any more is forgotten unless configured."""
+        self.credit(session, n_bytes)
+        ledger = self.ledger
+        if self.parked:
+            for ticket in [t for t, p in self.parked.items() if p.session is session]:
+                parked = self.parked.pop(ticket)
+                if not ledger.cancel(ticket):  # granted, not yet handed out: give it back
+                    ledger.credit(session.model, parked.n_bytes)
+        if not any(s.model == session.model for s in self._coord.sessions):
+            ledger.forget_model(session.model)
+
+    # -- the loop's share ----------------------------------------------------------------------
+
+    def hand_out(self) -> None:
+        """Serve the parked requests the ledger grants now (their replies go to the outbox)."""
+        for ticket in self.ledger.grants():
+            parked = self.parked.pop(ticket, None)
+            if parked is None:  # its session ended after the grant: session_ended credited it
+                continue
+            try:
+                result = self._perform(parked.session, parked.op, parked.items, parked.n_bytes)
+            except Exception as exc:
+                self._answer(parked, error_reply(parked.rid, self._coord.boot_id, exc))
+            else:
+                self._answer(parked, encode_result(parked.rid, self._coord.boot_id, result))
+
+    def expire(self, now: float) -> None:
+        """Answer POOL_EXHAUSTED to the parked requests whose deadline passed."""
+        ledger = self.ledger
+        expired = ledger.expire(now)
+        for ticket in expired:
+            parked = self.parked.pop(ticket, None)
+            if parked is None:
+                continue
+            model = parked.session.model
+            exc = BlockPoolExhaustedError(
+                f"{parked.op}: waited {parked.wait:g}s for {format_bytes(parked.n_bytes)} for "
+                f"model {model!r}, not granted: the budget "
+                f"({self.budget_text()}) has {format_bytes(self.free_bytes())} free "
+                f"({format_bytes(ledger.total_held)} held; the model holds "
+                f"{format_bytes(ledger.held(model))})"
+            )
+            self._answer(parked, error_reply(parked.rid, self._coord.boot_id, exc))
+        if expired:
+            self.hand_out()
+
+    def answer_refused(self, refused: list[tuple[Ticket, Verdict]]) -> int:
+        """Answer OVER_BUDGET to parked requests a settings change made impossible; how many."""
+        n = 0
+        for ticket, verdict in refused:
+            parked = self.parked.pop(ticket, None)
+            if parked is not None:
+                reply = error_reply(
+                    parked.rid, self._coord.boot_id, self.refusal(parked.op, verdict)
+                )
+                self._answer(parked, reply)
+                n += 1
+        self.n_refused += n
+        return n
+
+    def _answer(self, parked: ParkedRequest, reply: bytes) -> None:
+        self._coord.replies.remember(parked.session.sid, parked.rid, reply, late=True)
+        if parked.envelope is not None:
+            self.outbox.append((parked.envelope, reply))
+
+    # -- settings ------------------------------------------------------------------------------
+
+    def set_budget(self, budget: int) -> int:
+        """Change the budget live; parked requests it made impossible are answered (how many)."""
+        refused = self.answer_refused(self.ledger.set_budget(budget))
+        self.hand_out()
+        return refused
+
+    def set_model(self, model: str, settings: ModelSettings) -> int:
+        """Change a model's settings live; as :meth:`set_budget`."""
+        refused = self.answer_refused(self.ledger.set_model(model, settings))
+        self.hand_out()
+        return refused
+
+    def refusal(self, op: str, verdict: Verdict) -> Exception:
+        """The error of a request that is not granted (now, or ever)."""
+        text = f"{op}: memory budget {self.budget_text()}: {verdict.message()}"
+        if verdict.outcome is Outcome.NEVER:
+            return OverBudgetError(text)
+        return BlockPoolExhaustedError(text)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def budget_text(self) -> str:
+        return format_bytes(self.ledger.budget) if self.limited else "unlimited"
+
+    def free_bytes(self) -> int:
+        return max(0, self.ledger.budget - self.ledger.total_held)
+
+    def view(self, now: float, refused: int = 0) -> dict[str, Any]:
+        """The ``budget`` admin op's answer (budget and free are None when unlimited)."""
+        snap = self.ledger.snapshot(now)
+        limited = self.limited
+        return {
+            "budget": snap.budget if limited else None,
+            "total_held": snap.total_held,
+            "free": snap.free if limited else None,
+            "over_budget": snap.over_budget > 0,
+            "reserved": snap.reserved,
+            "protected": snap.protected,
+            "waiting": snap.waiting,
+            "refused": refused,
+        }
+
+    def model_views(self, now: float) -> list[dict[str, Any]]:
+        """One view per model the ledger knows or a session serves (``model_list``)."""
+        snap = self.ledger.snapshot(now)
+        load: dict[str, list[int]] = {}
+        for session in self._coord.sessions:
+            row = load.setdefault(session.model, [0, 0, 0])
+            row[0] += 1
+            row[1] += session.running or 0
+            row[2] += session.queued or 0
+        limited = self.limited
+        views = []
+        for name in sorted(snap.models.keys() | load.keys()):
+            views.append(self.model_view(name, now, snap, load.get(name, [0, 0, 0]), limited))
+        return views
+
+    def model_view(
+        self,
+        name: str,
+        now: float,
+        snap: Any = None,
+        load: list[int] | None = None,
+        limited: bool | None = None,
+    ) -> dict[str, Any]:
+        """The view of one model (see docs/protocol.md, ``model_list``)."""
+        if snap is None:
+            snap = self.ledger.snapshot(now)
+        if limited is None:
+            limited = self.limited
+        if load is None:
+            sessions = [s for s in self._coord.sessions if s.model == name]
+            load = [
+                len(sessions),
+                sum(s.running or 0 for s in sessions),
+                sum(s.queued or 0 for s in sessions),
+            ]
+        view = snap.models.get(name)
+        settings = self.ledger.settings_of(name)
+        if view is None:
+            effective = self.ledger.budget if settings.limit is None else settings.limit
+            held, borrowed, entitlement, waiting, waiting_bytes, oldest, configured = (
+                0,
+                0,
+                0,
+                0,
+                0,
+                None,
+                False,
+            )
+            reserve, limit, weight = settings.reserve, settings.limit, settings.weight
+        else:
+            held, borrowed, entitlement = view.held, view.borrowed, view.entitlement
+            waiting, waiting_bytes, oldest = view.waiting, view.waiting_bytes, view.oldest_wait_s
+            configured, reserve, limit, weight = (
+                view.configured,
+                view.reserve,
+                view.limit,
+                view.weight,
+            )
+            effective = view.effective_limit
+        return {
+            "model": name,
+            "held": held,
+            "reserve": reserve,
+            "limit": limit,
+            "effective_limit": effective if limited or limit is not None else None,
+            "weight": weight,
+            "borrowed": borrowed,
+            "entitlement": entitlement,
+            "waiting": waiting,
+            "waiting_bytes": waiting_bytes,
+            "oldest_wait_s": oldest,
+            "configured": configured,
+            "sessions": load[0],
+            "running": load[1],
+            "queued": load[2],
+        }
+
+    def fit(
+        self, model: str, bytes_per_block: Mapping[str, int], context: int, concurrency: int
+    ) -> dict[str, Any]:
+        """The fit answer for ``concurrency`` sequences of ``context`` tokens of ``model``."""
+        allocator = self._coord.allocator
+        per_sequence = bytes_for_context(
+            context, allocator.config.block_size, bytes_per_block, allocator.streams
+        )
+        if per_sequence == 0:
+            raise ValueError(
+                f"fit: model {model!r} declared 0 bytes per block: the budget does not bound it"
+            )
+        return fit_to_wire(
+            self.ledger.fit(model, per_sequence, concurrency),
+            per_sequence,
+            self.limited,
+            self.ledger.budget,
+        )
+
+    def recount_problems(self) -> list[str]:
+        """Disagreements between the ledger's bytes per model and a recount from the allocator's
+        usage and the sessions' bytes per block (for ``audit``). Granted-but-not-handed-out
+        bytes of parked requests count as held."""
+        recount: dict[str, int] = {}
+        allocator = self._coord.allocator
+        for session in self._coord.sessions:
+            cost = session.bytes_per_block
+            n = 0
+            if cost:
+                for owner in session.owners:
+                    for stream, (n_blocks, _) in allocator.usage(owner).items():
+                        n += n_blocks * cost.get(stream, 0)
+            recount[session.model] = recount.get(session.model, 0) + n
+        ledger = self.ledger
+        for parked in self.parked.values():
+            if not ledger.is_waiting((parked.session.sid, parked.rid)):
+                model = parked.session.model
+                recount[model] = recount.get(model, 0) + parked.n_bytes
+        problems = []
+        for model in sorted(recount.keys() | ledger.snapshot().models.keys()):
+            counted, held = recount.get(model, 0), ledger.held(model)
+            if counted != held:
+                problems.append(
+                    f"budget: model {model!r} holds {held} bytes in the ledger but {counted} "
+                    "by recount"
+                )
+        try:
+            ledger.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"budget ledger: {exc}")
+        return problems
+
+
+def fit_to_wire(answer: FitAnswer, per_sequence: int, limited: bool, budget: int) -> dict[str, Any]:
+    """A :class:`FitAnswer` as the ``fit`` op's map (limit and budget None when unlimited)."""
+    return {
+        "verdict": answer.verdict,
+        "need": answer.need,
+        "held": answer.held,
+        "available_now": answer.available_now,
+        "available_after_return": answer.available_after_return,
+        "most_ever": answer.most_ever,
+        "reserve": answer.reserve,
+        "limit": answer.limit if limited or answer.limit < budget else None,
+        "max_concurrency_now": answer.max_concurrency_now,
+        "max_concurrency_ever": answer.max_concurrency_ever,
+        "bytes_per_sequence": per_sequence,
+        "budget": budget if limited else None,
+    }

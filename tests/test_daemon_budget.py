@@ -1,0 +1,464 @@
+"""The memory budget in a real vqpoold (issue 11): refusals, byte-exact fills, reserves, parked
+allocations (granted, in weighted order, expired, resent, dropped), live budget and model
+settings, and fit answers. Raw protocol clients in this process, one session per model."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import DaemonProcess, RawClient, short_tmpdir
+from prometheus_client.parser import text_string_to_metric_families
+from vqpool.shared.errors import ErrorCode
+
+BLOCK = 16  # tokens per block (the daemon's default block size)
+
+
+class ModelClient(RawClient):
+    """A raw session of one model with declared bytes per block."""
+
+    def __init__(self, run_dir: Path, model: str, bytes_per_block: int | dict[str, int]) -> None:
+        super().__init__(run_dir)
+        reply = self.call(
+            "hello",
+            {
+                "pid": os.getpid(),
+                "model": model,
+                "nonce": os.urandom(8).hex(),
+                "bytes_per_block": bytes_per_block,
+            },
+        )
+        assert reply["ok"], reply
+        self.sid = reply["result"]["sid"]
+        self.boot = reply["result"]["boot"]
+
+    def allocate(self, owner: str, n_blocks: int, wait: float = 0.0) -> dict[str, Any]:
+        return self.call(
+            "allocate",
+            {"stream": "k", "n_tokens": n_blocks * BLOCK, "owner": owner, "wait": wait},
+        )
+
+    def send_allocate(self, owner: str, n_blocks: int, wait: float, rid: int | None = None) -> int:
+        """Send an allocate without reading its reply; its request id."""
+        if rid is None:
+            rid = self.next_id
+            self.next_id += 1
+        args = {"stream": "k", "n_tokens": n_blocks * BLOCK, "owner": owner, "wait": wait}
+        self.send(self.encode("allocate", args, rid))
+        return rid
+
+    def no_reply(self, timeout: float = 0.3) -> bool:
+        return not self.socket.poll(int(timeout * 1000))
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., ModelClient]]:
+    opened: list[ModelClient] = []
+
+    def connect(daemon: DaemonProcess, model: str, bytes_per_block: int) -> ModelClient:
+        client = ModelClient(daemon.run_dir, model, bytes_per_block)
+        opened.append(client)
+        return client
+
+    yield connect
+    for client in opened:
+        client.close()
+
+
+def budget_daemon(start: Callable[..., DaemonProcess], *args: str) -> DaemonProcess:
+    return start("--n-blocks", "512", "--lease", "2", *args)
+
+
+def error_code(reply: dict[str, Any]) -> int:
+    assert not reply["ok"], reply
+    return int(reply["error"]["code"])
+
+
+def test_refusals_leave_state_unchanged(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "10000")
+    a = clients(daemon, "a", 1000)
+    assert a.allocate("a1", 4)["ok"]
+    before = (daemon.admin("budget"), daemon.admin("stats")["stats"])
+    never = a.allocate("a2", 11, wait=5)  # over the whole budget: at once, never queued
+    assert error_code(never) == ErrorCode.OVER_BUDGET
+    assert "never" in never["error"]["message"]
+    short = a.allocate("a2", 7)  # 4 + 7 > 10 blocks' worth: not now
+    assert error_code(short) == ErrorCode.POOL_EXHAUSTED
+    assert "budget" in short["error"]["message"]
+    assert (daemon.admin("budget"), daemon.admin("stats")["stats"]) == before
+    assert daemon.admin("budget")["total_held"] == 4000
+    daemon.audit()
+
+
+def test_two_block_sizes_fill_the_budget_to_the_byte(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "7000")
+    small = clients(daemon, "small", 1000)
+    big = clients(daemon, "big", 1500)
+    assert big.allocate("b", 2)["ok"]  # 3000
+    assert small.allocate("s", 4)["ok"]  # 4000: 7000 in all
+    view = daemon.admin("budget")
+    assert (view["budget"], view["total_held"], view["free"]) == (7000, 7000, 0)
+    assert error_code(small.allocate("s2", 1)) == ErrorCode.POOL_EXHAUSTED
+    assert error_code(big.allocate("b2", 1)) == ErrorCode.POOL_EXHAUSTED
+    held = {m["model"]: m["held"] for m in daemon.admin("model_list")["models"]}
+    assert held == {"small": 4000, "big": 3000}
+    daemon.audit()
+
+
+def test_a_third_models_reserve_is_kept_while_others_are_saturated(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "10000")
+    daemon.admin("model_set", model="c", reserve=3000)
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 500)
+    assert a.allocate("a", 4)["ok"]
+    assert b.allocate("b", 6)["ok"]  # 4000 + 3000: everything but c's reserve
+    assert error_code(a.allocate("a2", 1)) == ErrorCode.POOL_EXHAUSTED
+    assert error_code(b.allocate("b2", 1)) == ErrorCode.POOL_EXHAUSTED
+    c = clients(daemon, "c", 1000)
+    assert c.allocate("c", 3)["ok"]
+    assert daemon.admin("budget")["free"] == 0
+    daemon.audit()
+
+
+def test_a_parked_allocate_is_granted_when_another_model_frees(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "4000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 4)["ok"]
+    b.send_allocate("b", 2, wait=10)
+    assert b.no_reply()
+    assert daemon.admin("budget")["waiting"] == 1
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    granted = b.recv()
+    assert granted["ok"] and len(granted["result"]) == 2
+    assert daemon.admin("budget")["total_held"] == 2000
+    daemon.audit()
+
+
+def test_parked_requests_are_granted_in_weighted_order(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "6000")
+    daemon.admin("model_set", model="heavy", weight=2.0)
+    x = clients(daemon, "x", 1000)
+    light = clients(daemon, "light", 1000)
+    heavy = clients(daemon, "heavy", 1000)
+    assert light.allocate("l", 1)["ok"]
+    assert heavy.allocate("h", 1)["ok"]
+    assert x.allocate("x", 4)["ok"]
+    light.send_allocate("l2", 1, wait=10)  # first to wait, but holds 1000 / weight 1
+    assert light.no_reply(0.1)
+    heavy.send_allocate("h2", 1, wait=10)  # holds 1000 / weight 2: served first
+    assert heavy.no_reply(0.1)
+    x_blocks = x.call("blocks_for", {"owner": "x"})["result"]
+    assert x.call("free", {"block_ids": [x_blocks[0][0]]})["ok"]
+    assert heavy.recv()["ok"]
+    assert light.no_reply()
+    assert x.call("free", {"block_ids": [x_blocks[1][0]]})["ok"]
+    assert light.recv()["ok"]
+    daemon.audit()
+
+
+def test_a_parked_allocate_expires_at_its_deadline(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    assert a.allocate("a", 2)["ok"]
+    a.send_allocate("a2", 1, wait=0.3)
+    reply = a.recv(timeout=3)
+    assert error_code(reply) == ErrorCode.POOL_EXHAUSTED
+    assert "waited 0.3s" in reply["error"]["message"]
+    assert daemon.admin("budget")["waiting"] == 0
+    daemon.audit()
+
+
+def test_a_resent_parked_allocate_is_not_queued_twice(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    rid = b.send_allocate("b", 1, wait=10)
+    assert b.no_reply(0.1)
+    b.reopen()  # Lazy Pirate: a new socket, the same request
+    b.send_allocate("b", 1, wait=10, rid=rid)
+    assert b.no_reply(0.1)
+    assert daemon.admin("budget")["waiting"] == 1
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    first = b.recv()
+    assert first["ok"] and first["id"] == rid
+    assert b.no_reply(0.2)  # one reply, on the newest socket
+    b.send_allocate("b", 1, wait=10, rid=rid)  # a late resend gets the cached reply
+    assert b.recv() == first
+    assert daemon.admin("budget")["total_held"] == 1000
+    daemon.audit()
+
+
+def test_a_parked_allocate_is_dropped_when_its_session_ends(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    b.send_allocate("b", 1, wait=10)
+    assert b.no_reply(0.1)
+    assert b.call("goodbye")["ok"]
+    assert daemon.admin("budget")["waiting"] == 0
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    assert b.no_reply()
+    assert daemon.admin("budget")["total_held"] == 0
+    daemon.audit()
+
+
+def test_lowering_the_budget_stops_grants_until_holdings_fall_under(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "8000")
+    a = clients(daemon, "a", 1000)
+    assert a.allocate("a", 5)["ok"]
+    view = daemon.admin("budget", bytes=3000)
+    assert view["budget"] == 3000 and view["over_budget"] and view["free"] == 0
+    assert error_code(a.allocate("a2", 1)) == ErrorCode.POOL_EXHAUSTED
+    blocks = [row[0] for row in a.call("blocks_for", {"owner": "a"})["result"]]
+    assert a.call("free", {"block_ids": blocks[:3]})["ok"]  # 2000 held
+    assert a.allocate("a2", 1)["ok"]
+    assert not daemon.admin("budget")["over_budget"]
+    daemon.audit()
+
+
+def test_a_budget_change_refuses_parked_requests_it_makes_impossible(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "4000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 4)["ok"]
+    b.send_allocate("b", 3, wait=10)
+    assert b.no_reply(0.1)
+    assert daemon.admin("budget", bytes=2000)["refused"] == 1
+    assert error_code(b.recv()) == ErrorCode.OVER_BUDGET
+    daemon.audit()
+
+
+def test_model_set_validates_and_changes_nothing_when_refused(start_daemon) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "10000")
+    view = daemon.admin("model_set", model="m", reserve=2000, limit=6000, weight=2.0)
+    assert (view["reserve"], view["limit"], view["weight"], view["configured"]) == (
+        2000,
+        6000,
+        2.0,
+        True,
+    )
+    before = daemon.admin("model_list")
+    for bad in (
+        {"reserve": 20000},  # reserves over the budget
+        {"reserve": 7000},  # over its limit
+        {"weight": 0.0},
+        {"limit": -2},
+    ):
+        with pytest.raises(ValueError):
+            daemon.admin("model_set", model="m", **bad)
+    assert daemon.admin("model_list") == before
+    assert daemon.admin("model_set", model="m", limit=-1)["limit"] is None
+
+
+def test_fit_answers_each_verdict(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "16000")
+    daemon.admin("model_set", model="llama", reserve=4000, limit=10000)
+    daemon.admin("model_set", model="qwen", reserve=2000)
+    llama = clients(daemon, "llama", {"k": 500, "v": 500})
+    qwen = clients(daemon, "qwen", 1000)
+    assert llama.allocate("l", 3)["ok"]  # 1500
+    assert qwen.allocate("q", 12)["ok"]  # 12000: 2500 free
+    # One sequence of 32 tokens of llama: 2 blocks of k and of v, 2000 bytes.
+    answers = {
+        c: daemon.admin("fit", model="llama", context=32, concurrency=c) for c in (1, 2, 4, 6)
+    }
+    assert answers[1]["verdict"] == "now" and answers[1]["bytes_per_sequence"] == 2000
+    assert answers[1]["max_concurrency_now"] == 1
+    assert answers[1]["max_concurrency_ever"] == 5  # its 10000 limit
+    assert answers[2]["verdict"] == "within_reserve"
+    assert answers[4]["verdict"] == "after_others_return"
+    assert answers[6]["verdict"] == "never"
+    assert answers[6]["limit"] == 10000 and answers[6]["budget"] == 16000
+    worker_side = llama.call("fit", {"context": 32, "concurrency": 2})
+    assert worker_side["ok"] and worker_side["result"] == answers[2]
+    with pytest.raises(ValueError, match="no worker of model gemma"):
+        daemon.admin("fit", model="gemma", context=32)
+
+
+def test_without_a_budget_nothing_binds_and_views_show_null(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon)
+    a = clients(daemon, "a", 1000)
+    assert a.allocate("a", 3)["ok"]
+    view = daemon.admin("stats")["budget"]
+    assert view["budget"] is None and view["free"] is None and view["total_held"] == 3000
+    models = daemon.admin("model_list")["models"]
+    assert [(m["model"], m["held"], m["limit"], m["sessions"]) for m in models] == [
+        ("a", 3000, None, 1)
+    ]
+    daemon.admin("model_set", model="a", limit=4000)
+    assert error_code(a.allocate("a2", 2)) == ErrorCode.POOL_EXHAUSTED
+    daemon.audit()
+
+
+def test_hello_without_bytes_per_block_is_refused_under_a_budget(start_daemon) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "1GiB")
+    raw = RawClient(daemon.run_dir)
+    try:
+        reply = raw.call("hello", {"pid": os.getpid(), "model": "x", "nonce": "n1"})
+        assert error_code(reply) == ErrorCode.INVALID_VALUE
+        assert "bytes_per_block" in reply["error"]["message"]
+        reply = raw.call(
+            "hello",
+            {"pid": os.getpid(), "model": "x", "nonce": "n2", "bytes_per_block": {"k": 1}},
+        )
+        assert error_code(reply) == ErrorCode.INVALID_VALUE
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "toml", "message"),
+    [
+        (["--budget", "lots"], "", "budget"),
+        (["--budget", "0"], "", "budget"),
+        (["--budget", "150%"], "", "percentage"),
+        (
+            [],
+            'budget = "4KiB"\n[models."a"]\nreserve = "3KiB"\n[models."b"]\nreserve = "2KiB"\n',
+            "reserve",
+        ),
+        ([], '[models."a"]\nweight = 0\n', "weight"),
+    ],
+)
+def test_bad_budget_settings_refuse_to_start(args: list[str], toml: str, message: str) -> None:
+    base = short_tmpdir()
+    try:
+        if toml:
+            (base / "vqpoold.toml").write_text(toml)
+            args = [*args, "--config", str(base / "vqpoold.toml")]
+        daemon = DaemonProcess(base / "run", *args).start(wait=False)
+        assert daemon.process is not None
+        assert daemon.process.wait(15) == 2
+        lines = [line for line in daemon.log().splitlines() if line.strip()]
+        assert message in lines[-1]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_start_line_names_the_budget_and_models(start_daemon) -> None:
+    base = short_tmpdir()
+    (base / "vqpoold.toml").write_text(
+        'budget = "8GiB"\n[models."llama"]\nreserve = "2GiB"\nlimit = "6GiB"\nweight = 2\n'
+    )
+    daemon = start_daemon("--config", str(base / "vqpoold.toml"))
+    log = daemon.log()
+    assert "budget: 8 GiB, models 'llama' (reserve 2 GiB, limit 6 GiB, weight 2)" in log
+    models = daemon.admin("model_list")["models"]
+    assert models[0]["model"] == "llama" and models[0]["reserve"] == 2 * 2**30
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_budget_metrics_are_published(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "8000", "--metrics-port", "0")
+    daemon.admin("model_set", model="a", reserve=1000, limit=6000, weight=2.0)
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 3)["ok"]
+    assert b.allocate("b", 5)["ok"]
+    b.send_allocate("b2", 2, wait=10)
+    assert b.no_reply(0.1)
+    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
+    assert match, daemon.log()
+    with urllib.request.urlopen(match.group(1), timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("vqpool_budget_bytes", ())] == 8000
+    assert samples[("vqpool_budget_free_bytes", ())] == 0
+    expected = {
+        "vqpool_model_reserve_bytes": (1000, 0),
+        "vqpool_model_limit_bytes": (6000, 8000),
+        "vqpool_model_weight": (2, 1),
+        "vqpool_model_borrowed_bytes": (2000, 5000),
+        "vqpool_model_waiting_requests": (0, 1),
+        "vqpool_model_waiting_bytes": (0, 2000),
+    }
+    for name, (for_a, for_b) in expected.items():
+        assert samples[(name, (("model", "a"),))] == for_a, name
+        assert samples[(name, (("model", "b"),))] == for_b, name
+    assert samples[("vqpool_model_bytes_held", (("model", "b"), ("stream", "k")))] == 5000
+
+
+def test_a_grant_after_many_later_requests_is_still_cached_for_a_resend(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    rid = b.send_allocate("b", 1, wait=10)
+    for i in range(80):  # more than the reply cache keeps per session: ids above rid evicted
+        assert b.call("register_owner", {"owner": f"r{i}"})["ok"]
+    b.send_allocate("b", 1, wait=10, rid=rid)  # still parked: not refused as too old
+    assert b.no_reply(0.1)
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    granted = b.recv()
+    assert granted["ok"] and granted["id"] == rid
+    b.send_allocate("b", 1, wait=10, rid=rid)
+    assert b.recv() == granted
+    assert daemon.admin("budget")["total_held"] == 1000
+    daemon.audit()
+
+
+def test_an_evicted_sessions_parked_allocate_is_dropped(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "2000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 2)["ok"]
+    b.send_allocate("b", 1, wait=10)
+    assert b.no_reply(0.1)
+    daemon.admin("evict_session", sid=b.sid)
+    view = daemon.admin("model_list")
+    assert view["budget"]["waiting"] == 0
+    assert [m["model"] for m in view["models"]] == ["a"]  # b forgotten: unconfigured, no session
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    assert b.no_reply()
+    daemon.audit()
+
+
+def test_allocate_many_asks_for_its_bytes_at_once_and_credits_failed_items(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "5000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert b.allocate("taken", 1)["ok"]
+    items = [["k", 2 * BLOCK, "x", "fp16"], ["k", BLOCK, "taken", "fp16"]]
+    reply = a.call("allocate_many", {"items": items, "wait": 1.0})
+    assert reply["ok"]
+    assert len(reply["result"][0]) == 2
+    assert reply["result"][1]["code"] == ErrorCode.OWNER_ALREADY_ACTIVE
+    held = {m["model"]: m["held"] for m in daemon.admin("model_list")["models"]}
+    assert held == {"a": 2000, "b": 1000}  # the failed item's 1000 bytes were credited back
+    too_many = [["k", BLOCK, f"o{i}", "fp16"] for i in range(3)]  # 3000 > 2000 free
+    assert error_code(a.call("allocate_many", {"items": too_many})) == ErrorCode.POOL_EXHAUSTED
+    assert daemon.admin("budget")["total_held"] == 3000
+    daemon.audit()
+
+
+@pytest.mark.parametrize("wait", [-1, 61, "1", True])
+def test_a_bad_wait_is_a_bad_request(start_daemon, clients, wait: Any) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "5000")
+    a = clients(daemon, "a", 1000)
+    reply = a.call("allocate", {"stream": "k", "n_tokens": BLOCK, "owner": "a", "wait": wait})
+    assert error_code(reply) == ErrorCode.BAD_REQUEST
+    assert daemon.admin("budget")["total_held"] == 0
+
+
+def test_a_budget_without_n_blocks_sizes_the_id_space(start_daemon) -> None:
+    daemon = start_daemon("--budget", "64KiB")
+    config = daemon.admin("stats")["config"]
+    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 64
+    assert "budget: 64 KiB" in daemon.log()
