@@ -713,6 +713,10 @@ class PoolClient:
         Raises:
             ValueError: ``context`` <= 0 or ``concurrency`` < 1.
         """
+        if context < 1 or concurrency < 1:
+            raise ValueError(
+                f"fit: context and concurrency must be >= 1, got {context} and {concurrency}"
+            )
         with self._lock:
             answer: dict[str, Any] = self._call(
                 "fit", {"context": context, "concurrency": concurrency}

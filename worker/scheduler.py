@@ -61,6 +61,7 @@ from vqpool.shared.errors import (
     BadRequestError,
     BlockPoolExhaustedError,
     DaemonUnavailableError,
+    OverBudgetError,
 )
 from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
@@ -412,7 +413,14 @@ class Scheduler:
 
     def _fail_start(self, job: GenerationJob, exc: Exception) -> None:
         self._pop_head(job)
-        status = 503 if isinstance(exc, DaemonUnavailableError) else 500
+        # Over budget: the model's limit or the budget was lowered after submit's fit check.
+        status = (
+            503
+            if isinstance(exc, DaemonUnavailableError)
+            else 400
+            if isinstance(exc, OverBudgetError)
+            else 500
+        )
         log.error("could not start a request: %s", exc)
         self._end(job, "error", f"could not start: {exc}", status=status)
 
