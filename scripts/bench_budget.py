@@ -53,12 +53,13 @@ MODELS = {"builtin:llama": 2.0, "builtin:qwen3": 1.0}  # model -> weight
 BLOCK_BYTES = 4096  # a built-in model's block, per stream
 POOL_BLOCKS = 80
 BUDGET = f"{POOL_BLOCKS * BLOCK_BYTES // 1024}KiB"
-# 40 prompt bytes + 88 tokens = 128 slots: 8 blocks per stream, 64 KiB per request; the pool
-# runs 5 at once, each worker up to 4: both always want more than they get.
+# 40 prompt bytes + 24 tokens = 64 slots: 4 blocks per stream, 32 KiB per request; the pool
+# runs 10 at once, each worker up to 8: both always want more than they get, and a weight share
+# of 2/3 is 6.7 requests (the granularity costs at most a few points).
 PROMPT = "budget bench: " + "x" * 26
-MAX_TOKENS = 88
-CLIENTS_PER_MODEL = 6
-WORKER_ARGS = ["--max-concurrent", "4", "--queue-timeout", "120", "--max-queue", "64"]
+MAX_TOKENS = 24
+CLIENTS_PER_MODEL = 10
+WORKER_ARGS = ["--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"]
 SAMPLE_SECONDS = 0.05
 SERVER_CPU, CLIENT_CPU = 0, 1
 

@@ -49,6 +49,7 @@ from typing import Any
 from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.launch import DaemonProcess, WorkerProcess
 from vqpool.worker.models import model_spec_problem
@@ -296,7 +297,7 @@ def summary(
         rows.append(
             [
                 model,
-                human_bytes(view["reserve"]) if view else "-",
+                format_bytes(view["reserve"]) if view else "-",
                 view.get("weight", "-"),
                 _percent(view["weight"] / weight_total if view and weight_total else None),
                 _percent(shares.share(model)),
