@@ -125,7 +125,8 @@ def client_loop(url: str, model: str, until: float, tally: Tally) -> None:
 def run_phase(base: Path, with_budget: bool, seconds: float) -> Tally:
     """One phase on a fresh daemon and fresh workers."""
     name = "budget" if with_budget else "today"
-    run_dir = base / f"run-{name}"
+    base = Path(tempfile.mkdtemp(prefix=name[0], dir=base))  # fresh logs: workers read theirs
+    run_dir = base / "run"
     config = base / f"{name}.toml"
     lines = ["[vqpoold]", "block_size = 16", 'log_level = "WARNING"']
     if with_budget:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -115,6 +116,39 @@ def test_closing_the_client_ends_a_parked_call(budget_daemon: DaemonProcess) -> 
         assert held["budget"]["total_held"] == BUDGET_BLOCKS * BLOCK_BYTES
     finally:
         holder.close()
+        client.close()
+
+
+def test_a_parked_call_follows_a_daemon_restart(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    options = ("--budget", f"{BUDGET_BLOCKS * BLOCK_BYTES}B", "--lease", "1")
+    daemon = start_daemon(*options)
+    client = PoolClient(daemon.run_dir, name="m", bytes_per_block=BLOCK_BYTES, timeout=10.0)
+    try:
+        full = blocks_of(client.allocate_many(pair("x", BUDGET_BLOCKS // 2)))
+        outcome: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: outcome.append(client.allocate_many(pair("y", 1), wait=30.0))
+        )
+        waiter.start()
+        time.sleep(0.3)
+        daemon.stop(signal.SIGKILL)
+        daemon = start_daemon(*options, run_dir=daemon.run_dir)
+        # The heartbeat re-syncs (x is claimed back, the budget is full again); the parked
+        # call is sent again to the new daemon, where it waits until x gives some back.
+        deadline = time.monotonic() + 10
+        while not client.resyncs:
+            assert time.monotonic() < deadline, "the client never re-synced"
+            time.sleep(0.05)
+        assert waiter.is_alive(), outcome
+        client.free([full[0], full[BUDGET_BLOCKS // 2]])
+        waiter.join(10)
+        assert not waiter.is_alive()
+        granted = blocks_of(outcome[0])
+        assert {b.block_id for b in client.blocks_for("y")} == {b.block_id for b in granted}
+        assert daemon.admin("audit")["ok"]
+    finally:
         client.close()
 
 

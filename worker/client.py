@@ -38,6 +38,7 @@ The client keeps the :class:`Block` objects it handed out, as the local allocato
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import secrets
@@ -75,7 +76,7 @@ from vqpool.shared.protocol import (
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
-from vqpool.worker.waiting_call import request_waiting
+from vqpool.worker.waiting_call import Superseded, request_waiting
 
 try:
     CLIENT_VERSION = version("vqpool")
@@ -306,7 +307,9 @@ class PoolClient:
 
         The lock is held only to build the request (request id from the client's counter,
         the current session) and to handle its reply: ``adopt(result)`` records the blocks
-        under the lock. The rules of :meth:`_call` apply: a reply from another daemon lifetime
+        under the lock. A parked call whose session is replaced meanwhile (the heartbeat met a
+        restarted daemon, or an eviction) stops waiting at once and is sent in the new one.
+        The rules of :meth:`_call` apply: a reply from another daemon lifetime
         or NO_SESSION re-syncs or reopens the session and the call is sent again (with the wait
         left), RETRY_LATER is retried. A reply to a session this client no longer has (another
         thread re-synced or reopened it meanwhile) is void: those blocks went with the old
@@ -341,8 +344,11 @@ class PoolClient:
                     wait=left,
                     timeout=self.timeout,
                     closing=self._closing,
+                    current=functools.partial(self._is_session, session),
                     what=op,
                 )
+            except Superseded:
+                continue  # re-synced or reopened by another thread: send it in the new session
             except DaemonUnavailableError:
                 raise DaemonUnavailableError(
                     f"vqpoold did not answer {op} (wait {left:g}s) within "
@@ -376,6 +382,9 @@ class PoolClient:
                     raise error_from_wire(error["code"], error["message"])
             time.sleep(pause)
             pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
+
+    def _is_session(self, session: tuple[int | None, str | None]) -> bool:
+        return self._session == session
 
     # -- re-sync after a daemon restart or an eviction --------------------------------------------
 

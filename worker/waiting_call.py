@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -24,11 +25,16 @@ from vqpool.shared.errors import DaemonUnavailableError, NoSessionError
 from vqpool.shared.protocol import MAX_REPLY_BYTES, decode_reply
 
 SLICE_SECONDS = 0.1
-"""How often a parked call looks whether its client is closing."""
+"""How often a parked call looks whether its client is closing or its session was replaced."""
 
 REPLY_MARGIN_SECONDS = 1.0
 """Added to the wait for one attempt's timeout: the daemon answers at the wait's end at the
 latest, so silence beyond this margin means the reply was lost."""
+
+
+class Superseded(Exception):
+    """The session the request was sent in was replaced meanwhile (another thread re-synced
+    with a restarted daemon, or reopened an evicted session): no reply will count."""
 
 
 def request_waiting(
@@ -40,6 +46,7 @@ def request_waiting(
     wait: float,
     timeout: float,
     closing: threading.Event,
+    current: Callable[[], bool],
     what: str,
 ) -> dict[str, Any]:
     """Send ``payload`` (request id ``rid``) and return the reply to it.
@@ -49,6 +56,7 @@ def request_waiting(
     Raises:
         DaemonUnavailableError: No reply in time.
         NoSessionError: ``closing`` was set (the client is closing).
+        Superseded: ``current()`` turned false (the request's session was replaced).
     """
     deadline = time.monotonic() + wait + timeout
     attempt = wait + REPLY_MARGIN_SECONDS
@@ -61,7 +69,7 @@ def request_waiting(
             # Again: the queue to an absent daemon is full: wait, then resend on a new socket.
             with contextlib.suppress(zmq.Again):
                 sock.send(payload, zmq.NOBLOCK)
-            reply = _await(sock, rid, min(time.monotonic() + attempt, deadline), closing)
+            reply = _await(sock, rid, min(time.monotonic() + attempt, deadline), closing, current)
         finally:
             sock.close(linger=0)
         if reply is not None:
@@ -73,7 +81,11 @@ def request_waiting(
 
 
 def _await(
-    sock: zmq.Socket[bytes], rid: int, until: float, closing: threading.Event
+    sock: zmq.Socket[bytes],
+    rid: int,
+    until: float,
+    closing: threading.Event,
+    current: Callable[[], bool],
 ) -> dict[str, Any] | None:
     """The reply to ``rid`` if it arrives before ``until``; earlier replies are skipped."""
     poller = zmq.Poller()
@@ -81,6 +93,8 @@ def _await(
     while True:
         if closing.is_set():
             raise NoSessionError("the PoolClient was closed while its call waited")
+        if not current():
+            raise Superseded()
         remaining = until - time.monotonic()
         if remaining <= 0:
             return None
