@@ -61,23 +61,40 @@ def request_waiting(
     deadline = time.monotonic() + wait + timeout
     attempt = wait + REPLY_MARGIN_SECONDS
     while True:
-        sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            sock.connect(endpoint)
-            # Again: the queue to an absent daemon is full: wait, then resend on a new socket.
-            with contextlib.suppress(zmq.Again):
-                sock.send(payload, zmq.NOBLOCK)
-            reply = _await(sock, rid, min(time.monotonic() + attempt, deadline), closing, current)
-        finally:
-            sock.close(linger=0)
+            reply = _attempt(context, endpoint, payload, rid, attempt, deadline, closing, current)
+        except zmq.ContextTerminated:  # closed between two looks at ``closing``
+            raise NoSessionError("the PoolClient was closed while its call waited") from None
         if reply is not None:
             return reply
         if time.monotonic() >= deadline:
             raise DaemonUnavailableError(
                 f"no reply to {what} from {endpoint} in {wait + timeout:g}s"
             )
+
+
+def _attempt(
+    context: zmq.Context[Any],
+    endpoint: str,
+    payload: bytes,
+    rid: int,
+    attempt: float,
+    deadline: float,
+    closing: threading.Event,
+    current: Callable[[], bool],
+) -> dict[str, Any] | None:
+    """One send on a fresh socket and the wait for its reply (None: silence)."""
+    sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        sock.connect(endpoint)
+        # Again: the queue to an absent daemon is full: wait, then resend on a new socket.
+        with contextlib.suppress(zmq.Again):
+            sock.send(payload, zmq.NOBLOCK)
+        return _await(sock, rid, min(time.monotonic() + attempt, deadline), closing, current)
+    finally:
+        sock.close(linger=0)
 
 
 def _await(
