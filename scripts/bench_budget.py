@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -40,14 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import zmq
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint
-from vqpool.shared.protocol import encode_request
 from vqpool.worker.http_client import stream_events
 from vqpool.worker.launch import DaemonProcess, WorkerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_daemon  # the round trip: its client and CPU placement
 
 MODELS = {"builtin:llama": 2.0, "builtin:qwen3": 1.0}  # model -> weight
 BLOCK_BYTES = 4096  # a built-in model's block, per stream
@@ -61,7 +62,6 @@ MAX_TOKENS = 24
 CLIENTS_PER_MODEL = 10
 WORKER_ARGS = ["--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"]
 SAMPLE_SECONDS = 0.05
-SERVER_CPU, CLIENT_CPU = 0, 1
 
 
 # -- the contended pool ---------------------------------------------------------------------------
@@ -172,80 +172,33 @@ def run_phase(base: Path, with_budget: bool, seconds: float) -> Tally:
 # -- the allocation round trip --------------------------------------------------------------------
 
 
-class Session:
-    """A bare DEALER session (the round trip without PoolClient's bookkeeping)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.context: zmq.Context[Any] = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint(run_dir, WORKER_SOCKET_NAME))
-        self.rid = 0
-        self.sid: int | None = None
-        self.boot: str | None = None
-        hello = self.call(
-            "hello",
-            {
-                "pid": os.getpid(),
-                "model": "bench",
-                "nonce": os.urandom(8).hex(),
-                "bytes_per_block": BLOCK_BYTES,
-            },
-        )
-        self.sid, self.boot = hello["result"]["sid"], hello["result"]["boot"]
-
-    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        self.rid += 1
-        self.sock.send(encode_request(self.rid, op, args, self.sid, self.boot))
-        reply: dict[str, Any] = msgpack.unpackb(self.sock.recv())
-        return reply
-
-    def pairs(self, n: int) -> list[float]:
-        """Seconds per allocate(1 block) + free, ``n`` times."""
-        times = []
-        for i in range(n):
-            started = time.perf_counter()
-            reply = self.call("allocate", {"stream": "k", "n_tokens": 1, "owner": i})
-            self.call("free", {"block_ids": reply["result"]})
-            times.append(time.perf_counter() - started)
-        return times
-
-    def close(self) -> None:
-        self.sock.close()
-        self.context.term()
-
-
 def round_trips(base: Path, rounds: int, n: int) -> dict[str, list[float]]:
-    """p50 of allocate+free per round, daemons with and without --budget, alternating."""
-    can_pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > CLIENT_CPU
+    """p50 of allocate(1 block)+free per round, against vqpoold with and without ``--budget``,
+    alternating, with scripts/bench_daemon.py's client and placement (daemons on one vCPU,
+    this client on the other)."""
     daemons = {
-        "off": DaemonProcess(base / "rt-off", ["--n-blocks", "65536"], base / "rt-off.log"),
-        "on": DaemonProcess(
-            base / "rt-on", ["--n-blocks", "65536", "--budget", "1GiB"], base / "rt-on.log"
-        ),
+        "off": bench_daemon.start_daemon(base / "rt-off"),
+        "on": bench_daemon.start_daemon(base / "rt-on", "--budget", "1GiB"),
     }
     medians: dict[str, list[float]] = {"off": [], "on": []}
-    cpus = os.sched_getaffinity(0) if can_pin else set()
+    cpus = os.sched_getaffinity(0) if bench_daemon.can_pin() else set()
     try:
-        for daemon in daemons.values():
-            daemon.start()
-            if can_pin:
-                os.sched_setaffinity(daemon.pid, {SERVER_CPU})
-        if can_pin:
-            os.sched_setaffinity(0, {CLIENT_CPU})
-        sessions = {key: Session(d.run_dir) for key, d in daemons.items()}
+        bench_daemon.pin(bench_daemon.CLIENT_CPU)
+        sessions = {
+            key: bench_daemon.Session(endpoint(base / f"rt-{key}", WORKER_SOCKET_NAME), BLOCK_BYTES)
+            for key in daemons
+        }
         for session in sessions.values():
-            session.pairs(200)  # warm up
+            bench_daemon.alloc_free_pairs(session, 200)  # warm up
         for _ in range(rounds):
             for key, session in sessions.items():
-                medians[key].append(statistics.median(session.pairs(n)))
-        for session in sessions.values():
-            session.close()
+                medians[key].append(statistics.median(bench_daemon.alloc_free_pairs(session, n)))
     finally:
-        if can_pin:
+        if cpus:
             os.sched_setaffinity(0, cpus)
-        for daemon in daemons.values():
-            daemon.stop()
+        for process in daemons.values():
+            process.send_signal(signal.SIGTERM)
+            process.wait(10)
     return medians
 
 
