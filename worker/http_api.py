@@ -274,7 +274,13 @@ class ServingHandler(BaseHTTPRequestHandler):
     @staticmethod
     def _refusal(end: JobEnd) -> ApiError:
         headers = {"Retry-After": str(end.retry_after)} if end.retry_after else None
-        kind = "overloaded" if end.status == 503 else "server_error"
+        kind = (
+            "overloaded"
+            if end.status == 503
+            else "invalid_request_error"
+            if end.status < 500
+            else "server_error"
+        )
         return ApiError(end.status, end.detail or end.finish_reason, kind=kind, headers=headers)
 
     def _text(self, request: CompletionRequest) -> CompletionText:
