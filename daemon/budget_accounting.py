@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vqpool.daemon.budget import BudgetLedger, bytes_for_context
-from vqpool.daemon.budget_types import FitAnswer, ModelSettings, Outcome, Ticket, Verdict
+from vqpool.daemon.budget_types import GRANTED, ModelSettings, Outcome, Ticket, Verdict
+from vqpool.daemon.budget_views import budget_view, fit_to_wire, is_limited, model_views
 from vqpool.daemon.dispatch import error_reply
 from vqpool.daemon.sessions import Session
 from vqpool.shared.allocator import Owner
@@ -83,6 +84,7 @@ class BudgetAccounting:
     ) -> None:
         self._coord = coord
         self.ledger = BudgetLedger(MAX_BYTES if budget is None else budget, models)
+        self._block_size = coord.allocator.config.block_size
         self.parked: dict[Ticket, ParkedRequest] = {}
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Replies of parked requests ready to send: (envelope, reply frame)."""
@@ -91,7 +93,7 @@ class BudgetAccounting:
     @property
     def limited(self) -> bool:
         """Whether a real budget is set (else every view shows ``budget: null``)."""
-        return self.ledger.budget < MAX_BYTES
+        return is_limited(self.ledger)
 
     # -- hello ---------------------------------------------------------------------------------
 
@@ -121,14 +123,20 @@ class BudgetAccounting:
             OverBudgetError: It can never fit.
             BlockPoolExhaustedError: Not now and not waiting (``wait`` 0, queues full).
         """
+        cost = session.bytes_per_block
+        if not cost:  # not bounded by the budget: nothing to count (the hot path without one)
+            if op == ALLOCATE:
+                return self._coord.allocate(
+                    session, args["stream"], args["n_tokens"], args["owner"], args["format"]
+                )
+            return self._coord.allocate_many(session, args["items"])
+        if op == ALLOCATE and not args["wait"]:
+            return self._allocate_now(session, args, cost)
         items: Items
         if op == ALLOCATE:
             items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
         else:
             items = args["items"]
-        cost = session.bytes_per_block
-        if not cost:  # not bounded by the budget
-            return self._perform(session, op, items, 0)
         n_bytes = self._bytes_of(items, cost)
         if not n_bytes:
             return self._perform(session, op, items, 0)
@@ -148,8 +156,29 @@ class BudgetAccounting:
             raise self.refusal(op, verdict)
         return self._perform(session, op, items, n_bytes)
 
+    def _allocate_now(
+        self, session: Session, args: dict[str, Any], cost: Mapping[str, int]
+    ) -> list[int]:
+        """One ``allocate`` that does not wait (the hot path with a budget): its blocks, all
+        ceil(n_tokens / block_size) of them when it succeeds, cost exactly what is charged."""
+        stream, n_tokens = args["stream"], args["n_tokens"]
+        n_bytes = 0
+        if n_tokens > 0:
+            n_bytes = -(-n_tokens // self._block_size) * cost.get(stream, 0)
+        ledger = self.ledger
+        if n_bytes:
+            verdict = ledger.try_grant(session.model, n_bytes)
+            if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
+                raise self.refusal(ALLOCATE, verdict)
+        try:
+            return self._coord.allocate(session, stream, n_tokens, args["owner"], args["format"])
+        except BaseException:
+            if n_bytes:
+                ledger.credit(session.model, n_bytes)
+            raise
+
     def _bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
-        block_size = self._coord.allocator.config.block_size
+        block_size = self._block_size
         return sum(
             -(-n_tokens // block_size) * cost.get(stream, 0)
             for stream, n_tokens, _, _ in items
@@ -303,96 +332,16 @@ class BudgetAccounting:
         return max(0, self.ledger.budget - self.ledger.total_held)
 
     def view(self, now: float, refused: int = 0) -> dict[str, Any]:
-        """The ``budget`` admin op's answer (budget and free are None when unlimited)."""
-        snap = self.ledger.snapshot(now)
-        limited = self.limited
-        return {
-            "budget": snap.budget if limited else None,
-            "total_held": snap.total_held,
-            "free": snap.free if limited else None,
-            "over_budget": snap.over_budget > 0,
-            "reserved": snap.reserved,
-            "protected": snap.protected,
-            "waiting": snap.waiting,
-            "refused": refused,
-        }
+        """The ``budget`` admin op's answer."""
+        return budget_view(self.ledger, now, refused)
 
     def model_views(self, now: float) -> list[dict[str, Any]]:
-        """One view per model the ledger knows or a session serves (``model_list``)."""
-        snap = self.ledger.snapshot(now)
-        load: dict[str, list[int]] = {}
-        for session in self._coord.sessions:
-            row = load.setdefault(session.model, [0, 0, 0])
-            row[0] += 1
-            row[1] += session.running or 0
-            row[2] += session.queued or 0
-        limited = self.limited
-        views = []
-        for name in sorted(snap.models.keys() | load.keys()):
-            views.append(self.model_view(name, now, snap, load.get(name, [0, 0, 0]), limited))
-        return views
+        """The ``model_list`` admin op's views."""
+        return model_views(self.ledger, self._coord.sessions, now)
 
-    def model_view(
-        self,
-        name: str,
-        now: float,
-        snap: Any = None,
-        load: list[int] | None = None,
-        limited: bool | None = None,
-    ) -> dict[str, Any]:
-        """The view of one model (see docs/protocol.md, ``model_list``)."""
-        if snap is None:
-            snap = self.ledger.snapshot(now)
-        if limited is None:
-            limited = self.limited
-        if load is None:
-            sessions = [s for s in self._coord.sessions if s.model == name]
-            load = [
-                len(sessions),
-                sum(s.running or 0 for s in sessions),
-                sum(s.queued or 0 for s in sessions),
-            ]
-        view = snap.models.get(name)
-        settings = self.ledger.settings_of(name)
-        if view is None:
-            effective = self.ledger.budget if settings.limit is None else settings.limit
-            held, borrowed, entitlement, waiting, waiting_bytes, oldest, configured = (
-                0,
-                0,
-                0,
-                0,
-                0,
-                None,
-                False,
-            )
-            reserve, limit, weight = settings.reserve, settings.limit, settings.weight
-        else:
-            held, borrowed, entitlement = view.held, view.borrowed, view.entitlement
-            waiting, waiting_bytes, oldest = view.waiting, view.waiting_bytes, view.oldest_wait_s
-            configured, reserve, limit, weight = (
-                view.configured,
-                view.reserve,
-                view.limit,
-                view.weight,
-            )
-            effective = view.effective_limit
-        return {
-            "model": name,
-            "held": held,
-            "reserve": reserve,
-            "limit": limit,
-            "effective_limit": effective if limited or limit is not None else None,
-            "weight": weight,
-            "borrowed": borrowed,
-            "entitlement": entitlement,
-            "waiting": waiting,
-            "waiting_bytes": waiting_bytes,
-            "oldest_wait_s": oldest,
-            "configured": configured,
-            "sessions": load[0],
-            "running": load[1],
-            "queued": load[2],
-        }
+    def model_view(self, name: str, now: float) -> dict[str, Any]:
+        """The view of one model the ledger knows or a session serves."""
+        return next(v for v in self.model_views(now) if v["model"] == name)
 
     def fit(
         self, model: str, bytes_per_block: Mapping[str, int], context: int, concurrency: int
@@ -407,10 +356,7 @@ class BudgetAccounting:
                 f"fit: model {model!r} declared 0 bytes per block: the budget does not bound it"
             )
         return fit_to_wire(
-            self.ledger.fit(model, per_sequence, concurrency),
-            per_sequence,
-            self.limited,
-            self.ledger.budget,
+            self.ledger, self.ledger.fit(model, per_sequence, concurrency), per_sequence
         )
 
     def recount_problems(self) -> list[str]:
@@ -445,21 +391,3 @@ class BudgetAccounting:
         except AssertionError as exc:
             problems.append(f"budget ledger: {exc}")
         return problems
-
-
-def fit_to_wire(answer: FitAnswer, per_sequence: int, limited: bool, budget: int) -> dict[str, Any]:
-    """A :class:`FitAnswer` as the ``fit`` op's map (limit and budget None when unlimited)."""
-    return {
-        "verdict": answer.verdict,
-        "need": answer.need,
-        "held": answer.held,
-        "available_now": answer.available_now,
-        "available_after_return": answer.available_after_return,
-        "most_ever": answer.most_ever,
-        "reserve": answer.reserve,
-        "limit": answer.limit if limited or answer.limit < budget else None,
-        "max_concurrency_now": answer.max_concurrency_now,
-        "max_concurrency_ever": answer.max_concurrency_ever,
-        "bytes_per_sequence": per_sequence,
-        "budget": budget if limited else None,
-    }
