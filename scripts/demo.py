@@ -4,7 +4,8 @@
 What it does, end to end, with real processes:
 
 1. starts ``vqpoold`` with the configuration embedded below, in a private run directory under
-   /tmp (removed at the end);
+   /tmp (removed at the end): a byte budget the two models share, with a reserve for each and
+   weight 2 for the first (docs/budget.md);
 2. starts two ``vqpool-worker`` processes: two built-in tiny models with different
    architectures and KV layouts (``builtin:llama``, ``builtin:qwen3``), or the two ``--model``
    arguments (real mlx-lm models on a Mac);
@@ -16,7 +17,9 @@ What it does, end to end, with real processes:
    workers report their requests in their heartbeat): a redrawn view on a terminal, otherwise
    one line per second, printed only when something in it changed;
 5. once the load is done, checks that no block is held, shrinks the pool with
-   ``vqpoolctl shrink``, prints a summary table, and stops everything cleanly.
+   ``vqpoolctl shrink``, prints a summary table (with each model's share of the bytes held
+   while both wanted memory, and of the decode time, against its weight's share), and stops
+   everything cleanly.
 
 Exit status 0 when all of that worked, 1 otherwise (the processes' logs are printed then).
 
@@ -46,21 +49,36 @@ from typing import Any
 from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.launch import DaemonProcess, ProcessExitedError, WorkerProcess
 from vqpool.worker.models import model_spec_problem
 
-# The daemon's configuration. 96 blocks = 48 K + 48 V blocks of 16 token slots (768 tokens per
-# stream): the demo's requests need ~4-13 blocks per stream each and up to 6 run at once, so the
-# two models contend and some requests wait for blocks.
+# The daemon's configuration. A built-in model's block holds 4 KiB per stream (K and V apart),
+# so the 320 KiB budget is 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
+# the 96 block ids (48 K + 48 V): the budget binds. The demo's requests need ~4-13 blocks per
+# stream each and up to 6 run at once, so the two models contend and some requests wait. Each
+# model keeps a reserve (no other model gets it); the first model weighs twice the second in
+# how the rest is shared. Real models (--model) get a budget their blocks fit in.
 DAEMON_CONFIG = """\
 # vqpoold configuration written by scripts/demo
 [vqpoold]
+budget = "{budget}"
 n_blocks = 96
 block_size = 16
 lease = 5.0
 log_level = "WARNING"
+
+[models."{first}"]
+reserve = "{reserve}"
+weight = 2
+
+[models."{second}"]
+reserve = "{reserve}"
+weight = 1
 """
+BUILTIN_BUDGET = ("320KiB", "64KiB")
+REAL_MODEL_BUDGET = ("1GiB", "128MiB")
 
 BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
 CLIENTS_PER_MODEL = 4
@@ -152,7 +170,34 @@ def client_loop(url: str, seed: int, until: float, max_tokens: int, tally: Clien
 
 def pool_snapshot(admin: AdminClient) -> dict[str, Any]:
     """The pool and each model's blocks and requests, as the daemon sees them."""
-    return {"streams": admin.call("stats")["streams"], "models": per_model(admin.call("sessions"))}
+    return {
+        "streams": admin.call("stats")["streams"],
+        "models": per_model(admin.call("sessions")),
+        "budget": {v["model"]: v for v in admin.call("model_list")["models"]},
+    }
+
+
+@dataclass
+class ShareTally:
+    """Each model's share of the bytes held, summed over the live view's samples in which
+    every model wanted memory (held some or waited for some)."""
+
+    held: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+
+    def add(self, views: dict[str, dict[str, Any]], models: list[str]) -> None:
+        wanted = [views.get(m) for m in models]
+        if any(v is None or not (v["held"] or v["waiting"]) for v in wanted):
+            return
+        total = sum(v["held"] for v in wanted if v is not None)
+        if total:
+            self.samples += 1
+            for model, view in zip(models, wanted, strict=True):
+                assert view is not None
+                self.held[model] = self.held.get(model, 0.0) + view["held"] / total
+
+    def share(self, model: str) -> float | None:
+        return self.held.get(model, 0.0) / self.samples if self.samples else None
 
 
 def _count(value: int | None) -> str:
@@ -215,11 +260,27 @@ def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, durat
 # -- summary ---------------------------------------------------------------------------------------
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
 def summary(
-    workers: dict[str, WorkerProcess], tallies: dict[str, ClientTally], shrink: list[dict[str, Any]]
+    workers: dict[str, WorkerProcess],
+    tallies: dict[str, ClientTally],
+    shrink: list[dict[str, Any]],
+    shares: ShareTally,
+    views: dict[str, dict[str, Any]],
 ) -> None:
+    all_stats = {m: request_json(w.url, "GET", "/v1/stats").body for m, w in workers.items()}
+    busy_total = sum(s["busy_seconds"] for s in all_stats.values())
+    weight_total = sum(views[m]["weight"] for m in workers if m in views)
     headers = [
         "model",
+        "reserve",
+        "weight",
+        "weight share",
+        "bytes share",
+        "decode share",
         "requests",
         "tokens",
         "tokens/s",
@@ -230,11 +291,17 @@ def summary(
         "503s",
     ]
     rows: list[list[object]] = []
-    for model, worker in workers.items():
-        stats = request_json(worker.url, "GET", "/v1/stats").body
+    for model in workers:
+        stats = all_stats[model]
+        view = views.get(model, {})
         rows.append(
             [
                 model,
+                format_bytes(view["reserve"]) if view else "-",
+                view.get("weight", "-"),
+                _percent(view["weight"] / weight_total if view and weight_total else None),
+                _percent(shares.share(model)),
+                _percent(stats["busy_seconds"] / busy_total if busy_total else None),
                 stats["ended_stop"] + stats["ended_length"],
                 stats["completion_tokens"],
                 round(stats["tokens_per_s"]),
@@ -245,9 +312,11 @@ def summary(
                 tallies[model].refused,
             ]
         )
-    print("\nPer model (tokens/s: generated tokens per busy second of the worker; blocks count")
-    print("K and V blocks apart; waits: requests that queued for free blocks):\n")
-    print(textwrap.indent(table(headers, rows, right=["peak bytes"]), "  "))
+    print("\nPer model (bytes share: of the bytes held while both models wanted memory, mean")
+    print(f"over {shares.samples} samples; decode share: of the workers' decode time;")
+    print("tokens/s: generated tokens per busy second of the worker; blocks count K and V")
+    print("blocks apart; waits: requests that queued for memory):\n")
+    print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(
         f"{r['stream']}: {r['retired']} retired, {r['n_total']} left" for r in shrink
@@ -292,7 +361,10 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     max_tokens = 96 if args.short else 160
     run_dir = base / "run"
     config = base / "vqpoold.toml"
-    config.write_text(DAEMON_CONFIG)
+    budget, reserve = BUILTIN_BUDGET if args.model is None else REAL_MODEL_BUDGET
+    config.write_text(
+        DAEMON_CONFIG.format(budget=budget, reserve=reserve, first=models[0], second=models[1])
+    )
     processes: list[DaemonProcess | WorkerProcess] = []
     ok = explained = False
     try:
@@ -332,10 +404,14 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             ]
             print(f"driving {len(clients)} clients for {duration:.0f}s ...\n", flush=True)
             stop_view = threading.Event()
-            view = threading.Thread(
-                target=live_view,
-                args=(lambda: pool_snapshot(admin), stop_view, duration),
-            )
+            shares = ShareTally()
+
+            def sample() -> dict[str, Any]:
+                snap = pool_snapshot(admin)
+                shares.add(snap["budget"], models)
+                return snap
+
+            view = threading.Thread(target=live_view, args=(sample, stop_view, duration))
             view.start()
             for client in clients:
                 client.start()
@@ -349,7 +425,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             in_use = stats["stats"]["blocks_in_use"]
             audit = admin.call("audit")
             shrink = shrink_pool(run_dir, admin)
-            summary(workers, tallies, shrink)
+            views = {v["model"]: v for v in admin.call("model_list")["models"]}
+            summary(workers, tallies, shrink, shares, views)
             print(
                 f"\nblocks in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
             )

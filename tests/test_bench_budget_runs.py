@@ -25,3 +25,20 @@ def test_bench_budget_ledger_quick_run_prints_every_measurement() -> None:
         "credit+grants()",
     ):
         assert label in out, f"{label!r} missing from:\n{out}"
+
+
+def test_bench_budget_quick_run_prints_both_phases_and_the_round_trip() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_budget.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    ).stdout
+    for label in (
+        "today        builtin:llama",
+        "with budget  builtin:qwen3",
+        "p99 wait ratio (least / most favoured)",
+        "allocate(1 block)+free round trip p50: budget off",
+    ):
+        assert label in out, f"{label!r} missing from:\n{out}"

@@ -54,7 +54,12 @@ def test_demo_short_runs_end_to_end() -> None:
     assert shrink and int(shrink.group(1)) > 0
     assert "stopped workers and vqpoold" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
-    summary = {row[0]: row for row in rows if len(row) == 10}
+    # model, reserve (2 words), weight, weight/bytes/decode shares, requests, tokens, ...
+    summary = {row[0]: row for row in rows if len(row) == 16}
     assert set(summary) == {"builtin:llama", "builtin:qwen3"}
+    assert "bytes share" in out and "decode share" in out
     for row in summary.values():
-        assert int(row[1]) > 0 and int(row[2]) > 0  # requests, tokens
+        assert row[1:3] == ["64", "KiB"]  # the reserve the demo configures
+        assert all(re.fullmatch(r"\d+%|-", share) for share in row[4:7]), row
+        assert int(row[7]) > 0 and int(row[8]) > 0  # requests, tokens
+    assert summary["builtin:llama"][4] == "67%" and summary["builtin:qwen3"][4] == "33%"

@@ -125,6 +125,19 @@ class PooledSequence:
             BlockPoolExhaustedError: The pool cannot give the missing blocks.
             RuntimeError: The sequence was released.
         """
+        self.adopt(n_slots, self.take(n_slots))
+
+    def take(self, n_slots: int, wait: float = 0.0) -> tuple[list[Block], list[Block]] | None:
+        """The pool half of :meth:`reserve`: allocate the blocks ``n_slots`` slots still need
+        (None when none) without touching the storage, so another thread may make this call
+        (and wait in it) while the sequence is not in use. Give the result to :meth:`adopt`, or
+        free it. ``wait`` > 0 needs a pool whose allocations can wait (``PoolClient``): the
+        request may wait that many seconds at the daemon for its model's share of the budget.
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot give the missing blocks (in ``wait``).
+            RuntimeError: The sequence was released.
+        """
         if self.released:
             raise RuntimeError(
                 f"PooledSequence {self.owner!r}: the cache was released; make a new one"
@@ -133,14 +146,21 @@ class PooledSequence:
         needed = -(-n_slots // bs)
         missing = needed - self.n_blocks
         if missing <= 0:
-            return
+            return None
         extra = blocks_to_hold(n_slots, bs) - needed
         try:
-            k_new, v_new = self._allocate(missing + extra)
+            return self._allocate(missing + extra, wait)
         except BlockPoolExhaustedError:
             if not extra:
                 raise
-            k_new, v_new = self._allocate(missing)
+            return self._allocate(missing)
+
+    def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
+        """Back ``n_slots`` slots with the blocks :meth:`take` returned (on this sequence's
+        thread: it extends the storage). On error the blocks are freed."""
+        if taken is None:
+            return
+        k_new, v_new = taken
         try:
             self.storage.extend(
                 self.buffers,
@@ -154,21 +174,25 @@ class PooledSequence:
         self._k_blocks.extend(k_new)
         if self._v_blocks is not self._k_blocks:
             self._v_blocks.extend(v_new)
-        self.capacity = self.n_blocks * bs
+        self.capacity = self.n_blocks * self.layout.block_size
         self.sync_usage(max(self.n_tokens, n_slots))
 
-    def _allocate(self, n_blocks: int) -> tuple[list[Block], list[Block]]:
+    def _allocate(self, n_blocks: int, wait: float = 0.0) -> tuple[list[Block], list[Block]]:
         """Take ``n_blocks`` blocks per stream in one pool call; all or nothing."""
         n_tokens = n_blocks * self.layout.block_size
         fmt = self.layout.format
+        # Only a pool whose allocations can wait is given the argument.
+        waiting = {"wait": wait} if wait > 0 else {}
+        pool: Any = self.pool
         if not self.pool.config.separate_kv:
-            blocks = list(self.pool.allocate("kv", n_tokens, self.owner, fmt))
+            blocks = list(pool.allocate("kv", n_tokens, self.owner, fmt, **waiting))
             return blocks, blocks
-        results = self.pool.allocate_many(
+        results = pool.allocate_many(
             [
                 AllocationRequest("k", n_tokens, self.owner, fmt),
                 AllocationRequest("v", n_tokens, self.owner, fmt),
-            ]
+            ],
+            **waiting,
         )
         failures = [r for r in results if isinstance(r, Exception)]
         if failures:

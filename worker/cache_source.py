@@ -11,6 +11,12 @@ same code path as the pooled worker, minus the pool:
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
 * ``report_load(running, queued)``: the requests running and queued now (pooled: told to the
   daemon, which shows them in ``vqpoolctl watch``; stock: nobody to tell).
+
+A source whose pool is the daemon (``waits``) also splits ``reserve`` so that admission can wait
+at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the pool call, any
+thread, may wait ``wait`` seconds in the daemon's fair queue) and ``adopt(cache, n_tokens,
+taken)`` (the storage half, on the generation thread); and ``never_fits(n_tokens)`` says why a
+request of ``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any, Protocol
 
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
+from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.cache import PooledPromptCache, make_pooled_cache
 from vqpool.worker.client import PoolClient
@@ -42,6 +50,17 @@ class CacheSource(Protocol):
     def nbytes(self) -> int: ...
 
     def report_load(self, running: int, queued: int) -> None: ...
+
+    @property
+    def waits(self) -> bool: ...
+
+    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any: ...
+
+    def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None: ...
+
+    def free_taken(self, taken: Any) -> None: ...
+
+    def never_fits(self, n_tokens: int) -> str | None: ...
 
 
 class PooledCacheSource:
@@ -86,6 +105,48 @@ class PooledCacheSource:
         if isinstance(self.pool, PoolClient):  # an in-process pool has no daemon to tell
             self.pool.report_load(running, queued)
 
+    @property
+    def waits(self) -> bool:
+        """Whether allocations can wait at a daemon (an in-process pool cannot)."""
+        return isinstance(self.pool, PoolClient)
+
+    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
+        assert isinstance(cache, PooledPromptCache)
+        return cache.sequence.take(n_tokens, wait)
+
+    def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:
+        assert isinstance(cache, PooledPromptCache)
+        cache.sequence.adopt(n_tokens, taken)
+
+    def free_taken(self, taken: Any) -> None:
+        """Give back blocks :meth:`take` returned that nobody will adopt (their job went away)."""
+        if taken is not None:
+            k_blocks, v_blocks = taken
+            self.pool.free(k_blocks if v_blocks is k_blocks else [*k_blocks, *v_blocks])
+
+    def never_fits(self, n_tokens: int) -> str | None:
+        """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
+        the daemon's fit answer; None when it may (or the daemon cannot say: an older daemon,
+        or none answering, leaves the decision to admission)."""
+        if not isinstance(self.pool, PoolClient):
+            return None
+        try:
+            answer = self.pool.fit(n_tokens)
+        except (UnknownOpError, DaemonUnavailableError):
+            return None
+        if answer["verdict"] != "never":
+            return None
+        limit = answer["limit"]
+        return (
+            f"the request can never fit: prompt + max_tokens = {n_tokens} tokens need "
+            f"{format_bytes(answer['need'])} of KV cache ({answer['need']} bytes), and model "
+            f"{self.pool.name!r} can never hold more than "
+            f"{format_bytes(answer['most_ever'])} ({answer['most_ever']} bytes; its limit "
+            f"{'none' if limit is None else format_bytes(limit)}, budget "
+            f"{format_bytes(answer['budget']) if answer['budget'] is not None else 'unlimited'}"
+            f", other models' reserves excluded); lower max_tokens or shorten the prompt"
+        )
+
 
 class StockCacheSource:
     """Stock mlx-lm caches (``make_prompt_cache``): no pool, no blocks; bytes are what the live
@@ -116,3 +177,17 @@ class StockCacheSource:
 
     def report_load(self, running: int, queued: int) -> None:
         return None  # no daemon: --no-pool
+
+    waits = False
+
+    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
+        return None
+
+    def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:
+        return None
+
+    def free_taken(self, taken: Any) -> None:
+        return None
+
+    def never_fits(self, n_tokens: int) -> str | None:
+        return None  # no budget: bounded only by memory

@@ -38,15 +38,16 @@ The client keeps the :class:`Block` objects it handed out, as the local allocato
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 from vqpool.shared.allocator import (
@@ -75,6 +76,7 @@ from vqpool.shared.protocol import (
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
+from vqpool.worker.waiting_call import Superseded, request_waiting
 
 try:
     CLIENT_VERSION = version("vqpool")
@@ -100,6 +102,18 @@ CLAIM_IDS_PER_MESSAGE = 16384
 
 MAX_RESYNCS_PER_CALL = 3
 """A call that meets this many daemon restarts in a row gives up with DaemonRestartedError."""
+
+MAX_ALLOCATE_WAIT = 60.0
+"""The longest ``wait`` an allocation may ask the daemon for (the protocol's bound)."""
+
+
+_Result = TypeVar("_Result")
+
+
+def _check_wait(wait: float) -> float:
+    if not 0.0 <= wait <= MAX_ALLOCATE_WAIT:
+        raise ValueError(f"wait must be in 0..{MAX_ALLOCATE_WAIT:g} seconds, got {wait!r}")
+    return wait
 
 
 class PoolClient:
@@ -155,6 +169,8 @@ class PoolClient:
         self._lost_blocks: dict[int, Owner] = {}
         self._unusable: str | None = None
         self._closed = False
+        # Set first thing in close(): parked waiting calls give up within a poll slice.
+        self._closing = threading.Event()
         # The claims of a re-sync not answered yet: (request id, owners, done) per message.
         self._claims_due: list[tuple[int, list[list[Any]], bool]] = []
         self._resync_record: dict[str, Any] = {}
@@ -278,6 +294,97 @@ class PoolClient:
                 wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
                 continue
             raise error_from_wire(error["code"], error["message"])
+
+    def _call_waiting(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        wait: float,
+        adopt: Callable[[Any], _Result],
+    ) -> _Result:
+        """An allocation that may wait ``wait`` seconds at the daemon, sent without holding
+        ``self._lock`` while parked (other threads keep calling free, mark_used, ...).
+
+        The lock is held only to build the request (request id from the client's counter,
+        the current session) and to handle its reply: ``adopt(result)`` records the blocks
+        under the lock. A parked call whose session is replaced meanwhile (the heartbeat met a
+        restarted daemon, or an eviction) stops waiting at once and is sent in the new one.
+        The rules of :meth:`_call` apply: a reply from another daemon lifetime
+        or NO_SESSION re-syncs or reopens the session and the call is sent again (with the wait
+        left), RETRY_LATER is retried. A reply to a session this client no longer has (another
+        thread re-synced or reopened it meanwhile) is void: those blocks went with the old
+        session, and the call is sent again.
+        """
+        end = time.monotonic() + wait
+        pause = RETRY_LATER_FIRST_WAIT
+        n_resyncs = 0
+        while True:
+            with self._lock:
+                if self._unusable is not None:
+                    raise DaemonRestartedError(self._unusable)
+                if self._closed:
+                    raise NoSessionError(f"PoolClient for {self.run_dir} is closed")
+                if self._claims_due:
+                    self._send_claims()
+                    continue
+                lost = self._lost_in(args)
+                if lost is not None:
+                    raise ClaimConflictError(lost)
+                left = max(0.0, end - time.monotonic())
+                session = self._session
+                rid = next(self._ids)
+                sent_args = {**args, "wait": left} if left > 0 else args
+                payload = encode_request(rid, op, sent_args, *session)
+            try:
+                reply = request_waiting(
+                    self._context,
+                    self._endpoint,
+                    payload,
+                    rid,
+                    wait=left,
+                    timeout=self.timeout,
+                    closing=self._closing,
+                    current=functools.partial(self._is_session, session),
+                    what=op,
+                )
+            except Superseded:
+                continue  # re-synced or reopened by another thread: send it in the new session
+            except DaemonUnavailableError:
+                raise DaemonUnavailableError(
+                    f"vqpoold did not answer {op} (wait {left:g}s) within "
+                    f"{left + self.timeout:g}s on {self._endpoint}: is it running with "
+                    f"--run-dir {self.run_dir}?"
+                ) from None
+            with self._lock:
+                if self._session != session:
+                    continue  # re-synced or reopened by another thread: void, send again
+                if reply.get("boot") != session[1]:
+                    n_resyncs += 1
+                    if n_resyncs > MAX_RESYNCS_PER_CALL:
+                        raise DaemonRestartedError(
+                            f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
+                        )
+                    self._resync()
+                    continue
+                if reply["ok"]:
+                    return adopt(reply.get("result"))
+                error = reply["error"]
+                if error["code"] == ErrorCode.NO_SESSION and not self._closed:
+                    n_resyncs += 1
+                    if n_resyncs > MAX_RESYNCS_PER_CALL:
+                        raise NoSessionError(
+                            f"{op}: the daemon ended {n_resyncs} sessions in a row"
+                        )
+                    self._reopen_session()
+                    continue  # a lost owner is refused at the top of the loop
+                retry = error["code"] == ErrorCode.RETRY_LATER
+                if not retry or time.monotonic() + pause >= end + self.timeout:
+                    raise error_from_wire(error["code"], error["message"])
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
+
+    def _is_session(self, session: tuple[int | None, str | None]) -> bool:
+        return self._session == session
 
     # -- re-sync after a daemon restart or an eviction --------------------------------------------
 
@@ -536,39 +643,57 @@ class PoolClient:
         return text
 
     def allocate(
-        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16"
+        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16", wait: float = 0.0
     ) -> list[Block]:
         """Allocate ceil(n_tokens / block_size) blocks to ``owner``, all or nothing.
 
+        With ``wait`` > 0 (seconds, at most MAX_ALLOCATE_WAIT) a request the daemon's budget
+        cannot grant now waits there, in its model's fair queue, until it is granted or the
+        wait runs out; other threads' calls go on meanwhile (see :meth:`_call_waiting`).
+
         Raises:
-            ValueError: ``n_tokens`` <= 0, or a stream this pool does not have.
-            BlockPoolExhaustedError: Too few free blocks; nothing allocated.
+            ValueError: ``n_tokens`` <= 0, a stream this pool does not have, or ``wait``
+                outside 0..MAX_ALLOCATE_WAIT.
+            BlockPoolExhaustedError: Too few free blocks (or bytes of the budget), also after
+                ``wait``; nothing allocated.
+            OverBudgetError: The request can never fit the model's limit or the budget.
             OwnerAlreadyActiveError: Another worker session holds ``owner``.
             ClaimConflictError: ``owner`` was lost in a daemon restart.
         """
         args = {"stream": stream, "n_tokens": n_tokens, "owner": owner, "format": format}
+
+        def adopt(block_ids: list[int]) -> list[Block]:
+            return self._blocks_from_ids(block_ids, stream, n_tokens, owner, format)
+
+        if _check_wait(wait) > 0:
+            return self._call_waiting("allocate", args, wait, adopt)
         with self._lock:
             self._refuse_lost(owner)
             # A failed allocate leaves no owner registered on the daemon (unlike locally).
-            block_ids = self._call("allocate", args)
-            return self._blocks_from_ids(block_ids, stream, n_tokens, owner, format)
+            return adopt(self._call("allocate", args))
 
-    def allocate_many(self, requests: Sequence[AllocationRequest]) -> list[AllocationResult]:
-        """Several allocate() calls in one message; per item, its blocks or its exception."""
+    def allocate_many(
+        self, requests: Sequence[AllocationRequest], wait: float = 0.0
+    ) -> list[AllocationResult]:
+        """Several allocate() calls in one message; per item, its blocks or its exception.
+
+        ``wait`` as for :meth:`allocate`: the items' bytes are one request to the budget.
+        """
         items = [AllocationRequest(*request) for request in requests]
+        _check_wait(wait)
         with self._lock:
-            lost = self._lost
-            sent = [r for r in items if r.owner not in lost] if lost else items
-            wire = [[r.stream, r.n_tokens, r.owner, r.format] for r in sent]
-            replies = self._call("allocate_many", {"items": wire}) if wire else []
+            lost = dict(self._lost)
+        sent = [r for r in items if r.owner not in lost] if lost else items
+        wire = [[r.stream, r.n_tokens, r.owner, r.format] for r in sent]
+
+        def adopt(replies: list[Any]) -> list[AllocationResult]:
             results: list[AllocationResult] = []
-            n_sent = 0
+            replies_left = iter(replies)
             for request in items:
                 if request.owner in lost:
                     results.append(ClaimConflictError(lost[request.owner]))
                     continue
-                reply = replies[n_sent]
-                n_sent += 1
+                reply = next(replies_left)
                 if isinstance(reply, list):
                     results.append(
                         self._blocks_from_ids(
@@ -578,6 +703,34 @@ class PoolClient:
                 else:
                     results.append(error_from_wire(reply["code"], item_message(replies, reply)))
             return results
+
+        if not wire:
+            with self._lock:
+                return adopt([])
+        if wait > 0:
+            return self._call_waiting("allocate_many", {"items": wire}, wait, adopt)
+        with self._lock:
+            return adopt(self._call("allocate_many", {"items": wire}))
+
+    def fit(self, context: int, concurrency: int = 1) -> dict[str, Any]:
+        """Whether ``concurrency`` sequences of ``context`` tokens fit this worker's model in
+        the daemon's budget: ``{verdict: "now" | "within_reserve" | "after_others_return" |
+        "never", need, held, available_now, available_after_return, most_ever, reserve, limit,
+        max_concurrency_now, max_concurrency_ever, bytes_per_sequence, budget}`` (bytes; limit
+        and budget None when unlimited). See docs/budget.md, "Will it fit?".
+
+        Raises:
+            ValueError: ``context`` <= 0 or ``concurrency`` < 1.
+        """
+        if context < 1 or concurrency < 1:
+            raise ValueError(
+                f"fit: context and concurrency must be >= 1, got {context} and {concurrency}"
+            )
+        with self._lock:
+            answer: dict[str, Any] = self._call(
+                "fit", {"context": context, "concurrency": concurrency}
+            )
+            return answer
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Return blocks to the pool; already-free blocks are skipped.
@@ -716,6 +869,7 @@ class PoolClient:
         """End the session: the daemon frees whatever this client still holds. Idempotent."""
         if self._closed:
             return
+        self._closing.set()
         self._heartbeat.stop()
         with self._lock:
             if self._unusable is None:

@@ -45,6 +45,7 @@ from vqpool.worker.openai_api import (
 from vqpool.worker.scheduler import (
     GenerationJob,
     JobEnd,
+    NeverFitsError,
     QueueFullError,
     Scheduler,
     ScoredToken,
@@ -244,6 +245,8 @@ class ServingHandler(BaseHTTPRequestHandler):
             )
             try:
                 app.scheduler.submit(job)
+            except NeverFitsError as exc:
+                raise ApiError(400, str(exc), param="max_tokens") from None
             except (QueueFullError, ShuttingDownError) as exc:
                 raise ApiError(
                     503, str(exc), kind="overloaded", headers={"Retry-After": "1"}
@@ -271,7 +274,13 @@ class ServingHandler(BaseHTTPRequestHandler):
     @staticmethod
     def _refusal(end: JobEnd) -> ApiError:
         headers = {"Retry-After": str(end.retry_after)} if end.retry_after else None
-        kind = "overloaded" if end.status == 503 else "server_error"
+        kind = (
+            "overloaded"
+            if end.status == 503
+            else "invalid_request_error"
+            if end.status < 500
+            else "server_error"
+        )
         return ApiError(end.status, end.detail or end.finish_reason, kind=kind, headers=headers)
 
     def _text(self, request: CompletionRequest) -> CompletionText:

@@ -14,7 +14,14 @@ read its token ids from the job's event queue. One generation thread does the re
   blocks, the head waits (and the jobs behind it too: a
   long prompt is not starved by short ones); admission is retried every ``retry_interval``
   seconds, since blocks may be freed by another worker, and at once when one of this worker's
-  jobs ends. A job still waiting ``queue_timeout`` seconds after it was submitted ends as
+  jobs ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once
+  with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
+  :class:`~vqpool.worker.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
+  between models and workers, not who retries first; the generation thread keeps decoding and
+  picks the granted blocks up between rounds. A job that can never fit its model's share of the
+  budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
+  (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it
+  was submitted ends as
   ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
 * **Decode, round-robin.** Each round advances every active job by one token: one ``next()`` on
   its own ``mlx_lm.generate.generate_step`` generator, whose first call is the prefill. The
@@ -50,8 +57,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
-from vqpool.shared.errors import BlockPoolExhaustedError, DaemonUnavailableError
+from vqpool.shared.errors import (
+    BadRequestError,
+    BlockPoolExhaustedError,
+    DaemonUnavailableError,
+    OverBudgetError,
+)
+from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
+from vqpool.worker.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -66,6 +80,11 @@ class QueueFullError(Exception):
 
 class ShuttingDownError(Exception):
     """The worker is stopping and takes no new requests."""
+
+
+class NeverFitsError(ValueError):
+    """The request can never fit its model's share of the daemon's budget (the message has
+    the numbers); retrying it cannot help."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,7 @@ class GenerationJob:
     n_generated: int = 0
     waited_for_blocks: bool = False
     retry_at: float = 0.0
+    parked: bool = False
     cache: list[Any] | None = None
     generator: Generator[tuple[Any, mx.array], None, None] | None = None
 
@@ -193,6 +213,7 @@ class Scheduler:
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
+        self._waiter = AdmissionWaiter(source, self._notify) if source.waits else None
 
     # -- called from HTTP threads ----------------------------------------------------------------
 
@@ -203,9 +224,13 @@ class Scheduler:
         """Queue ``job``; its events arrive on ``job.events``.
 
         Raises:
+            NeverFitsError: prompt + max_tokens can never fit the model's share of the budget.
             QueueFullError: ``max_queue`` jobs are waiting already.
             ShuttingDownError: The worker is stopping.
         """
+        never = self.source.never_fits(len(job.prompt) + job.max_tokens)
+        if never is not None:
+            raise NeverFitsError(never)
         with self._cond:
             if self._stopping:
                 raise ShuttingDownError(
@@ -230,6 +255,10 @@ class Scheduler:
         stop string ("stop"); its blocks go back within a round."""
         job.cancel_reason = reason
         job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def _notify(self) -> None:
         with self._cond:
             self._cond.notify()
 
@@ -266,7 +295,10 @@ class Scheduler:
                 left = list(self._waiting)
                 self._waiting.clear()
             for job in left:
+                self._abandon(job)
                 self._end(job, "rejected", "the worker is shutting down", status=503)
+            if self._waiter is not None:
+                self._waiter.stop()
             # MLX wants each thread that evaluated to destroy its streams before it ends: left
             # to the interpreter's exit, the clean-up may abort the process (std::terminate).
             mx.clear_streams()
@@ -289,6 +321,7 @@ class Scheduler:
             self._waiting = kept
             self.stats.set_queue_length(len(kept))
         for job in cancelled:
+            self._abandon(job)
             self._end(job, job.cancel_reason)
         head_blocked = bool(self._waiting) and self._waiting[0].waited_for_blocks
         for job in expired:
@@ -298,6 +331,7 @@ class Scheduler:
                 else f"{self.max_concurrent} requests were running (--max-concurrent)"
             )
             self.stats.add(queue_timeouts=1)
+            self._abandon(job)
             self._end(
                 job,
                 "rejected",
@@ -313,27 +347,94 @@ class Scheduler:
                 if not self._waiting:
                     return
                 job = self._waiting[0]
+            if job.parked:
+                if not self._collect(job):
+                    return
+                continue
             if job.retry_at > time.monotonic():
                 return
             try:
                 started = self._try_start(job)
             except Exception as exc:
-                self._pop_head(job)
-                status = 503 if isinstance(exc, DaemonUnavailableError) else 500
-                log.error("could not start a request: %s", exc)
-                self._end(job, "error", f"could not start: {exc}", status=status)
+                self._fail_start(job, exc)
                 continue
             if not started:
-                job.retry_at = time.monotonic() + self.retry_interval
                 if not job.waited_for_blocks:
                     job.waited_for_blocks = True
                     self.stats.add(waits=1)
                 self.stats.set_blocked(True)
+                self._park_or_retry(job)
                 return
-            self._pop_head(job)
-            self.stats.set_blocked(False)
-            self._active.append(job)
-            self.stats.set_active(len(self._active))
+            self._activate(job)
+
+    def _park_or_retry(self, job: GenerationJob) -> None:
+        """The head cannot start now: wait at the daemon if it can, else retry soon."""
+        now = time.monotonic()
+        if self._waiter is None or self._waiter.busy or job.deadline <= now:
+            # No daemon, or the waiter still waits for a job that went away: poll meanwhile.
+            job.retry_at = now + self.retry_interval
+            return
+        assert job.cache is not None
+        job.parked = True
+        job.retry_at = job.deadline
+        self._waiter.park(
+            job, job.cache, self._slots_for(job), min(job.deadline - now, MAX_ALLOCATE_WAIT)
+        )
+
+    def _collect(self, job: GenerationJob) -> bool:
+        """Pick up the parked head's outcome; False while it still waits at the daemon."""
+        assert self._waiter is not None
+        admission: Admission | None = self._waiter.outcome(job)
+        if admission is None:
+            return False
+        job.parked = False
+        if isinstance(admission.error, BadRequestError) and "'wait'" in str(admission.error):
+            # A daemon older than waiting allocations: poll it, as before.
+            log.warning("vqpoold cannot wait for allocations (%s): polling", admission.error)
+            self._waiter.stop()
+            self._waiter = None
+            job.retry_at = 0.0
+        elif admission.error is not None:
+            self._fail_start(job, admission.error)
+        elif admission.exhausted:
+            # The wait ran out before the queue timeout (its cap), or the daemon could not
+            # wait (no budget binds: the block ids ran out): ask again after the usual pause.
+            job.retry_at = time.monotonic() + self.retry_interval
+        else:
+            assert job.cache is not None
+            try:
+                self.source.adopt(job.cache, self._slots_for(job), admission.taken)
+                self._start_generator(job)
+            except Exception as exc:
+                self._fail_start(job, exc)
+                return True
+            self._activate(job)
+        return True
+
+    def _fail_start(self, job: GenerationJob, exc: Exception) -> None:
+        self._pop_head(job)
+        # Over budget: the model's limit or the budget was lowered after submit's fit check.
+        status = (
+            503
+            if isinstance(exc, DaemonUnavailableError)
+            else 400
+            if isinstance(exc, OverBudgetError)
+            else 500
+        )
+        log.error("could not start a request: %s", exc)
+        self._end(job, "error", f"could not start: {exc}", status=status)
+
+    def _activate(self, job: GenerationJob) -> None:
+        self._pop_head(job)
+        self.stats.set_blocked(False)
+        self._active.append(job)
+        self.stats.set_active(len(self._active))
+
+    def _abandon(self, job: GenerationJob) -> None:
+        """``job`` leaves the queue: a call parked for it must not hand it blocks any more."""
+        if job.parked and self._waiter is not None:
+            self._waiter.abandon(job)
+            job.parked = False
 
     def _pop_head(self, job: GenerationJob) -> None:
         with self._cond:
@@ -341,19 +442,25 @@ class Scheduler:
                 self._waiting.popleft()
             self.stats.set_queue_length(len(self._waiting))
 
+    def _slots_for(self, job: GenerationJob) -> int:
+        # generate_step writes the KV of every token it yields, the last one included: a job
+        # needs prompt + max_tokens slots in all.
+        return len(job.prompt) + (job.max_tokens if self.reserve_full else 1)
+
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and create its generator; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
             job.cache = self.source.open(job.owner)
-        # generate_step writes the KV of every token it yields, the last one included: a job
-        # needs prompt + max_tokens slots in all.
-        n_slots = len(job.prompt) + (job.max_tokens if self.reserve_full else 1)
         try:
-            self.source.reserve(job.cache, n_slots)
+            self.source.reserve(job.cache, self._slots_for(job))
         except BlockPoolExhaustedError:
             return False
+        self._start_generator(job)
+        return True
+
+    def _start_generator(self, job: GenerationJob) -> None:
         s = job.sampling
         job.generator = generate_step(
             mx.array(list(job.prompt)),
@@ -363,7 +470,6 @@ class Scheduler:
             prompt_cache=job.cache,
         )
         self._sample_memory()
-        return True
 
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
