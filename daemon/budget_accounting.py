@@ -130,8 +130,10 @@ class BudgetAccounting:
                     session, args["stream"], args["n_tokens"], args["owner"], args["format"]
                 )
             return self._coord.allocate_many(session, args["items"])
-        if op == ALLOCATE and not args["wait"]:
-            return self._allocate_now(session, args, cost)
+        if op == ALLOCATE:
+            self._coord.check_allocate(session, args["n_tokens"], args["owner"])
+            if not args["wait"]:
+                return self._allocate_now(session, args, cost)
         items: Items
         if op == ALLOCATE:
             items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)

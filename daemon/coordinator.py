@@ -156,12 +156,15 @@ class Coordinator:
         """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
         return list(self._allocate(session, stream, n_tokens, owner, fmt))
 
-    def _allocate(
-        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
-    ) -> tuple[int, ...]:
-        """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
-        (an exhausted pool included, unlike the local allocator) leaves no owner bound or
-        registered that was not before."""
+    def check_allocate(self, session: Session, n_tokens: int, owner: Owner) -> Session | None:
+        """The checks of an allocate that need no pool: the owner is free or ``session``'s (its
+        holder is returned) and ``n_tokens`` within one allocation. The budget asks them before
+        its ledger, so such a request is refused as what it is, never parked.
+
+        Raises:
+            OwnerAlreadyActiveError: Another session holds ``owner``.
+            ValueError: ``n_tokens`` needs more than MAX_BLOCKS_PER_ALLOCATE blocks.
+        """
         holder = self._holder.get(owner)
         if holder is not session and holder is not None:
             raise self._owner_taken(owner, holder)
@@ -170,6 +173,15 @@ class Coordinator:
                 f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
                 "allocate in steps"
             )
+        return holder
+
+    def _allocate(
+        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
+    ) -> tuple[int, ...]:
+        """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
+        (an exhausted pool included, unlike the local allocator) leaves no owner bound or
+        registered that was not before."""
+        holder = self.check_allocate(session, n_tokens, owner)
         if holder is not None:  # already ours: the allocator alone decides
             return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
         try:

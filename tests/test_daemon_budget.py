@@ -141,6 +141,19 @@ def test_a_parked_allocate_is_granted_when_another_model_frees(start_daemon, cli
     daemon.audit()
 
 
+def test_an_owner_of_another_session_is_refused_before_the_budget(start_daemon, clients) -> None:
+    # Every check before the ledger: a request that can only fail is refused as what it is at
+    # once, never parked behind a full budget nor charged.
+    daemon = budget_daemon(start_daemon, "--budget", "4000")
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert a.allocate("a", 4)["ok"]
+    assert error_code(b.allocate("a", 1, wait=10)) == ErrorCode.OWNER_ALREADY_ACTIVE
+    assert error_code(b.allocate("b", 70000, wait=10)) == ErrorCode.INVALID_VALUE
+    assert daemon.admin("budget")["waiting"] == 0
+    daemon.audit()
+
+
 def test_parked_requests_are_granted_in_weighted_order(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "6000")
     daemon.admin("model_set", model="heavy", weight=2.0)

@@ -149,10 +149,10 @@ class DaemonMachine(RuleBasedStateMachine):
         model = self.owners.get(owner)
         n_needed = -(-n_tokens // BLOCK_SIZE)
         refusal = self.budget_refusal(self.models[session], n_needed * BYTES_PER_BLOCK)
-        if refusal is not None:  # the budget is asked before the owner and the ids
-            assert got[0] == refusal, got
-        elif model is not None and model.session != session:
+        if model is not None and model.session != session:  # owners are checked first
             assert got[0] == "OwnerAlreadyActiveError", got
+        elif refusal is not None:  # then the budget, then the ids
+            assert got[0] == refusal, got
         elif self.total[stream] - self.held(stream) < n_needed:
             assert got[0] == "BlockPoolExhaustedError", got  # registers nothing on the daemon
         else:
