@@ -8,18 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.coordinator import Coordinator
-from vqpool.shared.protocol import MAX_ITEMS, Field, check_int, check_str
+from vqpool.shared.protocol import FIT, WORKER_ARGS, Field, check_str
 
 PARAMS = (
     Field("model", check_str, help="the model name its workers give in hello"),
-    Field("context", lambda v, n: check_int(v, n, 1), help="tokens of one sequence"),
-    Field(
-        "concurrency",
-        lambda v, n: check_int(v, n, 1, MAX_ITEMS),
-        required=False,
-        default=1,
-        help="sequences of that size at once",
-    ),
+    *WORKER_ARGS[FIT],  # context and concurrency, as the worker op takes them
 )
 
 
