@@ -255,6 +255,19 @@ def test_weighted_max_min_smallest_held_per_weight_first() -> None:
     assert ledger.grants() == ["light"]
 
 
+def test_weighted_order_counts_the_head_as_weighted_fair_queuing_does() -> None:
+    # 6 and 3 of 10 units at weights 2 and 1 tie on held/weight (3 each); the lighter model's
+    # head came first, yet the unit goes to the heavier: 7/2 = 3.5 < 4/1 once granted.
+    ledger = BudgetLedger(10, {"heavy": ModelSettings(weight=2)})
+    ledger.charge("heavy", 6)
+    ledger.charge("light", 3)
+    ledger.charge("x", 1)
+    ledger.request("light", 1, "light", 9.0, 0.0)
+    ledger.request("heavy", 1, "heavy", 9.0, 1.0)
+    ledger.credit("x", 1)
+    assert ledger.grants() == ["heavy"]
+
+
 def test_a_head_blocked_by_its_own_limit_does_not_block_others() -> None:
     ledger = BudgetLedger(100, {"capped": ModelSettings(limit=40)})
     ledger.charge("capped", 40)
