@@ -1,0 +1,58 @@
+"""Every benchmark script with a quick mode runs end to end and prints each measurement."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+QUICK_RUNS = {
+    "bench_pool.py": (
+        120,
+        (
+            "allocate(1 block)+free",
+            "allocate+free_all 256 blocks",
+            "mark_used",
+            "reverse order",
+            "random order",
+            "1,048,576 blocks:",
+        ),
+    ),
+    "bench_budget_ledger.py": (
+        120,
+        (
+            "try_grant+credit, nobody waits, 3 models",
+            "1000 models",
+            "allocate(1 block)+free",
+            "request that must wait",
+            "credit+grants()",
+        ),
+    ),
+    "bench_budget.py": (
+        240,
+        (
+            "today        builtin:llama",
+            "with budget  builtin:qwen3",
+            "p99 wait ratio (least / most favoured)",
+            "allocate(1 block)+free round trip p50: budget off",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("script", sorted(QUICK_RUNS))
+def test_quick_run_prints_every_measurement(script: str) -> None:
+    timeout, labels = QUICK_RUNS[script]
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    ).stdout
+    for label in labels:
+        assert label in out, f"{label!r} missing from {script}'s output:\n{out}"
