@@ -85,6 +85,9 @@ class BudgetAccounting:
         self._coord = coord
         self.ledger = BudgetLedger(MAX_BYTES if budget is None else budget, models)
         self._block_size = coord.allocator.config.block_size
+        # A shared-kv pool puts every allocation in its one stream whatever name it was asked
+        # under ("k" included): blocks are priced by that stream, as they are when freed.
+        self._one_stream = None if coord.allocator.config.separate_kv else "kv"
         self.parked: dict[Ticket, ParkedRequest] = {}
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Replies of parked requests ready to send: (envelope, reply frame)."""
@@ -166,7 +169,7 @@ class BudgetAccounting:
         stream, n_tokens = args["stream"], args["n_tokens"]
         n_bytes = 0
         if n_tokens > 0:
-            n_bytes = -(-n_tokens // self._block_size) * cost.get(stream, 0)
+            n_bytes = -(-n_tokens // self._block_size) * self.block_cost(cost, stream)
         ledger = self.ledger
         if n_bytes:
             verdict = ledger.try_grant(session.model, n_bytes)
@@ -179,10 +182,14 @@ class BudgetAccounting:
                 ledger.credit(session.model, n_bytes)
             raise
 
+    def block_cost(self, cost: Mapping[str, int], stream: str) -> int:
+        """Bytes one block costs a session declaring ``cost``, asked for under ``stream``."""
+        return cost.get(self._one_stream or stream, 0)
+
     def _bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
         block_size = self._block_size
         return sum(
-            -(-n_tokens // block_size) * cost.get(stream, 0)
+            -(-n_tokens // block_size) * self.block_cost(cost, stream)
             for stream, n_tokens, _, _ in items
             if n_tokens > 0
         )
@@ -209,7 +216,9 @@ class BudgetAccounting:
             raise
         if charged or session.bytes_per_block:
             cost = session.bytes_per_block
-            spent = sum(len(ids) * cost.get(stream, 0) for stream, ids in held) if cost else 0
+            spent = (
+                sum(len(ids) * self.block_cost(cost, stream) for stream, ids in held) if cost else 0
+            )
             if spent < charged:
                 self.ledger.credit(session.model, charged - spent)
             elif spent > charged:  # a session with bytes: never happens in practice
@@ -227,9 +236,18 @@ class BudgetAccounting:
         return sum(n * cost.get(stream, 0) for stream, (n, _) in usage.items())
 
     def credit(self, session: Session, n_bytes: int) -> None:
-        """``session``'s blocks worth ``n_bytes`` were freed."""
+        """``session``'s blocks worth ``n_bytes`` were freed.
+
+        The blocks are gone whatever the ledger says: a ledger out of step with them (a
+        daemon bug, which ``audit`` reports) is logged and credited what it holds, never
+        allowed to fail a free, a goodbye or the reaping of a dead worker."""
         if n_bytes:
-            self.ledger.credit(session.model, n_bytes)
+            ledger = self.ledger
+            try:
+                ledger.credit(session.model, n_bytes)
+            except ValueError as exc:
+                log.error("budget ledger out of step with the pool: %s", exc)
+                ledger.credit(session.model, ledger.held(session.model))
 
     def charge(self, session: Session, n_bytes: int) -> None:
         """``session`` holds blocks worth ``n_bytes`` that it did not allocate (claims)."""

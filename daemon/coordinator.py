@@ -398,7 +398,7 @@ class Coordinator:
             self.budget.charge(
                 session,
                 sum(
-                    len(group_ids) * cost.get(group[0], 0)
+                    len(group_ids) * self.budget.block_cost(cost, group[0])
                     for group, group_ids in zip(groups, claimed, strict=True)
                 ),
             )

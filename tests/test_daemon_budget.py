@@ -154,6 +154,22 @@ def test_an_owner_of_another_session_is_refused_before_the_budget(start_daemon, 
     daemon.audit()
 
 
+def test_a_shared_kv_pool_prices_blocks_asked_for_under_any_stream(start_daemon, clients) -> None:
+    # The pool puts "k" in its one stream "kv": the charge must be that stream's price, as the
+    # refund is, or the budget is bypassed and the refund of a free is more than was charged.
+    daemon = budget_daemon(start_daemon, "--shared-kv", "--budget", "4000")
+    a = clients(daemon, "a", {"kv": 1000})
+    assert a.allocate("a", 3)["ok"]
+    assert daemon.admin("budget")["total_held"] == 3000
+    assert error_code(a.allocate("a2", 2)) == ErrorCode.POOL_EXHAUSTED
+    assert a.call("free_all", {"owner": "a"})["ok"]
+    assert daemon.admin("budget")["total_held"] == 0
+    assert a.allocate("a", 4)["ok"]
+    assert a.call("goodbye")["ok"]
+    assert daemon.admin("budget")["total_held"] == 0
+    assert daemon.audit()["ok"]
+
+
 def test_parked_requests_are_granted_in_weighted_order(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "6000")
     daemon.admin("model_set", model="heavy", weight=2.0)
