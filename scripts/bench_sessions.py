@@ -33,7 +33,7 @@ from vqpool.daemon.claims import ROLL_FILE_NAME
 from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME
-from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.worker.launch import DaemonProcess
 
 # Opens sessions until refused or ``limit`` tries, prints hello round trips (seconds) and the
 # refusal as one JSON line, then keeps the sessions open until its stdin closes.
@@ -58,20 +58,6 @@ OPENER = textwrap.dedent(
     sys.stdin.read()
     """
 )
-
-
-def start_daemon(run_dir: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "vqpool.daemon", "--run-dir", str(run_dir)]
-    process = subprocess.Popen([*argv, "--log-level", "WARNING"])
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with AdminClient(run_dir, timeout=0.5) as admin:
-                admin.call("ping")
-            return process
-        except DaemonUnavailableError:
-            time.sleep(0.05)
-    raise RuntimeError("vqpoold did not start")
 
 
 def open_sessions(endpoint: str, tries: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -114,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqbs", dir="/tmp"))
     run_dir = base / "run"
-    daemon = start_daemon(run_dir)
+    daemon = DaemonProcess(run_dir, ["--log-level", "WARNING"]).start()
     endpoint = f"ipc://{run_dir / WORKER_SOCKET_NAME}"
     openers: list[subprocess.Popen[str]] = []
     try:
@@ -156,8 +142,7 @@ def main() -> None:
     finally:
         for opener in openers:
             opener.communicate()
-        daemon.terminate()
-        daemon.wait()
+        daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
