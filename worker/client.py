@@ -76,6 +76,7 @@ from vqpool.shared.protocol import (
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
+from vqpool.worker.abandoned import AbandonedAllocation, granted_ids
 from vqpool.worker.waiting_call import Superseded, request_waiting
 
 try:
@@ -173,6 +174,8 @@ class PoolClient:
         self._closing = threading.Event()
         # The claims of a re-sync not answered yet: (request id, owners, done) per message.
         self._claims_due: list[tuple[int, list[list[Any]], bool]] = []
+        # Waiting allocations given up on, to settle before anything else is sent.
+        self._abandoned: list[AbandonedAllocation] = []
         self._resync_record: dict[str, Any] = {}
         self._resync_started = 0.0
         self.session_id: int | None = None
@@ -263,6 +266,9 @@ class PoolClient:
             if self._claims_due:
                 self._send_claims()
                 continue
+            if self._abandoned:
+                self._settle_abandoned()
+                continue
             rid = next(self._ids)
             payload = encode_request(rid, op, args, self.session_id, self.boot_id)
             reply = self._send(payload, rid, op)
@@ -327,6 +333,9 @@ class PoolClient:
                 if self._claims_due:
                     self._send_claims()
                     continue
+                if self._abandoned:
+                    self._settle_abandoned()
+                    continue
                 lost = self._lost_in(args)
                 if lost is not None:
                     raise ClaimConflictError(lost)
@@ -350,6 +359,11 @@ class PoolClient:
             except Superseded:
                 continue  # re-synced or reopened by another thread: send it in the new session
             except DaemonUnavailableError:
+                with self._lock:
+                    if self._session == session:  # else its blocks went with that session
+                        self._abandoned.append(
+                            AbandonedAllocation(session, rid, op, dict(args), left)
+                        )
                 raise DaemonUnavailableError(
                     f"vqpoold did not answer {op} (wait {left:g}s) within "
                     f"{left + self.timeout:g}s on {self._endpoint}: is it running with "
@@ -385,6 +399,53 @@ class PoolClient:
 
     def _is_session(self, session: tuple[int | None, str | None]) -> bool:
         return self._session == session
+
+    def _settle_abandoned(self) -> None:
+        """Free what the waiting allocations this client gave up on were granted, if anything
+        (see worker/abandoned.py). The caller holds ``self._lock``.
+
+        Raises:
+            DaemonUnavailableError: The daemon did not answer (the rest stays due).
+        """
+        while self._abandoned:
+            abandoned = self._abandoned[0]
+            if abandoned.session != self._session:
+                del self._abandoned[0]  # a restart or an eviction freed what it held
+                continue
+            if abandoned.free is None:
+                # The same id without ``wait``: the daemon's answer to the request it got.
+                payload = encode_request(
+                    abandoned.rid, abandoned.op, abandoned.args, *self._session
+                )
+                try:
+                    reply = request_waiting(
+                        self._context,
+                        self._endpoint,
+                        payload,
+                        abandoned.rid,
+                        wait=abandoned.wait,
+                        timeout=self.timeout,
+                        closing=self._closing,
+                        current=functools.partial(self._is_session, abandoned.session),
+                        what=f"{abandoned.op} (given up on before)",
+                    )
+                except Superseded:
+                    continue
+                ids = []
+                if reply.get("boot") == abandoned.session[1] and reply["ok"]:
+                    ids = granted_ids(abandoned.op, reply.get("result"))
+                if not ids:  # refused, never applied, or by a daemon that since restarted
+                    del self._abandoned[0]
+                    continue
+                rid = next(self._ids)
+                free = encode_request(rid, "free", {"block_ids": ids}, *self._session)
+                abandoned.free = (rid, free)
+            rid, free = abandoned.free
+            self._send(free, rid, "free")
+            del self._abandoned[0]
+            for owner in abandoned.owners():
+                if self._owners.get(owner) == {}:  # its only blocks: the daemon released it
+                    del self._owners[owner]
 
     # -- re-sync after a daemon restart or an eviction --------------------------------------------
 
@@ -582,6 +643,14 @@ class PoolClient:
                     self._resync()
                 elif self._claims_due:  # a re-sync cut short by a timeout
                     self._send_claims()
+
+    def settle_from_heartbeat(self) -> None:
+        """Settle the abandoned allocations now, for an idle worker (see _settle_abandoned)."""
+        with self._lock:
+            if self._closed or self._unusable is not None:
+                return
+            with contextlib.suppress(DaemonUnavailableError):
+                self._settle_abandoned()
 
     def _blocks_from_ids(
         self, block_ids: list[int], stream: str, n_tokens: int, owner: Owner, fmt: str
@@ -950,5 +1019,7 @@ class _Heartbeat(threading.Thread):
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
                     client.reopen_from_heartbeat(session)  # evicted while alive
+                elif client._abandoned:
+                    client.settle_from_heartbeat()  # the daemon answers again
         finally:
             connection.close()
