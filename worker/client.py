@@ -272,22 +272,9 @@ class PoolClient:
             rid = next(self._ids)
             payload = encode_request(rid, op, args, self.session_id, self.boot_id)
             reply = self._send(payload, rid, op)
-            if reply.get("boot") != self.boot_id:
-                n_resyncs += 1
-                if n_resyncs > MAX_RESYNCS_PER_CALL:
-                    raise DaemonRestartedError(
-                        f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
-                    )
-                self._resync()
-                continue
-            if reply["ok"]:
-                return reply.get("result")
-            error = reply["error"]
-            if error["code"] == ErrorCode.NO_SESSION and not self._closed:
-                n_resyncs += 1
-                if n_resyncs > MAX_RESYNCS_PER_CALL:
-                    raise NoSessionError(f"{op}: the daemon ended {n_resyncs} sessions in a row")
-                self._reopen_session()
+            resynced = self._resync_if_refused(op, reply, self.boot_id, n_resyncs)
+            if resynced is not None:
+                n_resyncs = resynced
                 lost = self._lost_in(args)
                 if lost is None:
                     continue
@@ -295,6 +282,9 @@ class PoolClient:
                     self._forget_lost(args["owner"])  # nothing left to free or release
                     return None
                 raise ClaimConflictError(lost)
+            if reply["ok"]:
+                return reply.get("result")
+            error = reply["error"]
             if error["code"] == ErrorCode.RETRY_LATER and time.monotonic() + wait < deadline:
                 time.sleep(wait)
                 wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
@@ -372,30 +362,50 @@ class PoolClient:
             with self._lock:
                 if self._session != session:
                     continue  # re-synced or reopened by another thread: void, send again
-                if reply.get("boot") != session[1]:
-                    n_resyncs += 1
-                    if n_resyncs > MAX_RESYNCS_PER_CALL:
-                        raise DaemonRestartedError(
-                            f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
-                        )
-                    self._resync()
-                    continue
+                resynced = self._resync_if_refused(op, reply, session[1], n_resyncs)
+                if resynced is not None:
+                    n_resyncs = resynced
+                    continue  # a lost owner is refused at the top of the loop
                 if reply["ok"]:
                     return adopt(reply.get("result"))
                 error = reply["error"]
-                if error["code"] == ErrorCode.NO_SESSION and not self._closed:
-                    n_resyncs += 1
-                    if n_resyncs > MAX_RESYNCS_PER_CALL:
-                        raise NoSessionError(
-                            f"{op}: the daemon ended {n_resyncs} sessions in a row"
-                        )
-                    self._reopen_session()
-                    continue  # a lost owner is refused at the top of the loop
                 retry = error["code"] == ErrorCode.RETRY_LATER
                 if not retry or time.monotonic() + pause >= end + self.timeout:
                     raise error_from_wire(error["code"], error["message"])
             time.sleep(pause)
             pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
+
+    def _resync_if_refused(
+        self, op: str, reply: dict[str, Any], boot: str | None, n_resyncs: int
+    ) -> int | None:
+        """The restart and eviction rules of a call, shared by :meth:`_call` and
+        :meth:`_call_waiting`. The caller holds ``self._lock``.
+
+        A reply from another daemon lifetime than ``boot`` (the one the request was sent to) or
+        NO_SESSION means the request was refused, not applied: re-sync with the restarted daemon,
+        or open a new session, and return the count of such refusals in this call, now
+        ``n_resyncs + 1``; the caller checks for owners lost on the way and sends the call again.
+        None: ``reply`` is the call's own answer.
+
+        Raises:
+            DaemonRestartedError: More than MAX_RESYNCS_PER_CALL restarts in one call, or a
+                restarted daemon whose pool the blocks held here cannot be claimed in.
+            NoSessionError: More than MAX_RESYNCS_PER_CALL sessions ended in a row.
+            DaemonUnavailableError: The daemon did not answer hello.
+        """
+        if reply.get("boot") != boot:
+            if n_resyncs >= MAX_RESYNCS_PER_CALL:
+                raise DaemonRestartedError(
+                    f"{op}: vqpoold restarted {n_resyncs + 1} times during one call; giving up"
+                )
+            self._resync()
+            return n_resyncs + 1
+        if not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION and not self._closed:
+            if n_resyncs >= MAX_RESYNCS_PER_CALL:
+                raise NoSessionError(f"{op}: the daemon ended {n_resyncs + 1} sessions in a row")
+            self._reopen_session()
+            return n_resyncs + 1
+        return None
 
     def _is_session(self, session: tuple[int | None, str | None]) -> bool:
         return self._session == session
