@@ -174,6 +174,8 @@ class PoolClient:
         self._closing = threading.Event()
         # The claims of a re-sync not answered yet: (request id, owners, done) per message.
         self._claims_due: list[tuple[int, list[list[Any]], bool]] = []
+        # Set by the heartbeat when a ping goes unanswered, cleared by its next answered one.
+        self._daemon_silent = False
         # Waiting allocations given up on, to settle before anything else is sent.
         self._abandoned: list[AbandonedAllocation] = []
         self._resync_record: dict[str, Any] = {}
@@ -638,6 +640,24 @@ class PoolClient:
             del self._lost_blocks[block_id]
         return True
 
+    def session_problem(self) -> str | None:
+        """Why this client cannot use a pool session right now, or None when it can: the
+        daemon ended it and a new one is not open yet, the daemon did not answer the last
+        heartbeat (stopped, or restarting), or a restarted daemon has not taken back all the
+        blocks held here yet. No round trip: what the heartbeat and the calls last saw."""
+        if self._unusable is not None:
+            return self._unusable
+        if self.session_id is None:
+            return "no pool session (evicted?); opening a new one"
+        if self._daemon_silent:
+            return (
+                f"vqpoold does not answer on {self._endpoint} (stopped or restarting?); the "
+                f"session resumes when it is back"
+            )
+        if self._claims_due:
+            return "re-declaring the blocks held here to a restarted vqpoold"
+        return None
+
     def lost_owners(self) -> dict[Owner, str]:
         """Owners lost in a daemon restart (their claim was refused), with the reason."""
         with self._lock:
@@ -1024,7 +1044,9 @@ class _Heartbeat(threading.Thread):
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
                 except DaemonUnavailableError:
+                    client._daemon_silent = True  # /health says so (session_problem)
                     continue  # keep trying: a busy or restarting daemon may answer the next one
+                client._daemon_silent = False
                 if reply.get("boot") != session[1] or client._claims_due:
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:

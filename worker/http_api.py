@@ -9,7 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``/chat/complet
 mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``; a route called with another
 method gets 405 with ``Allow``. Every error, including a malformed request line or headers, is
 a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503 with ``status:
-"no_session"`` while the worker has no pool session (evicted, re-opening one).
+"no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
+daemon not answering: :meth:`PoolClient.session_problem`).
 
 A request's text goes through :class:`~vqpool.worker.completion_text.CompletionText`: when a
 stop string completes, the handler answers at once and cancels the job with reason "stop".
