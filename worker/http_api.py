@@ -388,6 +388,9 @@ class ServingServer(ThreadingHTTPServer):
     listening only once :meth:`serve` gives it the app (until then connections are refused)."""
 
     daemon_threads = True
+    # The listen backlog: socketserver's default of 5 reset connections of clients that
+    # reconnected while the accepting thread waited for the CPU (20 clients, bench_budget).
+    request_queue_size = 128
     app: ServingApp
 
     def __init__(self, host: str, port: int) -> None:
