@@ -83,7 +83,9 @@ class FaultyProxy(threading.Thread):
             if way == "request" and self.drop_ops and msgpack.unpackb(frame)["op"] in self.drop_ops:
                 self.counts[f"{kind} dropped"] += 1
                 return
-            held = self.delay_ops.get(msgpack.unpackb(frame)["op"]) if way == "request" else None
+            held = None
+            if way == "request" and self.delay_ops:
+                held = self.delay_ops.get(msgpack.unpackb(frame)["op"])
             if held is not None:
                 self.counts[f"{kind} held"] += 1
                 heapq.heappush(pending, (now + held, next(seq), way, client, frame))
