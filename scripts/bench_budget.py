@@ -3,10 +3,18 @@
 waits, and the cost of an allocation round trip, "today" (no budget) and "with budget" in one run.
 
 Real processes: a ``vqpoold`` and two ``vqpool-worker`` processes of the demo's built-in models
-(``builtin:llama`` weight 2, ``builtin:qwen3`` weight 1), each driven by the same bounded load
-(a fixed number of client threads, each sending one streamed request after another; every
-request is the same size, so bytes held are proportional to sequences running). The pool holds
-320 KiB of KV cache either way:
+(``builtin:llama`` weight 2, ``builtin:qwen3`` weight 1), each driven by a bounded closed-loop
+load (client threads, each sending one streamed request after another; every request is the
+same size, so bytes held are proportional to sequences running). Two demand scenarios:
+
+* **proportional** (the default): clients per model in proportion to its weight (20 and 10), so
+  each model offers the load its share can serve and a fair policy gives every request about
+  the same wait;
+* **equal** (``--demand equal``): 10 clients per model. A closed-loop client asks again only
+  after its answer, so a model served at half the rate keeps its clients waiting about twice as
+  long (Little's law): here the wait ratio follows the share ratio, whatever the policy.
+
+The pool holds 320 KiB of KV cache either way:
 
 * **today**: ``--n-blocks 80`` (80 blocks of 4 KiB), no budget: a worker whose queue head
   cannot start retries every 25 ms, and whoever retries first after a free gets the blocks;
@@ -18,12 +26,16 @@ queueing, per the daemon's view sampled every 50 ms): each model's share of the 
 of the decode time (sequence-seconds: the requests it runs, integrated over time) against its
 weight's share (target: within 10 points with the budget); the p99 queue wait (time to first
 token: the queue plus a prefill of a few ms) of the most and the least favoured model (target:
-ratio at most 1.5). Then the allocate(1 block)+free round trip against a daemon started with
-and without ``--budget`` (same client, same placement, alternating rounds; target: at most
-1.05x).
+ratio at most 1.5; the longer of the two over the shorter is shown too: with proportional demand
+the favoured model can be the one waiting longer), and each model's requests finished per second
+per sequence running (what its worker makes of the memory it holds) and the p99 wait over the
+median request's duration (the wait in the model's own unit of service). Then the allocate(1
+block)+free round trip against a daemon started with and without ``--budget`` (same client,
+same placement, alternating rounds; target: at most 1.05x).
 
-    scripts/bench_budget.py            # full run, a few minutes
-    scripts/bench_budget.py --quick    # a smoke run of every measurement
+    scripts/bench_budget.py                  # full run, proportional demand, a few minutes
+    scripts/bench_budget.py --demand both    # both scenarios, twice as long
+    scripts/bench_budget.py --quick          # a smoke run of every measurement
 """
 
 from __future__ import annotations
@@ -59,7 +71,11 @@ BUDGET = f"{POOL_BLOCKS * BLOCK_BYTES // 1024}KiB"
 # of 2/3 is 6.7 requests (the granularity costs at most a few points).
 PROMPT = "budget bench: " + "x" * 26
 MAX_TOKENS = 24
-CLIENTS_PER_MODEL = 10
+# Client threads per model in each demand scenario (see the module docstring).
+DEMANDS = {
+    "proportional": {"builtin:llama": 20, "builtin:qwen3": 10},
+    "equal": {"builtin:llama": 10, "builtin:qwen3": 10},
+}
 WORKER_ARGS = ["--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"]
 SAMPLE_SECONDS = 0.05
 
@@ -73,8 +89,10 @@ class Tally:
 
     bytes_share: dict[str, float] = field(default_factory=dict)
     running_share: dict[str, float] = field(default_factory=dict)
+    running_sum: dict[str, int] = field(default_factory=dict)
     samples: int = 0
     first_token: dict[str, list[float]] = field(default_factory=dict)
+    duration: dict[str, list[float]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -93,9 +111,24 @@ class Tally:
             self.running_share[model] = (
                 self.running_share.get(model, 0.0) + (view["running"] or 0) / running
             )
+            self.running_sum[model] = self.running_sum.get(model, 0) + (view["running"] or 0)
 
     def share(self, kind: dict[str, float], model: str) -> float:
         return kind.get(model, 0.0) / self.samples if self.samples else float("nan")
+
+    def rate_per_sequence(self, model: str, seconds: float) -> float:
+        """Requests finished per second per sequence running: how fast the model's worker turns
+        the memory it holds into answers (its CPU, not the pool, sets this)."""
+        running = self.running_sum.get(model, 0) / self.samples if self.samples else 0.0
+        done = len(self.first_token.get(model, []))
+        return done / (running * seconds) if running else float("nan")
+
+    def p99_in_durations(self, model: str) -> float:
+        """The p99 wait over the median time a request of the model takes, wait included:
+        the wait in the model's own unit of service, which the speed of its worker's CPU does
+        not move (a fair hand-out of memory evens this out, not seconds)."""
+        durations = self.duration.get(model)
+        return self.p99(model) / statistics.median(durations) if durations else float("nan")
 
     def p99(self, model: str) -> float:
         waits = sorted(self.first_token.get(model, []))
@@ -120,10 +153,11 @@ def client_loop(url: str, model: str, until: float, tally: Tally) -> None:
         if first is not None:
             with tally.lock:
                 tally.first_token.setdefault(model, []).append(first)
+                tally.duration.setdefault(model, []).append(time.monotonic() - started)
 
 
-def run_phase(base: Path, with_budget: bool, seconds: float) -> Tally:
-    """One phase on a fresh daemon and fresh workers."""
+def run_phase(base: Path, with_budget: bool, seconds: float, clients: dict[str, int]) -> Tally:
+    """One phase on a fresh daemon and fresh workers, ``clients[model]`` client threads each."""
     name = "budget" if with_budget else "today"
     base = Path(tempfile.mkdtemp(prefix=name[0], dir=base))  # fresh logs: workers read theirs
     run_dir = base / "run"
@@ -149,19 +183,19 @@ def run_phase(base: Path, with_budget: bool, seconds: float) -> Tally:
         for worker in workers:
             worker.wait_ready(120)
         until = time.monotonic() + seconds
-        clients = [
+        threads = [
             threading.Thread(target=client_loop, args=(w.url, w.model, until, tally))
             for w in workers
-            for _ in range(CLIENTS_PER_MODEL)
+            for _ in range(clients[w.model])
         ]
-        for client in clients:
-            client.start()
+        for thread in threads:
+            thread.start()
         with AdminClient(run_dir) as admin:
             while time.monotonic() < until:
                 tally.sample(per_model(admin.call("sessions")))
                 time.sleep(SAMPLE_SECONDS)
-        for client in clients:
-            client.join()
+        for thread in threads:
+            thread.join()
     finally:
         for worker in workers:
             worker.stop()
@@ -205,52 +239,73 @@ def round_trips(base: Path, rounds: int, n: int) -> dict[str, list[float]]:
 # -- main -----------------------------------------------------------------------------------------
 
 
+def report(demand: str, phases: dict[str, list[Tally]], seconds: float, rounds: int) -> int:
+    """Print one demand scenario's table; returns how many requests failed."""
+    clients = ", ".join(f"{n} {model}" for model, n in DEMANDS[demand].items())
+    print(
+        f"\n{demand} demand: contended demo pool ({BUDGET} of KV cache, clients {clients}, "
+        f"{seconds:g}s per phase, median of {rounds} rounds):\n"
+    )
+    header = f"  {'phase':<12} {'model':<14} {'weight share':>12} {'bytes share':>12} "
+    header += f"{'decode share':>12} {'p99 wait s':>10} {'requests':>8} {'req/s/seq':>9} "
+    header += f"{'p99 wait / median request':>25}"
+    print(header)
+    weight_total = sum(MODELS.values())
+    failures = 0
+    for phase, tallies in phases.items():
+        p99s: dict[str, float] = {}
+        relative: dict[str, float] = {}
+        for model, weight in MODELS.items():
+            bytes_share = statistics.median(t.share(t.bytes_share, model) for t in tallies)
+            decode = statistics.median(t.share(t.running_share, model) for t in tallies)
+            p99s[model] = statistics.median(t.p99(model) for t in tallies)
+            n = sum(len(t.first_token.get(model, [])) for t in tallies)
+            rate = statistics.median(t.rate_per_sequence(model, seconds) for t in tallies)
+            relative[model] = statistics.median(t.p99_in_durations(model) for t in tallies)
+            print(
+                f"  {phase:<12} {model:<14} {weight / weight_total:>12.0%} "
+                f"{bytes_share:>12.0%} {decode:>12.0%} {p99s[model]:>10.2f} {n:>8} {rate:>9.2f} "
+                f"{relative[model]:>25.2f}"
+            )
+        favoured = max(MODELS, key=MODELS.__getitem__)
+        least = min(MODELS, key=MODELS.__getitem__)
+        longer, shorter = max(p99s.values()), min(p99s.values())
+        print(
+            f"  {phase:<12} p99 wait ratio (least / most favoured): "
+            f"{p99s[least] / p99s[favoured]:.2f} (longer / shorter {longer / shorter:.2f}); "
+            f"in requests' durations: {relative[least] / relative[favoured]:.2f}; "
+            f"samples with both wanting: {statistics.median(t.samples for t in tallies):.0f}"
+        )
+        failures += sum(len(t.failures) for t in tallies)
+        for failure in [f for t in tallies for f in t.failures][:5]:
+            print(f"  FAILED request ({phase}): {failure}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--rounds", type=int, help="rounds per measurement (default 3, quick 1)")
     parser.add_argument("--seconds", type=float, help="load per phase (default 20, quick 4)")
+    parser.add_argument(
+        "--demand",
+        choices=[*DEMANDS, "both"],
+        default="proportional",
+        help="clients per model: in proportion to the weights (default), equal, or both in turn",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (4.0 if args.quick else 20.0)
+    demands = list(DEMANDS) if args.demand == "both" else [args.demand]
     base = Path(tempfile.mkdtemp(prefix="vqbb-", dir="/tmp"))
-    weight_total = sum(MODELS.values())
     try:
-        phases: dict[str, list[Tally]] = {"today": [], "with budget": []}
-        for _ in range(rounds):
-            phases["today"].append(run_phase(base, False, seconds))
-            phases["with budget"].append(run_phase(base, True, seconds))
-        print(
-            f"contended demo pool ({BUDGET} of KV cache, {CLIENTS_PER_MODEL} clients per model, "
-            f"{seconds:g}s per phase, median of {rounds} rounds):\n"
-        )
-        header = f"  {'phase':<12} {'model':<14} {'weight share':>12} {'bytes share':>12} "
-        header += f"{'decode share':>12} {'p99 wait s':>10} {'requests':>8}"
-        print(header)
         failures = 0
-        for phase, tallies in phases.items():
-            p99s = {}
-            for model, weight in MODELS.items():
-                bytes_share = statistics.median(t.share(t.bytes_share, model) for t in tallies)
-                decode = statistics.median(t.share(t.running_share, model) for t in tallies)
-                p99s[model] = statistics.median(t.p99(model) for t in tallies)
-                n = sum(len(t.first_token.get(model, [])) for t in tallies)
-                print(
-                    f"  {phase:<12} {model:<14} {weight / weight_total:>12.0%} "
-                    f"{bytes_share:>12.0%} {decode:>12.0%} {p99s[model]:>10.2f} {n:>8}"
-                )
-            favoured, least = (
-                max(MODELS, key=MODELS.__getitem__),
-                min(MODELS, key=MODELS.__getitem__),
-            )
-            print(
-                f"  {phase:<12} p99 wait ratio (least / most favoured): "
-                f"{p99s[least] / p99s[favoured]:.2f}; samples with both wanting: "
-                f"{statistics.median(t.samples for t in tallies):.0f}"
-            )
-            failures += sum(len(t.failures) for t in tallies)
-            for failure in [f for t in tallies for f in t.failures][:5]:
-                print(f"  FAILED request ({phase}): {failure}")
+        for demand in demands:
+            phases: dict[str, list[Tally]] = {"today": [], "with budget": []}
+            for _ in range(rounds):
+                phases["today"].append(run_phase(base, False, seconds, DEMANDS[demand]))
+                phases["with budget"].append(run_phase(base, True, seconds, DEMANDS[demand]))
+            failures += report(demand, phases, seconds, rounds)
         medians = round_trips(
             base, rounds * 2 if args.quick else rounds * 5, 300 if args.quick else 2000
         )

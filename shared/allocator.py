@@ -252,7 +252,7 @@ class _FreeList:
     after a daemon restart's claims, so the hot paths pay one truth test for it.
     """
 
-    __slots__ = ("claimed", "fresh_hi", "fresh_lo", "recycled", "total")
+    __slots__ = ("claimed", "fresh_hi", "fresh_lo", "recycled", "recycled_index", "total")
 
     def __init__(self, lo: int, hi: int) -> None:
         self.fresh_lo = lo
@@ -260,6 +260,9 @@ class _FreeList:
         self.recycled: list[int] = []
         self.claimed: set[int] = set()
         self.total = hi - lo
+        # ``recycled`` as a set for claim(), with the key it was built at (see
+        # BlockPoolAllocator._recycled_index_locked); None until a claim needs it.
+        self.recycled_index: tuple[tuple[int, ...], set[int]] | None = None
 
     def n_free(self) -> int:
         return len(self.recycled) + self.fresh_hi - self.fresh_lo - len(self.claimed)
@@ -655,7 +658,7 @@ class BlockPoolAllocator:
                         "nothing was claimed"
                     )
                 if recycled is None:
-                    recycled = set(free.recycled)
+                    recycled = self._recycled_index_locked(free)
                 if block_id not in recycled:
                     raise ClaimConflictError(
                         f"BlockPoolAllocator: block {block_id} is not a block of stream {s!r} "
@@ -682,6 +685,27 @@ class BlockPoolAllocator:
             counts[_PEAK_IN_USE] = max(counts[_PEAK_IN_USE], in_use)
             self._record_history()
             return chunk
+
+    def _recycled_index_locked(self, free: _FreeList) -> set[int]:
+        """The ids on ``free``'s recycled stack as a set, for claim(): built once and reused by
+        the claims that follow, so that one claim message of thousands of one-id groups costs
+        O(stack + ids), not O(stack x groups).
+
+        Reused while nothing was added to the stack or retired from the pool since it was built,
+        with no cost on the hot paths: an id joins the stack only by a free (the frees counter
+        moves), a growth (the pool size moves) or, in shrink, a move off the never-used range
+        (``fresh_hi`` moves); it leaves the pool only by a shrink (the retired counter moves).
+        Anything else that takes an id off the stack hands it out, and claim() refuses a held id
+        before it asks this set, so a set that still lists it is never wrong. Claims themselves
+        move none of these, so they keep the set; the undo of a refused owner's claims counts
+        as frees and costs one rebuild.
+        """
+        counts = self._counts
+        key = (counts[_N_FREES], counts[_N_BLOCKS], counts[_N_RETIRED], free.fresh_hi)
+        index = free.recycled_index
+        if index is None or index[0] != key:
+            index = free.recycled_index = (key, set(free.recycled))
+        return index[1]
 
     def _unlist_claimed_locked(self, free: _FreeList) -> None:
         """Rewrite ``free`` so that it lists only free ids, keeping their order. O(stream).

@@ -5,8 +5,9 @@ It stands where the daemon's worker socket would be (``<proxy dir>/worker.sock``
 on a DEALER of that client's own (the daemon tells sessions apart by their session id, and
 replies must find their way back). Every request and every reply independently may be dropped,
 duplicated, or delayed (which also reorders it behind later messages), with the given
-probabilities; requests whose op is in ``drop_ops`` are always dropped (a fault aimed at one
-step). It runs in a thread of the test process; ``counts`` says what it did.
+probabilities; requests whose op is in ``drop_ops`` are always dropped, and those whose op is
+a key of ``delay_ops`` are held that many seconds (faults aimed at one step). It runs in a
+thread of the test process; ``counts`` says what it did.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class FaultyProxy(threading.Thread):
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()
         self.drop_ops: set[str] = set()
+        self.delay_ops: dict[str, float] = {}
         self._stopping = threading.Event()
         self._ready = threading.Event()
 
@@ -80,6 +82,13 @@ class FaultyProxy(threading.Thread):
             kind = "requests" if way == "request" else "replies"
             if way == "request" and self.drop_ops and msgpack.unpackb(frame)["op"] in self.drop_ops:
                 self.counts[f"{kind} dropped"] += 1
+                return
+            held = None
+            if way == "request" and self.delay_ops:
+                held = self.delay_ops.get(msgpack.unpackb(frame)["op"])
+            if held is not None:
+                self.counts[f"{kind} held"] += 1
+                heapq.heappush(pending, (now + held, next(seq), way, client, frame))
                 return
             roll = self.rng.random()
             if roll < self.drop:

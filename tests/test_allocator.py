@@ -514,6 +514,58 @@ def test_claim_in_a_million_block_pool_moves_nothing() -> None:
     assert pool.allocate("k", 16, "next")[0].block_id == (1 << 19) - 1
 
 
+def test_many_one_id_claims_of_freed_ids_stay_exact_as_the_pool_changes_between_them() -> None:
+    # A daemon restart's claim message: thousands of one-id groups, most ids on the recycled
+    # stack. What the pool knows of that stack must follow frees, shrinks and growth between
+    # claims: a freed id becomes claimable, a retired one never, a held one stays held.
+    pool = pool_of(block_size=4, n_blocks=8192, grow_on_exhaustion=True, max_blocks=8448)
+    rng = random.Random(11)
+    k_ids = [b.block_id for b in pool.allocate("k", 4096 * 4, "filler")]
+    held = pool.allocate("v", 4 * 4, "held")  # v: 4095..4092 stay held
+    pool.allocate("v", 4092 * 4, "filler")
+    rng.shuffle(k_ids)
+    pool.free_ids(k_ids[:3000])  # 3,000 k ids on the stack in random order; 1,096 still held
+    still_held = set(k_ids[3000:])
+    claimed: dict[int, str] = {}
+    for n, block_id in enumerate(k_ids[:2000]):
+        owner = f"o{n}"
+        assert pool.claim_ids(owner, "k", [block_id]) == (block_id,)
+        claimed[block_id] = owner
+    for block_id in [*k_ids[:5], *k_ids[3000:3005]]:
+        with pytest.raises(ClaimConflictError, match="is held by"):
+            pool.claim_ids("late", "k", [block_id])
+    with pytest.raises(ClaimConflictError, match="is held by 'held'"):
+        pool.claim_ids("late", "v", [held[0].block_id])
+    # Freed between claims: claimable at once.
+    freed = k_ids[3000:3100]
+    pool.free_ids(freed)
+    for block_id in freed:
+        assert pool.claim_ids(f"f{block_id}", "k", [block_id]) == (block_id,)
+    still_held.difference_update(freed)
+    # Retired between claims: refused, though it was on the stack when the claims began.
+    free_before = pool.n_free("k")
+    assert pool.shrink("k", free_before - 10) == 10
+    listed_now = set(pool._free["k"].recycled) - pool._free["k"].claimed
+    retired = [i for i in k_ids[2000:3000] if i not in listed_now]
+    assert len(retired) == 10
+    for block_id in retired:
+        with pytest.raises(ClaimConflictError, match="not a block of stream 'k'"):
+            pool.claim_ids("late", "k", [block_id])
+    # Grown between claims: the new ids are claimable.
+    pool.free_all("filler")
+    pool.allocate("k", 4 * pool.n_free("k"), "all")
+    grown = pool.allocate("k", 8, "grow")  # k was full: two new ids
+    pool.free(grown)
+    for block in grown:
+        assert pool.claim_ids("g", "k", [block.block_id]) == (block.block_id,)
+    pool.check_invariants()
+    for block_id, owner in claimed.items():
+        assert pool.owner_of(block_id) == owner
+    assert pool.stats.blocks_in_use() == pool.n_total("k") + pool.n_total("v") - pool.n_free(
+        "k"
+    ) - pool.n_free("v")
+
+
 # -- BlockList: allocate() returns a list, as the seed ---------------------------------------------
 
 

@@ -22,6 +22,7 @@ QUICK_RUNS = {
             "1,048,576 blocks:",
         ),
     ),
+    "bench_claim.py": (60, ("one claim message of 256 owners x 16 one-id groups",)),
     "bench_budget_ledger.py": (
         120,
         (

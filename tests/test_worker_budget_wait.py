@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess
+from daemon_harness import DaemonProcess, remove_tree, short_tmpdir, wait_until
+from fault_proxy import FaultyProxy
 from vqpool.shared import AllocationRequest, Block
-from vqpool.shared.errors import BlockPoolExhaustedError, NoSessionError
+from vqpool.shared.errors import BlockPoolExhaustedError, DaemonUnavailableError, NoSessionError
 from vqpool.worker import PoolClient
 
 BLOCK_BYTES = 4096
@@ -162,3 +163,68 @@ def test_fit_answers_for_the_clients_model(pool: PoolClient) -> None:
     assert huge["budget"] == BUDGET_BLOCKS * BLOCK_BYTES
     with pytest.raises(ValueError):
         pool.fit(0)
+
+
+@pytest.fixture
+def late_grants(budget_daemon: DaemonProcess) -> Iterator[tuple[PoolClient, FaultyProxy]]:
+    """A client whose allocations reach the daemon 1.5 s late (through FaultyProxy), with a
+    deadline of 0.2 + 0.5 s: it gives up on each before the daemon grants it."""
+    proxy_base = short_tmpdir()
+    proxy_dir = proxy_base / "run"
+    proxy_dir.mkdir(mode=0o700)
+    proxy = FaultyProxy(
+        proxy_dir, budget_daemon.run_dir, drop=0, duplicate=0, delay=0
+    ).start_and_wait()
+    client = PoolClient(proxy_dir, name="m", bytes_per_block=BLOCK_BYTES, timeout=0.5)
+    try:
+        yield client, proxy
+    finally:
+        client.close()
+        proxy.stop()
+        remove_tree(proxy_base)
+
+
+def give_up_on_a_grant(client: PoolClient, proxy: FaultyProxy, daemon: DaemonProcess) -> None:
+    """An allocate_many the client abandons (DaemonUnavailableError), granted after that."""
+    proxy.delay_ops = {"allocate_many": 1.5}
+    with pytest.raises(DaemonUnavailableError):
+        client.allocate_many(pair("late", 2), wait=0.2)
+    assert list(client.held_blocks()) == []
+    # The daemon grants it when it arrives: blocks held for an owner the worker never saw.
+    wait_until(lambda: daemon.admin("stats")["budget"]["total_held"] > 0, timeout=5.0)
+    proxy.delay_ops = {}
+
+
+def test_blocks_granted_to_an_abandoned_allocation_go_back_at_the_next_call(
+    budget_daemon: DaemonProcess, late_grants: tuple[PoolClient, FaultyProxy]
+) -> None:
+    client, proxy = late_grants
+    give_up_on_a_grant(client, proxy, budget_daemon)
+    client.ping()  # the daemon answers again: the client asks what became of the allocation
+    assert budget_daemon.admin("stats")["budget"]["total_held"] == 0
+    # The owner is free: the worker may use it again, and the whole budget is there.
+    blocks = blocks_of(client.allocate_many(pair("late", BUDGET_BLOCKS // 2)))
+    assert len(blocks) == BUDGET_BLOCKS
+    client.free_all("late")
+    assert budget_daemon.admin("stats")["budget"]["total_held"] == 0
+    budget_daemon.audit()
+
+
+def test_an_idle_worker_gives_back_an_abandoned_grant_from_its_heartbeat(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    daemon = start_daemon("--budget", f"{BUDGET_BLOCKS * BLOCK_BYTES}B", "--lease", "1")
+    proxy_base = short_tmpdir()
+    proxy_dir = proxy_base / "run"
+    proxy_dir.mkdir(mode=0o700)
+    proxy = FaultyProxy(proxy_dir, daemon.run_dir, drop=0, duplicate=0, delay=0).start_and_wait()
+    client = PoolClient(proxy_dir, name="m", bytes_per_block=BLOCK_BYTES, timeout=0.5)
+    try:
+        give_up_on_a_grant(client, proxy, daemon)
+        # No call from the worker: its heartbeat (every 0.25 s here) settles it.
+        wait_until(lambda: daemon.admin("stats")["budget"]["total_held"] == 0, timeout=5.0)
+        daemon.audit()
+    finally:
+        client.close()
+        proxy.stop()
+        remove_tree(proxy_base)

@@ -76,6 +76,7 @@ from vqpool.shared.protocol import (
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
+from vqpool.worker.abandoned import AbandonedAllocation, granted_ids
 from vqpool.worker.waiting_call import Superseded, request_waiting
 
 try:
@@ -173,6 +174,10 @@ class PoolClient:
         self._closing = threading.Event()
         # The claims of a re-sync not answered yet: (request id, owners, done) per message.
         self._claims_due: list[tuple[int, list[list[Any]], bool]] = []
+        # Set by the heartbeat when a ping goes unanswered, cleared by its next answered one.
+        self._daemon_silent = False
+        # Waiting allocations given up on, to settle before anything else is sent.
+        self._abandoned: list[AbandonedAllocation] = []
         self._resync_record: dict[str, Any] = {}
         self._resync_started = 0.0
         self.session_id: int | None = None
@@ -263,25 +268,15 @@ class PoolClient:
             if self._claims_due:
                 self._send_claims()
                 continue
+            if self._abandoned:
+                self._settle_abandoned()
+                continue
             rid = next(self._ids)
             payload = encode_request(rid, op, args, self.session_id, self.boot_id)
             reply = self._send(payload, rid, op)
-            if reply.get("boot") != self.boot_id:
-                n_resyncs += 1
-                if n_resyncs > MAX_RESYNCS_PER_CALL:
-                    raise DaemonRestartedError(
-                        f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
-                    )
-                self._resync()
-                continue
-            if reply["ok"]:
-                return reply.get("result")
-            error = reply["error"]
-            if error["code"] == ErrorCode.NO_SESSION and not self._closed:
-                n_resyncs += 1
-                if n_resyncs > MAX_RESYNCS_PER_CALL:
-                    raise NoSessionError(f"{op}: the daemon ended {n_resyncs} sessions in a row")
-                self._reopen_session()
+            resynced = self._resync_if_refused(op, reply, self.boot_id, n_resyncs)
+            if resynced is not None:
+                n_resyncs = resynced
                 lost = self._lost_in(args)
                 if lost is None:
                     continue
@@ -289,6 +284,9 @@ class PoolClient:
                     self._forget_lost(args["owner"])  # nothing left to free or release
                     return None
                 raise ClaimConflictError(lost)
+            if reply["ok"]:
+                return reply.get("result")
+            error = reply["error"]
             if error["code"] == ErrorCode.RETRY_LATER and time.monotonic() + wait < deadline:
                 time.sleep(wait)
                 wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
@@ -327,6 +325,9 @@ class PoolClient:
                 if self._claims_due:
                     self._send_claims()
                     continue
+                if self._abandoned:
+                    self._settle_abandoned()
+                    continue
                 lost = self._lost_in(args)
                 if lost is not None:
                     raise ClaimConflictError(lost)
@@ -350,6 +351,11 @@ class PoolClient:
             except Superseded:
                 continue  # re-synced or reopened by another thread: send it in the new session
             except DaemonUnavailableError:
+                with self._lock:
+                    if self._session == session:  # else its blocks went with that session
+                        self._abandoned.append(
+                            AbandonedAllocation(session, rid, op, dict(args), left)
+                        )
                 raise DaemonUnavailableError(
                     f"vqpoold did not answer {op} (wait {left:g}s) within "
                     f"{left + self.timeout:g}s on {self._endpoint}: is it running with "
@@ -358,33 +364,100 @@ class PoolClient:
             with self._lock:
                 if self._session != session:
                     continue  # re-synced or reopened by another thread: void, send again
-                if reply.get("boot") != session[1]:
-                    n_resyncs += 1
-                    if n_resyncs > MAX_RESYNCS_PER_CALL:
-                        raise DaemonRestartedError(
-                            f"{op}: vqpoold restarted {n_resyncs} times during one call; giving up"
-                        )
-                    self._resync()
-                    continue
+                resynced = self._resync_if_refused(op, reply, session[1], n_resyncs)
+                if resynced is not None:
+                    n_resyncs = resynced
+                    continue  # a lost owner is refused at the top of the loop
                 if reply["ok"]:
                     return adopt(reply.get("result"))
                 error = reply["error"]
-                if error["code"] == ErrorCode.NO_SESSION and not self._closed:
-                    n_resyncs += 1
-                    if n_resyncs > MAX_RESYNCS_PER_CALL:
-                        raise NoSessionError(
-                            f"{op}: the daemon ended {n_resyncs} sessions in a row"
-                        )
-                    self._reopen_session()
-                    continue  # a lost owner is refused at the top of the loop
                 retry = error["code"] == ErrorCode.RETRY_LATER
                 if not retry or time.monotonic() + pause >= end + self.timeout:
                     raise error_from_wire(error["code"], error["message"])
             time.sleep(pause)
             pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
 
+    def _resync_if_refused(
+        self, op: str, reply: dict[str, Any], boot: str | None, n_resyncs: int
+    ) -> int | None:
+        """The restart and eviction rules of a call, shared by :meth:`_call` and
+        :meth:`_call_waiting`. The caller holds ``self._lock``.
+
+        A reply from another daemon lifetime than ``boot`` (the one the request was sent to) or
+        NO_SESSION means the request was refused, not applied: re-sync with the restarted daemon,
+        or open a new session, and return the count of such refusals in this call, now
+        ``n_resyncs + 1``; the caller checks for owners lost on the way and sends the call again.
+        None: ``reply`` is the call's own answer.
+
+        Raises:
+            DaemonRestartedError: More than MAX_RESYNCS_PER_CALL restarts in one call, or a
+                restarted daemon whose pool the blocks held here cannot be claimed in.
+            NoSessionError: More than MAX_RESYNCS_PER_CALL sessions ended in a row.
+            DaemonUnavailableError: The daemon did not answer hello.
+        """
+        if reply.get("boot") != boot:
+            if n_resyncs >= MAX_RESYNCS_PER_CALL:
+                raise DaemonRestartedError(
+                    f"{op}: vqpoold restarted {n_resyncs + 1} times during one call; giving up"
+                )
+            self._resync()
+            return n_resyncs + 1
+        if not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION and not self._closed:
+            if n_resyncs >= MAX_RESYNCS_PER_CALL:
+                raise NoSessionError(f"{op}: the daemon ended {n_resyncs + 1} sessions in a row")
+            self._reopen_session()
+            return n_resyncs + 1
+        return None
+
     def _is_session(self, session: tuple[int | None, str | None]) -> bool:
         return self._session == session
+
+    def _settle_abandoned(self) -> None:
+        """Free what the waiting allocations this client gave up on were granted, if anything
+        (see worker/abandoned.py). The caller holds ``self._lock``.
+
+        Raises:
+            DaemonUnavailableError: The daemon did not answer (the rest stays due).
+        """
+        while self._abandoned:
+            abandoned = self._abandoned[0]
+            if abandoned.session != self._session:
+                del self._abandoned[0]  # a restart or an eviction freed what it held
+                continue
+            if abandoned.free is None:
+                # The same id without ``wait``: the daemon's answer to the request it got.
+                payload = encode_request(
+                    abandoned.rid, abandoned.op, abandoned.args, *self._session
+                )
+                try:
+                    reply = request_waiting(
+                        self._context,
+                        self._endpoint,
+                        payload,
+                        abandoned.rid,
+                        wait=abandoned.wait,
+                        timeout=self.timeout,
+                        closing=self._closing,
+                        current=functools.partial(self._is_session, abandoned.session),
+                        what=f"{abandoned.op} (given up on before)",
+                    )
+                except Superseded:
+                    continue
+                ids = []
+                if reply.get("boot") == abandoned.session[1] and reply["ok"]:
+                    ids = granted_ids(abandoned.op, reply.get("result"))
+                if not ids:  # refused, never applied, or by a daemon that since restarted
+                    del self._abandoned[0]
+                    continue
+                rid = next(self._ids)
+                free = encode_request(rid, "free", {"block_ids": ids}, *self._session)
+                abandoned.free = (rid, free)
+            rid, free = abandoned.free
+            self._send(free, rid, "free")
+            del self._abandoned[0]
+            for owner in abandoned.owners():
+                if self._owners.get(owner) == {}:  # its only blocks: the daemon released it
+                    del self._owners[owner]
 
     # -- re-sync after a daemon restart or an eviction --------------------------------------------
 
@@ -567,6 +640,24 @@ class PoolClient:
             del self._lost_blocks[block_id]
         return True
 
+    def session_problem(self) -> str | None:
+        """Why this client cannot use a pool session right now, or None when it can: the
+        daemon ended it and a new one is not open yet, the daemon did not answer the last
+        heartbeat (stopped, or restarting), or a restarted daemon has not taken back all the
+        blocks held here yet. No round trip: what the heartbeat and the calls last saw."""
+        if self._unusable is not None:
+            return self._unusable
+        if self.session_id is None:
+            return "no pool session (evicted?); opening a new one"
+        if self._daemon_silent:
+            return (
+                f"vqpoold does not answer on {self._endpoint} (stopped or restarting?); the "
+                f"session resumes when it is back"
+            )
+        if self._claims_due:
+            return "re-declaring the blocks held here to a restarted vqpoold"
+        return None
+
     def lost_owners(self) -> dict[Owner, str]:
         """Owners lost in a daemon restart (their claim was refused), with the reason."""
         with self._lock:
@@ -582,6 +673,14 @@ class PoolClient:
                     self._resync()
                 elif self._claims_due:  # a re-sync cut short by a timeout
                     self._send_claims()
+
+    def settle_from_heartbeat(self) -> None:
+        """Settle the abandoned allocations now, for an idle worker (see _settle_abandoned)."""
+        with self._lock:
+            if self._closed or self._unusable is not None:
+                return
+            with contextlib.suppress(DaemonUnavailableError):
+                self._settle_abandoned()
 
     def _blocks_from_ids(
         self, block_ids: list[int], stream: str, n_tokens: int, owner: Owner, fmt: str
@@ -945,10 +1044,14 @@ class _Heartbeat(threading.Thread):
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
                 except DaemonUnavailableError:
+                    client._daemon_silent = True  # /health says so (session_problem)
                     continue  # keep trying: a busy or restarting daemon may answer the next one
+                client._daemon_silent = False
                 if reply.get("boot") != session[1] or client._claims_due:
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
                     client.reopen_from_heartbeat(session)  # evicted while alive
+                elif client._abandoned:
+                    client.settle_from_heartbeat()  # the daemon answers again
         finally:
             connection.close()

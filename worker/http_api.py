@@ -9,7 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``/chat/complet
 mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``; a route called with another
 method gets 405 with ``Allow``. Every error, including a malformed request line or headers, is
 a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503 with ``status:
-"no_session"`` while the worker has no pool session (evicted, re-opening one).
+"no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
+daemon not answering: :meth:`PoolClient.session_problem`).
 
 A request's text goes through :class:`~vqpool.worker.completion_text.CompletionText`: when a
 stop string completes, the handler answers at once and cancels the job with reason "stop".
@@ -387,6 +388,9 @@ class ServingServer(ThreadingHTTPServer):
     listening only once :meth:`serve` gives it the app (until then connections are refused)."""
 
     daemon_threads = True
+    # The listen backlog: socketserver's default of 5 reset connections of clients that
+    # reconnected while the accepting thread waited for the CPU (20 clients, bench_budget).
+    request_queue_size = 128
     app: ServingApp
 
     def __init__(self, host: str, port: int) -> None:

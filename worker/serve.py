@@ -260,8 +260,9 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 "session": None if sid is None else session_label(sid),
                 "block_size": session.config.block_size,
             }
-            if sid is None:
-                described["pool_error"] = "no pool session (evicted?); opening a new one"
+            problem = session.session_problem()
+            if problem is not None:
+                described["pool_error"] = problem
             return described
 
     scheduler = Scheduler(
