@@ -68,6 +68,9 @@ class RowBlocks:
         self.layout = layout
         pool.register_owner(owner)
         self.released = False
+        # Slots reserved for the request's own tokens (admission): kept however the padding
+        # around it shrinks.
+        self.reserved_slots = 0
         self._k_blocks: list[Block] = []
         # The same list object as _k_blocks when one "kv" block holds both.
         self._v_blocks: list[Block] = [] if pool.config.separate_kv else self._k_blocks
@@ -88,12 +91,24 @@ class RowBlocks:
         return self.n_blocks * self.layout.block_size
 
     def reserve(self, n_slots: int) -> None:
-        """Hold blocks covering at least ``n_slots`` slots (plus the reserve when growing).
+        """Hold blocks covering at least ``n_slots`` slots for the request's own tokens (kept
+        until it ends, whatever :meth:`shrink_to` is asked).
 
         Raises:
             BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
         """
-        self.adopt(self.take(n_slots))
+        self.adopt(n_slots, self.take(n_slots))
+
+    def grow(self, n_slots: int) -> None:
+        """Hold blocks covering at least ``n_slots`` slots of the batch (its padding included);
+        :meth:`shrink_to` may give them back.
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
+        """
+        taken = self.take(n_slots)
+        if taken is not None:
+            self._hold(taken)
 
     def take(self, n_slots: int, wait: float = 0.0) -> tuple[list[Block], list[Block]] | None:
         """Allocate the blocks ``n_slots`` slots still need (None when none), for :meth:`adopt`;
@@ -111,12 +126,15 @@ class RowBlocks:
         except BlockPoolExhaustedError:
             if not extra:
                 raise
-            return self._allocate(missing)
+            return self._allocate(missing, wait)
 
-    def adopt(self, taken: tuple[list[Block], list[Block]] | None) -> None:
-        """Hold the blocks :meth:`take` returned."""
-        if taken is None:
-            return
+    def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
+        """Hold the blocks :meth:`take` returned for ``n_slots`` of the request's own slots."""
+        self.reserved_slots = max(self.reserved_slots, n_slots)
+        if taken is not None:
+            self._hold(taken)
+
+    def _hold(self, taken: tuple[list[Block], list[Block]]) -> None:
         k_new, v_new = taken
         self._k_blocks.extend(k_new)
         if self._v_blocks is not self._k_blocks:
@@ -149,8 +167,10 @@ class RowBlocks:
         return list(k_blocks), list(v_blocks)
 
     def shrink_to(self, n_slots: int) -> None:
-        """Give back the blocks beyond what ``n_slots`` slots need plus the reserve."""
-        keep = blocks_to_hold(n_slots, self.layout.block_size)
+        """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never
+        those of the slots reserved for the request's own tokens)."""
+        bs = self.layout.block_size
+        keep = max(blocks_to_hold(n_slots, bs), -(-self.reserved_slots // bs))
         if self.released or keep >= self.n_blocks:
             return
         dropped = self._k_blocks[keep:]
@@ -260,7 +280,7 @@ class PooledBatch:
         for i, row in enumerate(self.rows):
             if row.capacity < n_slots:
                 try:
-                    row.reserve(n_slots)
+                    row.grow(n_slots)
                 except BlockPoolExhaustedError:
                     failed.append(i)
         if failed:

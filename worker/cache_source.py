@@ -143,7 +143,7 @@ class PooledCacheSource:
         return _row(cache).take(n_tokens, wait)
 
     def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:
-        _row(cache).adopt(taken)
+        _row(cache).adopt(n_tokens, taken)
 
     def free_taken(self, taken: Any) -> None:
         """Give back blocks :meth:`take` returned that nobody will adopt (their job went away)."""

@@ -641,7 +641,13 @@ class Scheduler:
         """Make the batch cache ``cache`` (rows: ``jobs``) cover ``n_slots`` slots; rows the
         pool cannot back leave first. False when none of ``jobs`` is left."""
         while jobs:
-            failed = self.source.grow(cache, n_slots)
+            try:
+                failed = self.source.grow(cache, n_slots)
+            except Exception as exc:
+                log.exception("growing the batch's cache failed")
+                for job in jobs:
+                    self._end(job, "error", f"generation failed: {exc}", status=500)
+                return False
             if not failed:
                 return True
             self._evict_for_lack_of_blocks([jobs[i] for i in failed])

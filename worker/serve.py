@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         metavar="N",
-        help="requests decoding at once: the batch size limit (default: %(default)s)",
+        help="requests decoding at once (default: %(default)s), in one batch",
     )
     parser.add_argument(
         "--prefill-step-size",
