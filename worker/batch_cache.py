@@ -71,6 +71,7 @@ class RowBlocks:
         # Slots reserved for the request's own tokens (admission): kept however the padding
         # around it shrinks.
         self.reserved_slots = 0
+        self.batch: PooledBatch | None = None  # the batch whose buffers have a row for it
         self._k_blocks: list[Block] = []
         # The same list object as _k_blocks when one "kv" block holds both.
         self._v_blocks: list[Block] = [] if pool.config.separate_kv else self._k_blocks
@@ -187,6 +188,8 @@ class RowBlocks:
         self.released = True
         self._k_blocks.clear()
         self._v_blocks.clear()
+        if self.batch is not None:
+            self.batch.row_released()
         self.pool.free_all(self.owner)
 
     def __repr__(self) -> str:
@@ -247,6 +250,8 @@ class PooledBatch:
 
     def __init__(self, rows: list[RowBlocks], layout: KVLayout, length: int) -> None:
         self.rows = rows
+        for row in rows:
+            row.batch = self
         self.layout = layout
         self.length = length
         shape = (len(rows), layout.n_kv_heads, length)
@@ -301,8 +306,14 @@ class PooledBatch:
         """The longest the buffers may be: the slots the row with the fewest blocks covers."""
         return min((row.capacity for row in self.rows), default=0)
 
+    def row_released(self) -> None:
+        """A row's blocks went back: once no row holds any, drop the buffers now (without
+        waiting for the garbage collector to reach a batch its caller left behind)."""
+        if all(row.released for row in self.rows):
+            self.drop()
+
     def drop(self) -> None:
-        """Forget rows and buffers (the batch was joined into another one)."""
+        """Forget rows and buffers (every row ended, or the batch joined another one)."""
         self.rows = []
         self.keys = []
         self.values = []
@@ -453,6 +464,8 @@ class PooledBatchKVCache:
         kept = set(keep)
         dropped = [row for i, row in enumerate(batch.rows) if i not in kept]
         batch.rows = [batch.rows[i] for i in keep]
+        for row in dropped:
+            row.batch = None
         batch.length -= cut
         for row in dropped:
             try:
@@ -498,6 +511,8 @@ class PooledBatchKVCache:
         self._idx = max_idx
         if self._last_layer:
             mine.rows = mine.rows + theirs.rows
+            for row in theirs.rows:
+                row.batch = mine
             mine.length = length
             theirs.drop()
 

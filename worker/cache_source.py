@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
+from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
@@ -98,7 +99,7 @@ class PooledCacheSource:
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         self.layout = layout
-        self._rows: dict[str, RowBlocks] = {}
+        self._rows: dict[Owner, RowBlocks] = {}
         self._batches: weakref.WeakSet[PooledBatch] = weakref.WeakSet()
 
     def open(self, owner: str) -> list[Any]:
