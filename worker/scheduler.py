@@ -709,7 +709,11 @@ class Scheduler:
         retry_after: int | None = None,
     ) -> None:
         """End ``job``: take it out of the batch, release its cache, send its JobEnd."""
-        self._leave(job)
+        try:
+            self._leave(job)
+        except Exception:
+            # Its blocks still go back below; the batch it was in failed (its jobs end too).
+            log.exception("taking request %s out of the batch failed", job.owner)
         if job.cache is not None:
             cache, job.cache = job.cache, None
             try:
