@@ -18,7 +18,7 @@ read its token ids from the job's event queue. One generation thread does the re
   with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
   :class:`~vqpool.worker.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
   between models and workers, not who retries first; the generation thread keeps decoding and
-  picks the granted blocks up between rounds. A job that can never fit its model's share of the
+  picks the granted blocks up between steps. A job that can never fit its model's share of the
   budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
   (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it
   was submitted ends as
@@ -32,7 +32,8 @@ read its token ids from the job's event queue. One generation thread does the re
   the batch. Before every forward pass the batch's cache is grown to cover the slots the pass
   writes (``source.grow``: blocks from the pool for every row, padding included, never
   inside the forward pass); a row the pool cannot grow leaves the batch first
-  (:meth:`Scheduler._evict_for_lack_of_blocks`). Greedy tokens are those of mlx-lm's
+  (:meth:`Scheduler._evict_for_lack_of_blocks` ends it). The batching itself lives in
+  :mod:`vqpool.worker.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the
   pool cannot back the batch's next step for it (``length`` with a detail saying so; nothing
@@ -65,14 +66,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import (
-    GenerationBatch,
-    PromptProcessingBatch,
-    StopSequences,
-    generation_stream,
-    greedy_sampler,
-)
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.generate import GenerationBatch, generation_stream
 from vqpool.shared.errors import (
     BadRequestError,
     BlockPoolExhaustedError,
@@ -82,6 +76,7 @@ from vqpool.shared.errors import (
 from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
+from vqpool.worker.continuous_batch import ContinuousBatch
 from vqpool.worker.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -176,10 +171,6 @@ class GenerationJob:
     retry_at: float = 0.0
     parked: bool = False
     cache: list[Any] | None = None
-    uid: int = -1
-    prompt_batch: PromptProcessingBatch | None = None
-    to_prefill: list[int] = field(default_factory=list)
-    in_batch: bool = False
 
 
 class Scheduler:
@@ -241,13 +232,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
-        # Started jobs not yet in the batch, in start order; the head is prefilling.
-        self._prefilling: deque[GenerationJob] = deque()
-        self._generation = GenerationBatch.empty(model, greedy_sampler)
-        self._by_uid: dict[int, GenerationJob] = {}
-        self._uids = itertools.count()
-        self._stop_tokens = StopSequences([[t] for t in sorted(eos_token_ids)] or None)
-        self._samplers: dict[SamplingParams, Callable[[mx.array], mx.array]] = {}
+        self._batch = ContinuousBatch(
+            model, source, eos_token_ids=eos_token_ids, prefill_step_size=prefill_step_size
+        )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
@@ -292,7 +279,7 @@ class Scheduler:
 
     def cancel(self, job: GenerationJob, reason: str = "cancelled") -> None:
         """Ask for ``job`` to end: its client went away ("cancelled"), or its text reached a
-        stop string ("stop"); its blocks go back within a round."""
+        stop string ("stop"); its blocks go back within a step."""
         job.cancel_reason = reason
         job.cancelled = True
         with self._cond:
@@ -502,20 +489,8 @@ class Scheduler:
 
     def _queue_prefill(self, job: GenerationJob) -> None:
         """Queue the started job for its prefill (it joins the batch when that is done)."""
-        job.uid = next(self._uids)
-        job.to_prefill = list(job.prompt[:-1])
-        self._prefilling.append(job)
+        self._batch.start(job)
         self._sample_memory()
-
-    def _sampler(self, sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
-        """One sampler object per distinct sampling: rows sharing it sample in one call."""
-        sampler = self._samplers.get(sampling)
-        if sampler is None:
-            s = sampling
-            sampler = self._samplers[sampling] = make_sampler(
-                s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k
-            )
-        return sampler
 
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
@@ -529,135 +504,44 @@ class Scheduler:
                 self._end(job, "error", why, status=500)
 
     def _step(self) -> None:
-        """One step: a batched decode step of every job in the batch, then one prefill chunk."""
+        """One step: a batched decode step of every job in the batch, then one prefill chunk
+        (see :class:`~vqpool.worker.continuous_batch.ContinuousBatch`)."""
         self._end_lost_jobs()
         for job in list(self._active):
             if job.cancelled:
                 self._end(job, job.cancel_reason)
         started = time.perf_counter()
         with mx.stream(generation_stream):
-            n_tokens = self._decode_step()
-            self._prefill_chunk()
+            outcome = self._batch.step()
+        self._evict_for_lack_of_blocks(outcome.evicted)
+        for job, exc in outcome.failed:
+            self._end(job, "error", f"generation failed: {exc}", status=500)
+        for job, token, logprobs in outcome.tokens:
+            job.n_generated += 1
+            job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
+        for job, reason, response in outcome.finished:
+            self._row_finished(job, reason, response)
         self._n_steps += 1
         if self._n_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         self._sample_memory()
-        self.stats.add(completion_tokens=n_tokens, busy_seconds=time.perf_counter() - started)
+        self.stats.add(
+            completion_tokens=len(outcome.tokens), busy_seconds=time.perf_counter() - started
+        )
 
-    def _decode_step(self) -> int:
-        """Advance every job in the batch by one token; return the tokens sent."""
-        batch = self._generation
-        if not len(batch):
-            return 0
-        # The step writes the batch's next slot: back it before the forward pass.
-        self._grow(batch.prompt_cache, batch.prompt_cache[0].size() + 1, self._batch_jobs())
-        if not len(batch):
-            return 0
-        try:
-            responses = batch.next()
-        except Exception as exc:
-            log.exception("a batched step failed")
-            for job in self._batch_jobs():
-                self._end(job, "error", f"generation failed: {exc}", status=500)
-            return 0
-        for response in responses:
-            job = self._by_uid[response.uid]
-            token = int(response.token)
-            job.n_generated += 1
-            job.events.put(
-                _scored(token, response.logprobs, job.top_logprobs) if job.logprobs else token
-            )
-            if response.finish_reason is not None:
-                self._row_finished(job, response)
-        return len(responses)
-
-    def _row_finished(self, job: GenerationJob, response: GenerationBatch.Response) -> None:
+    def _row_finished(
+        self, job: GenerationJob, reason: str, response: GenerationBatch.Response
+    ) -> None:
         """``job`` reached EOS ("stop") or ``max_tokens`` ("length"); the batch already took
-        its row out (its blocks are back). The seam for a prompt cache: ``response.prompt_cache``
-        holds the row's KV (stock ``KVCache`` copies, no blocks) and ``response.all_tokens``
-        the token ids it covers."""
-        job.in_batch = False
-        self._end(job, "stop" if response.finish_reason == "stop" else "length")
-
-    def _prefill_chunk(self) -> None:
-        """Prefill one chunk of the head of ``_prefilling``; after its last chunk, its first
-        token is computed and it joins the batch."""
-        if not self._prefilling:
-            return
-        job = self._prefilling[0]
-        try:
-            if job.prompt_batch is None:
-                assert job.cache is not None
-                job.prompt_batch = PromptProcessingBatch(
-                    self.model,
-                    uids=[job.uid],
-                    caches=[job.cache],
-                    tokens=[[]],
-                    prefill_step_size=self.prefill_step_size,
-                    samplers=[self._sampler(job.sampling)],
-                    fallback_sampler=greedy_sampler,
-                    logits_processors=[[]],
-                    stop_sequences=[self._stop_tokens],
-                    max_tokens=[job.max_tokens],
-                )
-            prompt_batch = job.prompt_batch
-            used = prompt_batch.prompt_cache[0].size()
-            if job.to_prefill:
-                chunk = job.to_prefill[: self.prefill_step_size]
-                if not self._grow(prompt_batch.prompt_cache, used + len(chunk), [job]):
-                    return
-                prompt_batch.prompt([chunk])
-                del job.to_prefill[: len(chunk)]
-                return
-            if not self._grow(prompt_batch.prompt_cache, used + 1, [job]):
-                return
-            newcomer = prompt_batch.generate([[job.prompt[-1]]])
-        except Exception as exc:
-            log.exception("request %s failed in its prefill", job.owner)
-            self._end(job, "error", f"generation failed: {exc}", status=500)
-            return
-        self._join(job, newcomer)
-
-    def _join(self, job: GenerationJob, newcomer: GenerationBatch) -> None:
-        """Add the prefilled ``job`` (alone in ``newcomer``) to the batch: every row of both
-        is grown first to the joined batch's next step."""
-        self._prefilling.popleft()
-        job.prompt_batch = None
-        batch = self._generation
-        if len(batch):
-            n_slots = max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
-            self._grow(batch.prompt_cache, n_slots, self._batch_jobs())
-            if not self._grow(newcomer.prompt_cache, n_slots, [job]):
-                return
-        self._by_uid[job.uid] = job
-        job.in_batch = True
-        batch.extend(newcomer)
-
-    def _batch_jobs(self) -> list[GenerationJob]:
-        """The jobs of the batch's rows, in row order."""
-        return [self._by_uid[uid] for uid in self._generation.uids]
-
-    def _grow(self, cache: list[Any], n_slots: int, jobs: list[GenerationJob]) -> bool:
-        """Make the batch cache ``cache`` (rows: ``jobs``) cover ``n_slots`` slots; rows the
-        pool cannot back leave first. False when none of ``jobs`` is left."""
-        while jobs:
-            try:
-                failed = self.source.grow(cache, n_slots)
-            except Exception as exc:
-                log.exception("growing the batch's cache failed")
-                for job in jobs:
-                    self._end(job, "error", f"generation failed: {exc}", status=500)
-                return False
-            if not failed:
-                return True
-            self._evict_for_lack_of_blocks([jobs[i] for i in failed])
-            jobs = [job for i, job in enumerate(jobs) if i not in failed]
-        return False
+        its row out (its blocks are back). The seam for a prompt cache:
+        ``response.prompt_cache`` holds the row's KV (stock ``KVCache`` copies, no blocks) and
+        ``response.all_tokens`` the token ids it covers."""
+        self._end(job, reason)
 
     def _evict_for_lack_of_blocks(self, jobs: list[GenerationJob]) -> None:
-        """The pool cannot back the next step of ``jobs``: take them out of their batch and end
-        them ("length", as a request the pool could not back always ended). The one place a
-        preemption policy would instead give their blocks back and requeue them."""
+        """The pool could not back the next forward pass of ``jobs``, which the batch took
+        out: end them ("length", as a request the pool could not back always ended). The one
+        place a preemption policy would instead requeue them (their blocks are back)."""
         for job in jobs:
             self.stats.add(exhaustions=1)
             self._end(
@@ -666,22 +550,6 @@ class Scheduler:
                 f"the KV cache pool ran out of blocks after {job.n_generated} generated "
                 "tokens (BlockPoolExhaustedError)",
             )
-
-    def _leave(self, job: GenerationJob) -> None:
-        """Take ``job`` out of the batch or the prefill queue (its row's blocks go back now).
-        The batch's ``extract_cache`` / ``tokens`` of its row are still valid before the
-        filter, for a prompt cache that keeps what a cancelled request computed."""
-        if job.in_batch:
-            job.in_batch = False
-            batch = self._generation
-            keep = [i for i, uid in enumerate(batch.uids) if uid != job.uid]
-            batch.filter(keep)
-        elif job in self._prefilling:
-            self._prefilling.remove(job)
-            if job.prompt_batch is not None:
-                job.prompt_batch.filter([])
-                job.prompt_batch = None
-        self._by_uid.pop(job.uid, None)
 
     def _idle_wait(self) -> None:
         """Sleep until a job arrives or is cancelled, the head's retry is due, or a deadline."""
@@ -710,7 +578,7 @@ class Scheduler:
     ) -> None:
         """End ``job``: take it out of the batch, release its cache, send its JobEnd."""
         try:
-            self._leave(job)
+            self._batch.leave(job)
         except Exception:
             # Its blocks still go back below; the batch it was in failed (its jobs end too).
             log.exception("taking request %s out of the batch failed", job.owner)
