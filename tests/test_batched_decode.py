@@ -214,3 +214,22 @@ def test_a_row_the_pool_cannot_grow_leaves_the_batch_cleanly(pooled: Any) -> Non
         assert tokens == single_tokens(prompt, len(tokens))
     assert_bytes_within_blocks(source)
     assert_no_blocks_left(source, daemon)
+
+
+def test_a_newcomer_the_running_rows_cannot_pad_for_gives_way(pooled: Any) -> None:
+    # 10 blocks per stream. A short request (5 + 40 tokens: 3 blocks) runs; a long one
+    # (100 + 5: 7 blocks) is admitted beside it, but joining would pad the short row to 101
+    # slots (7 blocks) and the pool has none left: the newcomer, the most recently admitted,
+    # ends instead of the running request, which completes with its tokens.
+    source, daemon = pooled(n_blocks=20)
+    long_prompt = [1 + (j * 5) % 200 for j in range(100)]
+    results = run_jobs(
+        source, [PROMPTS[0], long_prompt], [40, 5], max_concurrent=2, submit_after=[0, 3]
+    )
+    (short_tokens, short_end), (long_tokens, long_end) = results
+    assert short_end.finish_reason == "length" and short_end.detail is None
+    assert short_tokens == single_tokens(PROMPTS[0], 40)
+    assert long_end.finish_reason == "length" and "ran out of blocks" in (long_end.detail or "")
+    assert long_tokens == []
+    assert_bytes_within_blocks(source)
+    assert_no_blocks_left(source, daemon)

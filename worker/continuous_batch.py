@@ -14,7 +14,8 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
 * **Blocks before every forward pass.** Before each pass ``source.grow`` makes the cache it
   writes cover the slots it writes (the pool's blocks for every row, padding included); a row
   the pool cannot grow is taken out first and reported as evicted. Joining grows both sides
-  first.
+  first; when the running rows cannot grow to a newcomer's length, the newcomer is evicted
+  instead of them.
 * **Leaving** (:meth:`ContinuousBatch.leave`) takes a job's row out of the batch, or the job out
   of the prefill queue: its cache's blocks go back at once (a pooled batch releases a row it
   drops).
@@ -210,11 +211,21 @@ class ContinuousBatch:
 
     def _join(self, job: Any, uid: int, newcomer: GenerationBatch, outcome: StepOutcome) -> None:
         """Add the prefilled ``job`` (alone in ``newcomer``) to the batch: the rows of both
-        are grown first to the joined batch's next step."""
+        are grown first to the joined batch's next step. When the running rows cannot grow to
+        the newcomer's length (its prompt would pad them), the newcomer, the most recently
+        admitted, gives way (evicted) rather than a running request."""
         batch = self._generation
         if len(batch):
             n_slots = max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
-            self._grow(batch.prompt_cache, n_slots, outcome)
+            try:
+                padded = not self.source.grow(batch.prompt_cache, n_slots)
+            except Exception as exc:
+                log.exception("growing the batch's cache failed")
+                outcome.failed.append((job, exc))
+                return
+            if not padded:
+                outcome.evicted.append(job)
+                return
             if not self._grow(newcomer.prompt_cache, n_slots, outcome, [job]):
                 return
         self._by_uid[uid] = job
