@@ -45,7 +45,9 @@ def write(cache: list[PooledBatchKVCache], n_tokens: int) -> None:
 
 
 def assert_covered(batch: PooledBatch) -> None:
-    per_row = batch.length * LAYOUT.n_kv_heads * LAYOUT.k_head_dim * 4 * 2 * LAYOUT.n_layers
+    layout = batch.layout
+    slot_bytes = layout.n_kv_heads * (layout.k_head_dim + layout.v_head_dim) * layout.dtype.size
+    per_row = batch.length * slot_bytes * layout.n_layers
     assert batch.nbytes == per_row * len(batch.rows)
     for row in batch.rows:
         assert row.capacity >= batch.length
@@ -116,3 +118,46 @@ def test_leaving_rows_give_blocks_back_at_once_and_cut_padding() -> None:
     assert batch.length == 96 - 85  # the joined buffers had 6 spare slots to the right
     assert_covered(batch)
     assert [row.n_blocks for row in batch.rows] == [1, 1]
+
+
+def test_prompts_prefilled_together_are_right_padded_then_rolled_left() -> None:
+    # mlx-lm's PromptProcessingBatch over pooled rows: prompts of different lengths prefilled
+    # in one batch use prepare (right padding) and finalize (rolled to left padding); the
+    # greedy tokens then equal mlx-lm's batch_generate with stock caches.
+    from mlx_lm.generate import PromptProcessingBatch, batch_generate
+    from vqpool.worker.models import load_model
+
+    model = load_model("builtin:llama").model
+    layout = KVLayout.from_model(model)
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=256))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 4]]
+    caches = []
+    for i, prompt in enumerate(prompts):
+        row = RowBlocks(pool, f"row-{i}", layout)
+        row.reserve(len(prompt) + 10)
+        caches.append(make_row_cache(row))
+    prefill = PromptProcessingBatch(model, uids=[0, 1, 2], caches=caches, tokens=[[], [], []])
+    prefill.prompt([p[:-1] for p in prompts])
+    batch = batch_of(prefill.prompt_cache)
+    assert batch is not None
+    assert prefill.prompt_cache[0].left_padding.tolist() == [5, 0, 11]
+    generation = prefill.generate([[p[-1]] for p in prompts])
+    tokens: list[list[int]] = [[], [], []]
+    for _ in range(8):
+        n_slots = generation.prompt_cache[0].size() + 1
+        assert batch.ensure(n_slots) == []
+        assert batch.length >= n_slots
+        for response in generation.next():
+            tokens[response.uid].append(response.token)
+
+    class NoTokenizer:
+        eos_token_ids: tuple[int, ...] = ()
+
+        def decode(self, tokens: list[int]) -> str:
+            return ""
+
+    reference = batch_generate(
+        model, NoTokenizer(), prompts, max_tokens=8, return_token_ids=True
+    ).token_ids
+    assert tokens == reference
+    assert_covered(batch)
