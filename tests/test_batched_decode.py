@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 from daemon_harness import DaemonProcess
 from mlx_lm.generate import batch_generate, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from vqpool.worker.batch_cache import PooledRowCache
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.models import load_model
@@ -94,10 +95,11 @@ def run_jobs(
     prefill_step_size: int = 2048,
     reserve_full: bool = True,
     submit_after: Sequence[int] | None = None,
+    scheduler_class: type[Scheduler] = Scheduler,
 ) -> list[tuple[list[int], JobEnd]]:
     """Run the jobs on a scheduler; job i is submitted once job 0 has sent ``submit_after[i]``
     tokens (all at once without). Returns each job's tokens and end."""
-    scheduler = Scheduler(
+    scheduler = scheduler_class(
         MODEL,
         source,
         owner_prefix="batched",
@@ -233,3 +235,42 @@ def test_a_newcomer_the_running_rows_cannot_pad_for_gives_way(pooled: Any) -> No
     assert long_tokens == []
     assert_bytes_within_blocks(source)
     assert_no_blocks_left(source, daemon)
+
+
+def prefix_kv(prompt: list[int], n: int) -> list[KVCache]:
+    """Stock per-layer caches holding the KV of ``prompt[:n]``."""
+    cache = make_prompt_cache(MODEL)
+    MODEL(mx.array([prompt[:n]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+@pytest.mark.parametrize("pooled_source", [True, False], ids=["pooled", "no-pool"])
+def test_a_cache_handed_with_a_cached_prefix_prefills_only_the_rest(
+    pooled: Any, pooled_source: bool
+) -> None:
+    # The seam a prompt cache uses: the job's own cache arrives holding the KV of a prefix
+    # of its prompt; only the rest is prefilled, and the tokens are those of the whole prompt.
+    cached = 10
+
+    class PrefixScheduler(Scheduler):
+        def _open_cache(self, owner: str) -> list[Any]:
+            cache = super()._open_cache(owner)
+            job_prompt = PROMPTS[int(owner.rsplit("-", 1)[1]) - 1]
+            if len(job_prompt) <= cached:
+                return cache
+            for layer, stock in zip(cache, prefix_kv(job_prompt, cached), strict=True):
+                if isinstance(layer, PooledRowCache):
+                    layer.keys, layer.values = (
+                        stock.keys[..., :cached, :],
+                        stock.values[..., :cached, :],
+                    )
+                else:
+                    layer.state = stock.state
+            return cache
+
+    source: CacheSource = pooled()[0] if pooled_source else StockCacheSource(MODEL)
+    results = run_jobs(
+        source, PROMPTS, MAX_TOKENS, max_concurrent=3, scheduler_class=PrefixScheduler
+    )
+    assert [tokens for tokens, _ in results] == REFERENCE

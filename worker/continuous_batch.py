@@ -72,6 +72,7 @@ class _Prefill:
 
     job: Any
     uid: int
+    cached: list[int]  # the prompt tokens its cache holds already
     to_prefill: list[int]
     batch: PromptProcessingBatch | None = None
 
@@ -110,8 +111,22 @@ class ContinuousBatch:
         self._next_uid = 0
 
     def start(self, job: Any) -> None:
-        """Queue ``job`` (its cache backed for its prompt) for its prefill."""
-        self._prefilling.append(_Prefill(job, self._next_uid, list(job.prompt[:-1])))
+        """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
+        tokens already (a cached prefix of the prompt, at most all but its last token) is
+        prefilled with the rest of the prompt only.
+
+        Raises:
+            ValueError: The cache holds as many tokens as the prompt, or more.
+        """
+        cached = job.cache[0].size()
+        if cached >= len(job.prompt):
+            raise ValueError(
+                f"the cache holds {cached} tokens of a {len(job.prompt)}-token prompt; it may "
+                "hold all but the prompt's last token at most"
+            )
+        self._prefilling.append(
+            _Prefill(job, self._next_uid, list(job.prompt[:cached]), list(job.prompt[cached:-1]))
+        )
         self._next_uid += 1
 
     def leave(self, job: Any) -> None:
@@ -182,7 +197,7 @@ class ContinuousBatch:
                     self.model,
                     uids=[pending.uid],
                     caches=[job.cache],
-                    tokens=[[]],
+                    tokens=[pending.cached],
                     prefill_step_size=self.prefill_step_size,
                     samplers=[sampler],
                     fallback_sampler=greedy_sampler,
