@@ -6,6 +6,8 @@ never hold more bytes than the rows' blocks."""
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import pytest
 from vqpool.shared.allocator import BlockPoolAllocator
@@ -70,6 +72,11 @@ def test_rows_cover_the_buffers_and_growth_comes_before_the_step() -> None:
     assert_covered(batch)
     write(cache, 5)
     assert cache[0].size() == 35
+    # A row's tokens come out as a stock copy; the batch itself cannot be copied.
+    extracted = cache[0].extract(1)
+    assert extracted.offset == 35 and extracted.keys.shape == (1, 2, 35, 4)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(cache[0])
 
 
 def test_a_row_the_pool_cannot_grow_is_reported_and_nothing_is_copied() -> None:

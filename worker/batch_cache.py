@@ -516,6 +516,16 @@ class PooledBatchKVCache:
             mine.length = length
             theirs.drop()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PooledBatchKVCache:
+        """Refused: a copy would need blocks of its own for every row (one owner each), and
+        mlx-lm's ``PromptProcessingBatch.split`` (used by its ``BatchGenerator`` when several
+        prompts prefill together) copies the whole batch. ``ContinuousBatch`` prefills one
+        request at a time and never copies; ``extract`` gives one row as a stock cache."""
+        raise TypeError(
+            "PooledBatchKVCache cannot be copied (its rows' blocks have one owner each); use "
+            "extract(i) for a row's tokens as a stock KVCache"
+        )
+
     def extract(self, idx: int) -> KVCache:
         """Row ``idx``'s cached tokens as a stock ``KVCache`` (a copy holding no blocks)."""
         cache = KVCache()
