@@ -1,13 +1,20 @@
 """Where a request's KV cache comes from: the shared pool, or stock mlx-lm caches (``--no-pool``).
 
-The scheduler drives both through the same four calls, so the benchmark's baseline runs the
-same code path as the pooled worker, minus the pool:
+The scheduler drives both through the same calls, so the benchmark's baseline runs the same code
+path as the pooled worker, minus the pool. Requests decode together in one batch (mlx-lm's
+``GenerationBatch``): a request's own cache is made by ``open`` and merged into the batch by
+mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 
-* ``open(owner)``: a fresh per-layer cache list for one request.
-* ``reserve(cache, n_tokens)``: make sure the first ``n_tokens`` slots are backed before the
-  prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it has too
-  few, nothing changed; stock: nothing to do).
-* ``release(cache)``: give everything back (pooled: ``free_all`` and the memory).
+* ``open(owner)``: a fresh per-request, per-layer cache list (pooled: ``PooledRowCache`` over the
+  request's own ``RowBlocks``; stock: ``KVCache``), merged into a batch cache when it joins.
+* ``reserve(cache, n_tokens)``: make sure the request's first ``n_tokens`` slots are backed
+  before its prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it
+  has too few, nothing changed; stock: nothing to do).
+* ``grow(batch_cache, n_slots)``: before a batched step, make the batch's buffers cover
+  ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
+  ``worker/batch_cache.py``; stock: ``BatchKVCache`` grows inside the step, nothing to do).
+* ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
+  is released when the batch drops it.
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
 * ``report_load(running, queued)``: the requests running and queued now (pooled: told to the
   daemon, which shows them in ``vqpoolctl watch``; stock: nobody to tell).
@@ -15,22 +22,30 @@ same code path as the pooled worker, minus the pool:
 A source whose pool is the daemon (``waits``) also splits ``reserve`` so that admission can wait
 at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the pool call, any
 thread, may wait ``wait`` seconds in the daemon's fair queue) and ``adopt(cache, n_tokens,
-taken)`` (the storage half, on the generation thread); and ``never_fits(n_tokens)`` says why a
-request of ``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
+taken)`` (on the generation thread); and ``never_fits(n_tokens)`` says why a request of
+``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
+from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.cache import PooledPromptCache, make_pooled_cache
+from vqpool.worker.batch_cache import (
+    PooledBatch,
+    PooledRowCache,
+    RowBlocks,
+    batch_of,
+    make_row_cache,
+)
 from vqpool.worker.client import PoolClient
-from vqpool.worker.storage import KVLayout, MLXBlockStorage
+from vqpool.worker.storage import KVLayout
 
 
 class CacheSource(Protocol):
@@ -42,6 +57,8 @@ class CacheSource(Protocol):
     def open(self, owner: str) -> list[Any]: ...
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None: ...
+
+    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]: ...
 
     def release(self, cache: list[Any]) -> None: ...
 
@@ -64,8 +81,8 @@ class CacheSource(Protocol):
 
 
 class PooledCacheSource:
-    """Pooled caches of one model on ``pool``, all sharing one :class:`MLXBlockStorage` so the
-    worker's blocks and bytes are counted in one place."""
+    """Pooled caches of one model on ``pool``: each request's blocks are its own
+    (:class:`RowBlocks`), and the batches they join are counted here."""
 
     pooled = True
 
@@ -81,25 +98,38 @@ class PooledCacheSource:
         self.model = model
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
-        self.storage = MLXBlockStorage(layout, separate_kv=pool.config.separate_kv)
+        self.layout = layout
+        self._rows: dict[Owner, RowBlocks] = {}
+        self._batches: weakref.WeakSet[PooledBatch] = weakref.WeakSet()
 
     def open(self, owner: str) -> list[Any]:
-        return make_pooled_cache(self.model, self.pool, owner, storage=self.storage)
+        """The seam where a request's cache is made before it joins the batch: empty, over
+        the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
+        row = RowBlocks(self.pool, owner, self.layout)
+        self._rows[owner] = row
+        return make_row_cache(row)
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
-        assert isinstance(cache, PooledPromptCache)
-        cache.sequence.reserve(n_tokens)
+        _row(cache).reserve(n_tokens)
+
+    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]:
+        batch = batch_of(batch_cache)
+        assert batch is not None, "a pooled source's batch is a PooledBatchKVCache"
+        self._batches.add(batch)
+        return batch.ensure(n_slots)
 
     def release(self, cache: list[Any]) -> None:
-        assert isinstance(cache, PooledPromptCache)
-        cache.release()
+        row = _row(cache)
+        self._rows.pop(row.owner, None)
+        row.release()
 
     def n_blocks(self) -> int:
-        """Block ids this worker holds memory for (K and V counted apart, as the daemon does)."""
-        return self.storage.n_blocks
+        """Block ids this worker's requests hold (K and V counted apart, as the daemon does)."""
+        return sum(row.n_block_ids for row in self._rows.values())
 
     def nbytes(self) -> int:
-        return self.storage.nbytes
+        """Bytes of the batch buffers (never more than the rows' blocks x bytes per block)."""
+        return sum(batch.nbytes for batch in self._batches)
 
     def report_load(self, running: int, queued: int) -> None:
         if isinstance(self.pool, PoolClient):  # an in-process pool has no daemon to tell
@@ -111,12 +141,10 @@ class PooledCacheSource:
         return isinstance(self.pool, PoolClient)
 
     def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
-        assert isinstance(cache, PooledPromptCache)
-        return cache.sequence.take(n_tokens, wait)
+        return _row(cache).take(n_tokens, wait)
 
     def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:
-        assert isinstance(cache, PooledPromptCache)
-        cache.sequence.adopt(n_tokens, taken)
+        _row(cache).adopt(n_tokens, taken)
 
     def free_taken(self, taken: Any) -> None:
         """Give back blocks :meth:`take` returned that nobody will adopt (their job went away)."""
@@ -157,6 +185,8 @@ class StockCacheSource:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._live: dict[int, list[Any]] = {}
+        # The layers of the batches in use (a batch's layers die with it).
+        self._batch_layers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def open(self, owner: str) -> list[Any]:
         cache: list[Any] = make_prompt_cache(self.model)
@@ -166,6 +196,10 @@ class StockCacheSource:
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
         return None  # stock caches grow on demand, bounded only by memory
 
+    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]:
+        self._batch_layers.update(batch_cache)
+        return []  # BatchKVCache grows inside the step
+
     def release(self, cache: list[Any]) -> None:
         self._live.pop(id(cache), None)
 
@@ -173,7 +207,8 @@ class StockCacheSource:
         return 0
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes for cache in self._live.values() for layer in cache)
+        requests = sum(layer.nbytes for cache in self._live.values() for layer in cache)
+        return requests + sum(layer.nbytes for layer in self._batch_layers)
 
     def report_load(self, running: int, queued: int) -> None:
         return None  # no daemon: --no-pool
@@ -191,3 +226,9 @@ class StockCacheSource:
 
     def never_fits(self, n_tokens: int) -> str | None:
         return None  # no budget: bounded only by memory
+
+
+def _row(cache: list[Any]) -> RowBlocks:
+    first = cache[0]
+    assert isinstance(first, PooledRowCache), "a pooled source's caches come from its open()"
+    return first.row

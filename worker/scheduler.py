@@ -18,27 +18,38 @@ read its token ids from the job's event queue. One generation thread does the re
   with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
   :class:`~vqpool.worker.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
   between models and workers, not who retries first; the generation thread keeps decoding and
-  picks the granted blocks up between rounds. A job that can never fit its model's share of the
+  picks the granted blocks up between steps. A job that can never fit its model's share of the
   budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
   (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it
   was submitted ends as
   ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
-* **Decode, round-robin.** Each round advances every active job by one token: one ``next()`` on
-  its own ``mlx_lm.generate.generate_step`` generator, whose first call is the prefill. The
-  generators keep mlx-lm's own pipelining (each builds its step n+1 before yielding step n), and
-  greedy tokens are exactly what ``generate_step`` gives in-process with a stock cache.
+* **Decode, batched (continuous batching).** Every active job decodes in one batched forward
+  pass per step (mlx-lm's ``GenerationBatch``: one token per job per step, left-padded rows,
+  mlx-lm's pipelining: step n+1 is built before step n's tokens are read). Jobs join and leave
+  between steps. A started job first prefills, one chunk of at most ``prefill_step_size``
+  tokens per step (mlx-lm's ``PromptProcessingBatch``), so a newcomer delays the running jobs'
+  next tokens by at most one chunk; its last prompt token starts its generation and it joins
+  the batch. Before every forward pass the batch's cache is grown to cover the slots the pass
+  writes (``source.grow``: blocks from the pool for every row, padding included, never
+  inside the forward pass); a row the pool cannot grow leaves the batch first
+  (:meth:`Scheduler._evict_for_lack_of_blocks` ends it). The batching itself lives in
+  :mod:`vqpool.worker.continuous_batch`. Greedy tokens are those of mlx-lm's
+  ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the
-  pool cannot back its next token (``length`` with a detail saying so; the pool raised
-  ``BlockPoolExhaustedError`` before anything was written), when its client went away
-  (``cancelled``), when its text reached a stop string (the HTTP layer cancels it with reason
-  ``stop``), when the pool lost its owner (``error``: a daemon restart conflict or an eviction
-  freed its blocks), on any other error (``error``) and when the worker stops. Every ending goes
-  through :meth:`Scheduler._end`, which releases the cache: the blocks go back to the pool
-  however the request ended. If the generation thread itself fails, its jobs end as when the
-  worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing would run them).
+  pool cannot back the batch's next step for it (``length`` with a detail saying so; nothing
+  was written), when its client went away (``cancelled``), when its text reached a stop string
+  (the HTTP layer cancels it with reason ``stop``), when the pool lost its owner (``error``: a
+  daemon restart conflict or an eviction freed its blocks), on any other error (``error``; a
+  failed batched step ends every job in the batch) and when the worker stops. Every ending goes
+  through :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its
+  cache: the blocks go back to the pool however the request ended. If the generation thread
+  itself fails, its jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new
+  ones (nothing would run them).
 
-Per-request prefill runs to completion inside one round, so a long prompt delays the other
-jobs' next tokens by its prefill time; chunked interleaving is left for later.
+With batching, a row's blocks cover the batch's buffer length, which includes its left padding:
+a short request decoding beside a long one holds blocks for the long one's length.
+``reserve_full`` reserves the request's own prompt + ``max_tokens`` at admission, so a request
+can still run out of blocks for padding when the pool is nearly full (it then ends ``length``).
 """
 
 from __future__ import annotations
@@ -49,14 +60,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.generate import GenerationBatch, generation_stream
 from vqpool.shared.errors import (
     BadRequestError,
     BlockPoolExhaustedError,
@@ -66,12 +76,19 @@ from vqpool.shared.errors import (
 from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
+from vqpool.worker.continuous_batch import ContinuousBatch
 from vqpool.worker.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
 
 DEFAULT_RETRY_INTERVAL = 0.025
 """Seconds between admission attempts while the pool is exhausted."""
+
+CLEAR_CACHE_EVERY = 256
+"""Steps between ``mx.clear_cache()`` calls (as ``generate_step`` does every 256 tokens)."""
+
+DEFAULT_PREFILL_STEP_SIZE = 2048
+"""Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
 
 
 class QueueFullError(Exception):
@@ -154,7 +171,6 @@ class GenerationJob:
     retry_at: float = 0.0
     parked: bool = False
     cache: list[Any] | None = None
-    generator: Generator[tuple[Any, mx.array], None, None] | None = None
 
 
 class Scheduler:
@@ -166,7 +182,7 @@ class Scheduler:
         owner_prefix: Owner ids are ``{owner_prefix}-{n}``; include the pid so they are unique
             across the workers of one daemon.
         eos_token_ids: Tokens that end a job with "stop".
-        max_concurrent: Jobs decoding at once.
+        max_concurrent: Jobs decoding at once (the batch size limit; prefilling jobs count).
         max_queue: Jobs waiting at once; more are refused (QueueFullError).
         queue_timeout: Seconds a job may wait before it is rejected.
         retry_interval: Seconds between admission attempts while the pool is exhausted.
@@ -175,6 +191,8 @@ class Scheduler:
         lost_owners: The pool's owners that are no longer this worker's (a daemon restart
             conflict, an eviction), with why: their jobs end with "error" before their next
             token, since their blocks may be handed out again.
+        prefill_step_size: Prompt tokens per prefill chunk: the most a newcomer's prefill
+            delays the running jobs' next tokens.
     """
 
     def __init__(
@@ -190,9 +208,13 @@ class Scheduler:
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         reserve_full: bool = True,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     ) -> None:
-        if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
-            raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
+        if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
+            raise ValueError(
+                "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
+                "must be > 0"
+            )
         self.model = model
         self.source = source
         self.owner_prefix = owner_prefix
@@ -203,12 +225,17 @@ class Scheduler:
         self.retry_interval = retry_interval
         self.reserve_full = reserve_full
         self.lost_owners = lost_owners
+        self.prefill_step_size = prefill_step_size
         self.stats = ServingStats(
             max_concurrent=max_concurrent, pooled=source.pooled, on_load=source.report_load
         )
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
+        self._batch = ContinuousBatch(
+            model, source, eos_token_ids=eos_token_ids, prefill_step_size=prefill_step_size
+        )
+        self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
@@ -252,7 +279,7 @@ class Scheduler:
 
     def cancel(self, job: GenerationJob, reason: str = "cancelled") -> None:
         """Ask for ``job`` to end: its client went away ("cancelled"), or its text reached a
-        stop string ("stop"); its blocks go back within a round."""
+        stop string ("stop"); its blocks go back within a step."""
         job.cancel_reason = reason
         job.cancelled = True
         with self._cond:
@@ -278,7 +305,7 @@ class Scheduler:
                 self._expire_waiting()
                 self._admit()
                 if self._active:
-                    self._decode_round()
+                    self._step()
                 else:
                     self._idle_wait()
         except BaseException:
@@ -404,7 +431,7 @@ class Scheduler:
             assert job.cache is not None
             try:
                 self.source.adopt(job.cache, self._slots_for(job), admission.taken)
-                self._start_generator(job)
+                self._queue_prefill(job)
             except Exception as exc:
                 self._fail_start(job, exc)
                 return True
@@ -448,27 +475,27 @@ class Scheduler:
         return len(job.prompt) + (job.max_tokens if self.reserve_full else 1)
 
     def _try_start(self, job: GenerationJob) -> bool:
-        """Back the job's prompt with cache memory and create its generator; False if the pool
+        """Back the job's prompt with cache memory and queue its prefill; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
-            job.cache = self.source.open(job.owner)
+            job.cache = self._open_cache(job.owner)
         try:
             self.source.reserve(job.cache, self._slots_for(job))
         except BlockPoolExhaustedError:
             return False
-        self._start_generator(job)
+        self._queue_prefill(job)
         return True
 
-    def _start_generator(self, job: GenerationJob) -> None:
-        s = job.sampling
-        job.generator = generate_step(
-            mx.array(list(job.prompt)),
-            self.model,
-            max_tokens=job.max_tokens,
-            sampler=make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k),
-            prompt_cache=job.cache,
-        )
+    def _open_cache(self, owner: str) -> list[Any]:
+        """The seam where a job's own cache is made, before it joins the batch: empty today
+        (the whole prompt is prefilled). A prompt cache would hand one holding a cached prefix
+        of the prompt; :meth:`ContinuousBatch.start` then prefills only the rest."""
+        return self.source.open(owner)
+
+    def _queue_prefill(self, job: GenerationJob) -> None:
+        """Queue the started job for its prefill (it joins the batch when that is done)."""
+        self._batch.start(job)
         self._sample_memory()
 
     def _end_lost_jobs(self) -> None:
@@ -482,43 +509,53 @@ class Scheduler:
                 log.error("request %s ended: %s", job.owner, why)
                 self._end(job, "error", why, status=500)
 
-    def _decode_round(self) -> None:
+    def _step(self) -> None:
+        """One step: a batched decode step of every job in the batch, then one prefill chunk
+        (see :class:`~vqpool.worker.continuous_batch.ContinuousBatch`)."""
         self._end_lost_jobs()
-        started = time.perf_counter()
-        n_tokens = 0
         for job in list(self._active):
             if job.cancelled:
                 self._end(job, job.cancel_reason)
-                continue
-            assert job.generator is not None
-            try:
-                token, logprobs = next(job.generator)
-            except StopIteration:
-                self._end(job, "length")
-                continue
-            except BlockPoolExhaustedError as exc:
-                self.stats.add(exhaustions=1)
-                self._end(
-                    job,
-                    "length",
-                    f"the KV cache pool ran out of blocks after {job.n_generated} generated "
-                    f"tokens ({exc})",
-                )
-                continue
-            except Exception as exc:
-                log.exception("request %s failed", job.owner)
-                self._end(job, "error", f"generation failed: {exc}", status=500)
-                continue
-            token = int(token)
+        started = time.perf_counter()
+        with mx.stream(generation_stream):
+            outcome = self._batch.step()
+        self._evict_for_lack_of_blocks(outcome.evicted)
+        for job, exc in outcome.failed:
+            self._end(job, "error", f"generation failed: {exc}", status=500)
+        for job, token, logprobs in outcome.tokens:
             job.n_generated += 1
-            n_tokens += 1
             job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
-            if token in self.eos_token_ids:
-                self._end(job, "stop")
-            elif job.n_generated >= job.max_tokens:
-                self._end(job, "length")
+        for job, reason, response in outcome.finished:
+            self._row_finished(job, reason, response)
+        self._n_steps += 1
+        if self._n_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
         self._sample_memory()
-        self.stats.add(completion_tokens=n_tokens, busy_seconds=time.perf_counter() - started)
+        self.stats.add(
+            completion_tokens=len(outcome.tokens), busy_seconds=time.perf_counter() - started
+        )
+
+    def _row_finished(
+        self, job: GenerationJob, reason: str, response: GenerationBatch.Response
+    ) -> None:
+        """``job`` reached EOS ("stop") or ``max_tokens`` ("length"); the batch already took
+        its row out (its blocks are back). The seam for a prompt cache:
+        ``response.prompt_cache`` holds the row's KV (stock ``KVCache`` copies, no blocks) and
+        ``response.all_tokens`` the token ids it covers."""
+        self._end(job, reason)
+
+    def _evict_for_lack_of_blocks(self, jobs: list[GenerationJob]) -> None:
+        """The pool could not back the next forward pass of ``jobs``, which the batch took
+        out: end them ("length", as a request the pool could not back always ended). The one
+        place a preemption policy would instead requeue them (their blocks are back)."""
+        for job in jobs:
+            self.stats.add(exhaustions=1)
+            self._end(
+                job,
+                "length",
+                f"the KV cache pool ran out of blocks after {job.n_generated} generated "
+                "tokens (BlockPoolExhaustedError)",
+            )
 
     def _idle_wait(self) -> None:
         """Sleep until a job arrives or is cancelled, the head's retry is due, or a deadline."""
@@ -545,10 +582,12 @@ class Scheduler:
         status: int = 200,
         retry_after: int | None = None,
     ) -> None:
-        """End ``job``: close its generator, release its cache, send its JobEnd."""
-        if job.generator is not None:
-            job.generator.close()
-            job.generator = None
+        """End ``job``: take it out of the batch, release its cache, send its JobEnd."""
+        try:
+            self._batch.leave(job)
+        except Exception:
+            # Its blocks still go back below; the batch it was in failed (its jobs end too).
+            log.exception("taking request %s out of the batch failed", job.owner)
         if job.cache is not None:
             cache, job.cache = job.cache, None
             try:

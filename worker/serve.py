@@ -42,7 +42,7 @@ from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCach
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.models import builtin_names, load_model, model_spec_problem
-from vqpool.worker.scheduler import Scheduler
+from vqpool.worker.scheduler import DEFAULT_PREFILL_STEP_SIZE, Scheduler
 from vqpool.worker.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
@@ -79,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         metavar="N",
-        help="requests decoding at once (default: %(default)s)",
+        help="requests decoding at once (default: %(default)s), in one batch",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=DEFAULT_PREFILL_STEP_SIZE,
+        metavar="N",
+        help="prompt tokens per prefill chunk, as mlx-lm's: the longest a newcomer's prefill "
+        "delays the running requests' next tokens (default: %(default)s)",
     )
     parser.add_argument(
         "--queue-timeout",
@@ -172,7 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s vqpool-worker[%(process)d] %(levelname)s %(message)s",
     )
-    for name in ("max_concurrent", "max_queue", "max_tokens", "max_tokens_limit"):
+    for name in (
+        "max_concurrent",
+        "max_queue",
+        "max_tokens",
+        "max_tokens_limit",
+        "prefill_step_size",
+    ):
         if getattr(args, name) < 1:
             log.error("--%s must be >= 1", name.replace("_", "-"))
             return 2
@@ -275,6 +289,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         queue_timeout=args.queue_timeout,
         reserve_full=args.reserve == "full",
         lost_owners=None if pool is None else pool.lost_owners,
+        prefill_step_size=args.prefill_step_size,
     )
     app = ServingApp(
         loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name

@@ -1,0 +1,611 @@
+"""A batched KV cache for mlx-lm's batch generation whose memory is covered by pool blocks.
+
+mlx-lm batches requests with ``BatchKVCache``: per layer, one ``(B, n_kv_heads, S, head_dim)``
+buffer for keys and one for values, rows left-padded so every row's newest token sits at slot
+``S_used - 1``. :class:`PooledBatchKVCache` is that protocol (``update_and_fetch``, ``prepare`` /
+``finalize``, ``filter``, ``extend``, ``extract``, ``merge``, ``make_mask``, per-row ``offset``,
+``state``, ``trim``, ``size``, ``empty``, ``nbytes``) over buffers whose every slot, padding
+included, is covered by blocks the rows' pool owners hold:
+
+* **Rows own blocks.** Row ``r`` of a batch is one request, with its own pool owner
+  (:class:`RowBlocks`). Block ``j`` of row ``r`` stands for slots ``[j * block_size, (j + 1) *
+  block_size)`` of row ``r`` of every layer's key buffer (a K block) or value buffer (a V block;
+  one "kv" block holds both in a pool without separate streams). The buffers are ``length``
+  slots long, and every row holds at least ``ceil(length / block_size)`` blocks, so the bytes of
+  the buffers never exceed blocks held x bytes per block.
+* **Growth happens between steps, never inside a forward pass.** :meth:`PooledBatch.ensure`
+  grows every row that needs it from the pool (the missing blocks plus the reserve of
+  ``worker/cache.py``'s ``RESERVE_DIVISOR``), then copies each layer's buffers into longer ones
+  (the copy is the batch's whole cache, once per growth; the reserve makes growth rare). A row
+  the pool cannot grow is reported, not grown: the caller takes it out of the batch before the
+  step. ``update_and_fetch`` refuses a write past the buffers (a missed ``ensure``), so a
+  forward pass never stops halfway for lack of blocks.
+* **Leaving gives blocks back at once.** ``filter`` releases the rows it drops (``free_all`` of
+  their owners) and, when the rows left all have left padding, cuts those slots off the front
+  and gives back the blocks no longer covering slots.
+* **Joining rows bring their blocks.** A request's cache before it joins is a list of
+  :class:`PooledRowCache` (one per layer) over its :class:`RowBlocks`, holding blocks reserved
+  at admission; ``merge`` turns such lists into a batch and ``extend`` joins two batches. Both
+  need every row to cover the joined length already (``ensure`` first; they raise otherwise).
+
+A finished row's KV comes out with ``extract`` as a stock ``KVCache`` (a detached copy, no pool
+blocks), as mlx-lm's ``BatchKVCache.extract`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, create_attention_mask, dynamic_roll
+from vqpool.shared.allocator import Block, Owner
+from vqpool.shared.errors import BlockPoolExhaustedError
+from vqpool.shared.pool import AllocationRequest, BlockPool
+from vqpool.worker.cache import blocks_to_hold
+from vqpool.worker.storage import KVLayout
+
+log = logging.getLogger("vqpool.worker")
+
+
+class RowBlocks:
+    """The blocks of one request (one pool owner) while it waits for, or sits in, a batch.
+
+    Holds block ids only; the memory they cover is the request's row of the batch buffers.
+
+    Args:
+        pool: Where blocks come from.
+        owner: The request's pool owner id; registered here (an id in use raises
+            ``OwnerAlreadyActiveError``).
+        layout: The model's KV layout (block size and format).
+    """
+
+    def __init__(self, pool: BlockPool, owner: Owner, layout: KVLayout) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.layout = layout
+        pool.register_owner(owner)
+        self.released = False
+        # Slots reserved for the request's own tokens (admission): kept however the padding
+        # around it shrinks.
+        self.reserved_slots = 0
+        self.batch: PooledBatch | None = None  # the batch whose buffers have a row for it
+        self._k_blocks: list[Block] = []
+        # The same list object as _k_blocks when one "kv" block holds both.
+        self._v_blocks: list[Block] = [] if pool.config.separate_kv else self._k_blocks
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks held per stream."""
+        return len(self._k_blocks)
+
+    @property
+    def n_block_ids(self) -> int:
+        """Block ids held (K and V counted apart, as the daemon counts them)."""
+        return self.n_blocks * (1 if self._v_blocks is self._k_blocks else 2)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots the blocks held cover."""
+        return self.n_blocks * self.layout.block_size
+
+    def reserve(self, n_slots: int) -> None:
+        """Hold blocks covering at least ``n_slots`` slots for the request's own tokens (kept
+        until it ends, whatever :meth:`shrink_to` is asked).
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
+        """
+        self.adopt(n_slots, self.take(n_slots))
+
+    def grow(self, n_slots: int) -> None:
+        """Hold blocks covering at least ``n_slots`` slots of the batch (its padding included);
+        :meth:`shrink_to` may give them back.
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
+        """
+        taken = self.take(n_slots)
+        if taken is not None:
+            self._hold(taken)
+
+    def take(self, n_slots: int, wait: float = 0.0) -> tuple[list[Block], list[Block]] | None:
+        """Allocate the blocks ``n_slots`` slots still need (None when none), for :meth:`adopt`;
+        any thread may call it. ``wait`` > 0 may wait that long at the daemon."""
+        if self.released:
+            raise RuntimeError(f"RowBlocks {self.owner!r}: released; make a new one")
+        bs = self.layout.block_size
+        needed = -(-n_slots // bs)
+        missing = needed - self.n_blocks
+        if missing <= 0:
+            return None
+        extra = blocks_to_hold(n_slots, bs) - needed
+        try:
+            return self._allocate(missing + extra, wait)
+        except BlockPoolExhaustedError:
+            if not extra:
+                raise
+            return self._allocate(missing, wait)
+
+    def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
+        """Hold the blocks :meth:`take` returned for ``n_slots`` of the request's own slots."""
+        self.reserved_slots = max(self.reserved_slots, n_slots)
+        if taken is not None:
+            self._hold(taken)
+
+    def _hold(self, taken: tuple[list[Block], list[Block]]) -> None:
+        k_new, v_new = taken
+        self._k_blocks.extend(k_new)
+        if self._v_blocks is not self._k_blocks:
+            self._v_blocks.extend(v_new)
+
+    def _allocate(self, n_blocks: int, wait: float) -> tuple[list[Block], list[Block]]:
+        """``n_blocks`` blocks per stream in one pool call; all or nothing."""
+        n_tokens = n_blocks * self.layout.block_size
+        fmt = self.layout.format
+        waiting = {"wait": wait} if wait > 0 else {}
+        pool: Any = self.pool
+        if not self.pool.config.separate_kv:
+            blocks = list(pool.allocate("kv", n_tokens, self.owner, fmt, **waiting))
+            return blocks, blocks
+        results = pool.allocate_many(
+            [
+                AllocationRequest("k", n_tokens, self.owner, fmt),
+                AllocationRequest("v", n_tokens, self.owner, fmt),
+            ],
+            **waiting,
+        )
+        failures = [r for r in results if isinstance(r, Exception)]
+        if failures:
+            granted = [b for r in results if not isinstance(r, Exception) for b in r]
+            if granted:
+                self.pool.free(granted)
+            raise failures[0]
+        k_blocks, v_blocks = results
+        assert not isinstance(k_blocks, Exception) and not isinstance(v_blocks, Exception)
+        return list(k_blocks), list(v_blocks)
+
+    def shrink_to(self, n_slots: int) -> None:
+        """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never
+        those of the slots reserved for the request's own tokens)."""
+        bs = self.layout.block_size
+        keep = max(blocks_to_hold(n_slots, bs), -(-self.reserved_slots // bs))
+        if self.released or keep >= self.n_blocks:
+            return
+        dropped = self._k_blocks[keep:]
+        if self._v_blocks is not self._k_blocks:
+            dropped.extend(self._v_blocks[keep:])
+            del self._v_blocks[keep:]
+        del self._k_blocks[keep:]
+        self.pool.free(dropped)
+
+    def release(self) -> None:
+        """Give every block back (``pool.free_all(owner)``). Idempotent."""
+        if self.released:
+            return
+        self.released = True
+        self._k_blocks.clear()
+        self._v_blocks.clear()
+        if self.batch is not None:
+            self.batch.row_released()
+        self.pool.free_all(self.owner)
+
+    def __repr__(self) -> str:
+        return f"RowBlocks(owner={self.owner!r}, {self.n_blocks} block(s)/stream)"
+
+
+class PooledRowCache:
+    """One layer of a request's cache before it joins a batch: its :class:`RowBlocks` and,
+    optionally, keys and values already cached for it (``(1, n_kv_heads, offset, head_dim)``),
+    which :meth:`merge` copies into the batch.
+
+    mlx-lm's batch generation merges per-request caches with ``caches[0][layer].merge(...)``.
+    """
+
+    def __init__(
+        self,
+        row: RowBlocks,
+        layer: int,
+        keys: mx.array | None = None,
+        values: mx.array | None = None,
+    ) -> None:
+        self.row = row
+        self.layer = layer
+        self.keys = keys
+        self.values = values
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    @classmethod
+    def merge(cls, caches: Sequence[PooledRowCache]) -> PooledBatchKVCache:
+        return PooledBatchKVCache.merge(caches)
+
+
+class PooledBatch:
+    """What the per-layer caches of one batch share: its rows and its per-layer buffers.
+
+    ``keys[layer]`` / ``values[layer]`` are ``(len(rows), n_kv_heads, length, head_dim)``;
+    every row covers at least ``length`` slots (module docstring).
+    """
+
+    def __init__(self, rows: list[RowBlocks], layout: KVLayout, length: int) -> None:
+        self.rows = rows
+        for row in rows:
+            row.batch = self
+        self.layout = layout
+        self.length = length
+        shape = (len(rows), layout.n_kv_heads, length)
+        self.keys = [
+            mx.zeros((*shape, layout.k_head_dim), layout.dtype) for _ in range(layout.n_layers)
+        ]
+        self.values = [
+            mx.zeros((*shape, layout.v_head_dim), layout.dtype) for _ in range(layout.n_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (all layers)."""
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def n_block_ids(self) -> int:
+        """Block ids the rows hold (K and V counted apart)."""
+        return sum(row.n_block_ids for row in self.rows)
+
+    def ensure(self, n_slots: int) -> list[int]:
+        """Make the buffers at least ``n_slots`` long, every row's blocks first.
+
+        Returns the indices of the rows the pool could not grow; then nothing else changed
+        except that rows which could grow hold their new blocks. The caller takes the failed
+        rows out of the batch (``filter``) and calls again.
+        """
+        if n_slots <= self.length:
+            return []
+        failed: list[int] = []
+        for i, row in enumerate(self.rows):
+            if row.capacity < n_slots:
+                try:
+                    row.grow(n_slots)
+                except BlockPoolExhaustedError:
+                    failed.append(i)
+        if failed:
+            return failed
+        self._resize(min(row.capacity for row in self.rows))
+        return []
+
+    def _resize(self, length: int) -> None:
+        """Grow the buffers to ``length`` slots (a copy of each layer's keys and values)."""
+        extra = length - self.length
+        if extra <= 0:
+            return
+        self.keys = [_grown(a, extra) for a in self.keys]
+        self.values = [_grown(a, extra) for a in self.values]
+        self.length = length
+
+    def covering_length(self) -> int:
+        """The longest the buffers may be: the slots the row with the fewest blocks covers."""
+        return min((row.capacity for row in self.rows), default=0)
+
+    def row_released(self) -> None:
+        """A row's blocks went back: once no row holds any, drop the buffers now (without
+        waiting for the garbage collector to reach a batch its caller left behind)."""
+        if all(row.released for row in self.rows):
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget rows and buffers (every row ended, or the batch joined another one)."""
+        self.rows = []
+        self.keys = []
+        self.values = []
+        self.length = 0
+
+
+class PooledBatchKVCache:
+    """One layer of a :class:`PooledBatch`, with mlx-lm's ``BatchKVCache`` protocol.
+
+    Keys and values are written in place into the batch's buffers and attention reads their
+    prefix up to ``_idx``, left-padded rows masked by ``make_mask``, exactly as
+    ``BatchKVCache``. Batch-wide changes (rows released, blocks given back) are made by the
+    last layer's call, once every layer's buffers have changed.
+    """
+
+    def __init__(self, batch: PooledBatch, layer: int, left_padding: Sequence[int]) -> None:
+        self.batch = batch
+        self.layer = layer
+        self.left_padding = mx.array(list(left_padding))
+        self.offset = mx.array([-p for p in left_padding])
+        self._idx = 0
+        self._right_padding: mx.array | None = None
+        # Whether a row has left padding: without, a 1-token step needs no mask (as stock).
+        self._padded = any(p > 0 for p in left_padding)
+
+    @property
+    def _last_layer(self) -> bool:
+        return self.layer == self.batch.layout.n_layers - 1
+
+    @property
+    def keys(self) -> mx.array:
+        return self.batch.keys[self.layer]
+
+    @property
+    def values(self) -> mx.array:
+        return self.batch.values[self.layer]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` ``(B, n_kv_heads, S, head_dim)`` at the batch's next slots;
+        return every row's cached prefix.
+
+        Raises:
+            RuntimeError: The write goes past the buffers (``PooledBatch.ensure`` was not called
+                for this step); nothing changed.
+        """
+        prev = self._idx
+        end = prev + keys.shape[2]
+        batch = self.batch
+        if end > batch.length:
+            raise RuntimeError(
+                f"PooledBatchKVCache: a write to slots [{prev}, {end}) but the rows' blocks "
+                f"cover {batch.length}; grow the batch (ensure) before the step"
+            )
+        batch.keys[self.layer][..., prev:end, :] = keys
+        batch.values[self.layer][..., prev:end, :] = values
+        self.offset = self.offset + keys.shape[2]
+        self._idx = end
+        return batch.keys[self.layer][..., :end, :], batch.values[self.layer][..., :end, :]
+
+    def prepare(
+        self,
+        *,
+        left_padding: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """As ``BatchKVCache.prepare``: add left padding to an empty batch, or note the right
+        padding of prompts of different lengths processed together (undone by finalize)."""
+        if left_padding is not None:
+            if self._idx:
+                raise ValueError("Left padding can only be added to an empty batch cache")
+            padding = mx.array(list(left_padding))
+            self.left_padding = self.left_padding + padding
+            self.offset = self.offset - padding
+            self._padded = self._padded or any(p > 0 for p in left_padding)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(list(right_padding))
+
+    def finalize(self) -> None:
+        """Turn the right padding of the last prefill into left padding (rolls the rows)."""
+        if self._right_padding is None:
+            return
+        padding = self._right_padding
+        batch = self.batch
+        batch.keys[self.layer] = dynamic_roll(batch.keys[self.layer], padding[:, None], axis=2)
+        batch.values[self.layer] = dynamic_roll(batch.values[self.layer], padding[:, None], axis=2)
+        self.offset = self.offset - padding
+        self.left_padding = self.left_padding + padding
+        self._right_padding = None
+        self._padded = True
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        batch = self.batch
+        end = self._idx
+        return (
+            batch.keys[self.layer][..., :end, :],
+            batch.values[self.layer][..., :end, :],
+            self.offset,
+            self.left_padding,
+        )
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """The causal mask hiding each row's left padding; without padding, stock's mask."""
+        if not self._padded:
+            return create_attention_mask(
+                N, offset=self._idx, return_array=return_array, window_size=window_size
+            )
+        return create_causal_mask(
+            N, offset=self._idx, window_size=window_size, left_padding=self.left_padding
+        )
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep only the rows ``batch_indices``; the last layer's call releases the dropped
+        rows' blocks, and cuts the left padding every kept row has off the front, giving back
+        the blocks that no longer cover slots."""
+        keep = list(batch_indices)
+        batch = self.batch
+        index = mx.array(keep)
+        self.offset = self.offset[index]
+        self.left_padding = self.left_padding[index]
+        pads: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
+        cut = min(pads)
+        self._padded = max(pads) > cut
+        keys = batch.keys[self.layer][index]
+        values = batch.values[self.layer][index]
+        if cut > 0:
+            # A contiguous copy: a slice would keep the cut slots' memory alive.
+            keys = mx.contiguous(keys[..., cut:, :])
+            values = mx.contiguous(values[..., cut:, :])
+            self._idx -= cut
+            self.left_padding = self.left_padding - cut
+        batch.keys[self.layer] = keys
+        batch.values[self.layer] = values
+        if not self._last_layer:
+            return
+        kept = set(keep)
+        dropped = [row for i, row in enumerate(batch.rows) if i not in kept]
+        batch.rows = [batch.rows[i] for i in keep]
+        for row in dropped:
+            row.batch = None
+        batch.length -= cut
+        for row in dropped:
+            try:
+                row.release()
+            except Exception as exc:
+                # The row left either way; the daemon reclaims what a dead session held.
+                log.warning("releasing %s failed: %s", row.owner, exc)
+        for row in batch.rows:
+            row.shrink_to(batch.length)
+
+    def extend(self, other: PooledBatchKVCache) -> None:
+        """Append the rows of ``other`` (this layer of another batch): both are right-aligned
+        at the longer one's ``_idx``, in buffers as long as every row of both covers.
+
+        Raises:
+            ValueError: Some row does not cover the joined batch's used slots
+                (``PooledBatch.ensure`` both batches first); nothing changed.
+        """
+        mine, theirs = self.batch, other.batch
+        max_idx = max(self._idx, other._idx)
+        length = min(mine.covering_length(), theirs.covering_length())
+        if length < max_idx:
+            raise ValueError(
+                f"PooledBatchKVCache.extend: the joined batch uses {max_idx} slots but its rows "
+                f"cover {length}; ensure both batches first"
+            )
+
+        def aligned(c: PooledBatchKVCache) -> tuple[mx.array, mx.array, mx.array]:
+            k, v = c.batch.keys[c.layer], c.batch.values[c.layer]
+            left = max_idx - c._idx
+            k, v = k[..., : c._idx, :], v[..., : c._idx, :]
+            right = length - left - c._idx
+            pad = [(0, 0), (0, 0), (left, right), (0, 0)]
+            return mx.pad(k, pad), mx.pad(v, pad), c.left_padding + left
+
+        k1, v1, lp1 = aligned(self)
+        k2, v2, lp2 = aligned(other)
+        mine.keys[self.layer] = mx.concatenate([k1, k2])
+        mine.values[self.layer] = mx.concatenate([v1, v2])
+        self.left_padding = mx.concatenate([lp1, lp2])
+        self._padded = self._padded or other._padded or self._idx != other._idx
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = max_idx
+        if self._last_layer:
+            mine.rows = mine.rows + theirs.rows
+            for row in theirs.rows:
+                row.batch = mine
+            mine.length = length
+            theirs.drop()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PooledBatchKVCache:
+        """Refused: a copy would need blocks of its own for every row (one owner each), and
+        mlx-lm's ``PromptProcessingBatch.split`` (used by its ``BatchGenerator`` when several
+        prompts prefill together) copies the whole batch. ``ContinuousBatch`` prefills one
+        request at a time and never copies; ``extract`` gives one row as a stock cache."""
+        raise TypeError(
+            "PooledBatchKVCache cannot be copied (its rows' blocks have one owner each); use "
+            "extract(i) for a row's tokens as a stock KVCache"
+        )
+
+    def extract(self, idx: int) -> KVCache:
+        """Row ``idx``'s cached tokens as a stock ``KVCache`` (a copy holding no blocks)."""
+        cache = KVCache()
+        padding: int = self.left_padding.tolist()[idx]  # type: ignore[index,assignment]
+        batch = self.batch
+        cache.keys = mx.contiguous(batch.keys[self.layer][idx : idx + 1, :, padding : self._idx])
+        cache.values = mx.contiguous(
+            batch.values[self.layer][idx : idx + 1, :, padding : self._idx]
+        )
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[PooledRowCache]) -> PooledBatchKVCache:
+        """One layer of a new batch of the requests ``caches`` (one :class:`PooledRowCache` of
+        this layer per request), their cached tokens right-aligned.
+
+        mlx-lm merges layer by layer; the layers of one merge share one :class:`PooledBatch`,
+        found through the first row (the merge of layer 0 makes it).
+
+        Raises:
+            ValueError: A row does not cover the merged length (reserve its blocks first).
+        """
+        rows = [c.row for c in caches]
+        layer = caches[0].layer
+        lengths = [c.size() for c in caches]
+        longest = max(lengths)
+        batch = _PENDING_MERGES.get(id(rows[0]))
+        if layer == 0 or batch is None or batch.rows != rows:
+            covered = min(row.capacity for row in rows)
+            if covered < longest:
+                raise ValueError(
+                    f"PooledBatchKVCache.merge: a row holds {longest} cached tokens but the "
+                    f"rows' blocks cover {covered}; reserve them first"
+                )
+            batch = PooledBatch(rows, rows[0].layout, covered)
+            _PENDING_MERGES[id(rows[0])] = batch
+        padding = [longest - n for n in lengths]
+        cache = cls(batch, layer, padding)
+        for i, (p, c) in enumerate(zip(padding, caches, strict=True)):
+            if c.keys is not None and c.values is not None:
+                batch.keys[layer][i : i + 1, :, p:longest] = c.keys
+                batch.values[layer][i : i + 1, :, p:longest] = c.values
+        cache.offset = cache.offset + longest
+        cache._idx = longest
+        cache._padded = any(p > 0 for p in padding)
+        if cache._last_layer:
+            del _PENDING_MERGES[id(rows[0])]
+        return cache
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self._idx == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's buffers."""
+        return self.keys.nbytes + self.values.nbytes
+
+
+# The batch a merge in progress builds, by the id of its first row: mlx-lm merges one layer at
+# a time, and every layer of one merge must share one PooledBatch. Layer 0 adds the entry, the
+# last layer removes it.
+_PENDING_MERGES: dict[int, PooledBatch] = {}
+
+
+def make_row_cache(row: RowBlocks) -> list[PooledRowCache]:
+    """An empty per-request cache (one :class:`PooledRowCache` per layer) over ``row``."""
+    return [PooledRowCache(row, layer) for layer in range(row.layout.n_layers)]
+
+
+def batch_of(cache: Sequence[Any]) -> PooledBatch | None:
+    """The :class:`PooledBatch` behind a batch's per-layer caches (None for stock caches)."""
+    first = cache[0] if cache else None
+    return first.batch if isinstance(first, PooledBatchKVCache) else None
+
+
+def _grown(buf: mx.array, n_new_slots: int) -> mx.array:
+    """``buf`` with ``n_new_slots`` zero slots appended along the token axis (a copy)."""
+    b, h, _, d = buf.shape
+    return mx.concatenate([buf, mx.zeros((b, h, n_new_slots, d), buf.dtype)], axis=2)

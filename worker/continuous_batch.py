@@ -1,0 +1,271 @@
+"""Continuous batching for the scheduler: the started jobs of one worker, prefilled in chunks and
+decoded together in one batched forward pass per step.
+
+Built on mlx-lm's own batch classes (the ones its ``BatchGenerator`` and ``mlx_lm.server`` use):
+``PromptProcessingBatch`` prefills a job, ``GenerationBatch`` decodes the batch (left-padded
+rows, mlx-lm's pipelining: step n+1 is built before step n's tokens are read). So greedy tokens
+are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those of
+``generate_step``. :class:`ContinuousBatch` adds what a server around them needs:
+
+* **Chunked prefill, one job at a time.** :meth:`ContinuousBatch.step` decodes the batch once,
+  then prefills one chunk (at most ``prefill_step_size`` tokens) of the oldest started job; after
+  its last chunk its last prompt token makes its first token and it joins the batch. A newcomer
+  delays the running jobs by at most one chunk.
+* **Blocks before every forward pass.** Before each pass ``source.grow`` makes the cache it
+  writes cover the slots it writes (the pool's blocks for every row, padding included); a row
+  the pool cannot grow is taken out first and reported as evicted. Joining grows both sides
+  first; when the running rows cannot grow to a newcomer's length, the newcomer is evicted
+  instead of them.
+* **Leaving** (:meth:`ContinuousBatch.leave`) takes a job's row out of the batch, or the job out
+  of the prefill queue: its cache's blocks go back at once (a pooled batch releases a row it
+  drops).
+
+The step reports what happened (:class:`StepOutcome`); the scheduler sends the tokens and ends
+the jobs. Generation-thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import (
+    GenerationBatch,
+    PromptProcessingBatch,
+    StopSequences,
+    greedy_sampler,
+)
+from mlx_lm.sample_utils import make_sampler
+from vqpool.worker.cache_source import CacheSource
+
+log = logging.getLogger("vqpool.worker")
+
+
+@dataclass
+class StepOutcome:
+    """What one :meth:`ContinuousBatch.step` did, in the order the scheduler must act on it.
+
+    Attributes:
+        evicted: Jobs taken out because the pool could not back their next forward pass.
+        failed: Jobs taken out because their forward pass raised, with the error.
+        tokens: ``(job, token, logprobs)`` per job that got a token this step.
+        finished: ``(job, "stop" | "length", response)`` per job that reached EOS or
+            ``max_tokens`` with its token above; its row is out of the batch already. The
+            seam for a prompt cache: ``response.prompt_cache`` holds the row's KV (stock
+            ``KVCache`` copies holding no blocks) and ``response.all_tokens`` its token ids.
+    """
+
+    evicted: list[Any] = field(default_factory=list)
+    failed: list[tuple[Any, Exception]] = field(default_factory=list)
+    tokens: list[tuple[Any, int, mx.array]] = field(default_factory=list)
+    finished: list[tuple[Any, str, GenerationBatch.Response]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """A started job waiting for, or in, its prefill."""
+
+    job: Any
+    uid: int
+    cached: list[int]  # the prompt tokens its cache holds already
+    to_prefill: list[int]
+    batch: PromptProcessingBatch | None = None
+
+
+class ContinuousBatch:
+    """The started jobs of a scheduler (see the module docstring).
+
+    A job needs ``prompt`` (token ids), ``max_tokens``, ``sampling`` (with ``temperature``,
+    ``top_p``, ``min_p``, ``top_k``; hashable), ``cache`` (made by ``source.open`` and backed
+    for its prompt: the seam where a prompt cache would hand a cache holding a cached prefix)
+    and ``owner``.
+
+    Args:
+        model: The mlx-lm model.
+        source: Where caches come from; its ``grow`` backs each forward pass.
+        eos_token_ids: Tokens that finish a job with "stop".
+        prefill_step_size: Prompt tokens per prefill chunk.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        source: CacheSource,
+        *,
+        eos_token_ids: frozenset[int],
+        prefill_step_size: int,
+    ) -> None:
+        self.model = model
+        self.source = source
+        self.prefill_step_size = prefill_step_size
+        self._stop_tokens = StopSequences([[t] for t in sorted(eos_token_ids)] or None)
+        self._samplers: dict[Hashable, Callable[[mx.array], mx.array]] = {}
+        self._generation = GenerationBatch.empty(model, greedy_sampler)
+        self._prefilling: deque[_Prefill] = deque()
+        self._by_uid: dict[int, Any] = {}  # the jobs of the batch's rows
+        self._next_uid = 0
+
+    def start(self, job: Any) -> None:
+        """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
+        tokens already (a cached prefix of the prompt, at most all but its last token) is
+        prefilled with the rest of the prompt only.
+
+        Raises:
+            ValueError: The cache holds as many tokens as the prompt, or more.
+        """
+        cached = job.cache[0].size()
+        if cached >= len(job.prompt):
+            raise ValueError(
+                f"the cache holds {cached} tokens of a {len(job.prompt)}-token prompt; it may "
+                "hold all but the prompt's last token at most"
+            )
+        self._prefilling.append(
+            _Prefill(job, self._next_uid, list(job.prompt[:cached]), list(job.prompt[cached:-1]))
+        )
+        self._next_uid += 1
+
+    def leave(self, job: Any) -> None:
+        """Take ``job`` out of the batch or the prefill queue, if it is there. Before the
+        filter, the batch's ``extract_cache`` and ``tokens`` of its row are still valid (for a
+        prompt cache keeping what a cancelled request computed)."""
+        batch = self._generation
+        for i, uid in enumerate(batch.uids):
+            if self._by_uid[uid] is job:
+                del self._by_uid[uid]
+                batch.filter([k for k in range(len(batch.uids)) if k != i])
+                return
+        for pending in self._prefilling:
+            if pending.job is job:
+                self._prefilling.remove(pending)
+                if pending.batch is not None:
+                    pending.batch.filter([])
+                return
+
+    def step(self) -> StepOutcome:
+        """One decode step of the batch, then one prefill chunk (module docstring)."""
+        outcome = StepOutcome()
+        self._decode(outcome)
+        self._prefill_chunk(outcome)
+        return outcome
+
+    def _decode(self, outcome: StepOutcome) -> None:
+        batch = self._generation
+        if not len(batch):
+            return
+        # The step writes the batch's next slot: back it before the forward pass.
+        if not self._grow(batch.prompt_cache, batch.prompt_cache[0].size() + 1, outcome):
+            return
+        try:
+            responses = batch.next()
+        except Exception as exc:
+            log.exception("a batched step failed")
+            for uid in list(batch.uids):
+                job = self._by_uid[uid]
+                self.leave(job)
+                outcome.failed.append((job, exc))
+            return
+        for response in responses:
+            job = self._by_uid[response.uid]
+            outcome.tokens.append((job, int(response.token), response.logprobs))
+            if response.finish_reason is not None:
+                # GenerationBatch took the row out (a pooled batch gave its blocks back).
+                del self._by_uid[response.uid]
+                reason = "stop" if response.finish_reason == "stop" else "length"
+                outcome.finished.append((job, reason, response))
+
+    def _prefill_chunk(self, outcome: StepOutcome) -> None:
+        if not self._prefilling:
+            return
+        pending = self._prefilling[0]
+        job = pending.job
+        try:
+            if pending.batch is None:
+                s = job.sampling
+                sampler = self._samplers.get(s)
+                if sampler is None:
+                    # One sampler object per distinct sampling: rows sharing it sample in one
+                    # call.
+                    sampler = self._samplers[s] = make_sampler(
+                        s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k
+                    )
+                pending.batch = PromptProcessingBatch(
+                    self.model,
+                    uids=[pending.uid],
+                    caches=[job.cache],
+                    tokens=[pending.cached],
+                    prefill_step_size=self.prefill_step_size,
+                    samplers=[sampler],
+                    fallback_sampler=greedy_sampler,
+                    logits_processors=[[]],
+                    stop_sequences=[self._stop_tokens],
+                    max_tokens=[job.max_tokens],
+                )
+            prompt_batch = pending.batch
+            used = prompt_batch.prompt_cache[0].size()
+            if pending.to_prefill:
+                chunk = pending.to_prefill[: self.prefill_step_size]
+                if self._grow(prompt_batch.prompt_cache, used + len(chunk), outcome, [job]):
+                    prompt_batch.prompt([chunk])
+                    del pending.to_prefill[: len(chunk)]
+                return
+            if not self._grow(prompt_batch.prompt_cache, used + 1, outcome, [job]):
+                return
+            newcomer = prompt_batch.generate([[job.prompt[-1]]])
+        except Exception as exc:
+            log.exception("request %s failed in its prefill", job.owner)
+            self.leave(job)
+            outcome.failed.append((job, exc))
+            return
+        self._prefilling.popleft()
+        self._join(job, pending.uid, newcomer, outcome)
+
+    def _join(self, job: Any, uid: int, newcomer: GenerationBatch, outcome: StepOutcome) -> None:
+        """Add the prefilled ``job`` (alone in ``newcomer``) to the batch: the rows of both
+        are grown first to the joined batch's next step. When the running rows cannot grow to
+        the newcomer's length (its prompt would pad them), the newcomer, the most recently
+        admitted, gives way (evicted) rather than a running request."""
+        batch = self._generation
+        if len(batch):
+            n_slots = max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
+            try:
+                padded = not self.source.grow(batch.prompt_cache, n_slots)
+            except Exception as exc:
+                log.exception("growing the batch's cache failed")
+                outcome.failed.append((job, exc))
+                return
+            if not padded:
+                outcome.evicted.append(job)
+                return
+            if not self._grow(newcomer.prompt_cache, n_slots, outcome, [job]):
+                return
+        self._by_uid[uid] = job
+        batch.extend(newcomer)
+
+    def _grow(
+        self, cache: list[Any], n_slots: int, outcome: StepOutcome, jobs: list[Any] | None = None
+    ) -> bool:
+        """Make ``cache`` (the batch's, or the rows ``jobs`` of a prefill's) cover ``n_slots``
+        slots; rows the pool cannot back are taken out first (``outcome.evicted``). False when
+        no row is left."""
+        rows = [self._by_uid[uid] for uid in self._generation.uids] if jobs is None else jobs
+        while rows:
+            try:
+                failed = self.source.grow(cache, n_slots)
+            except Exception as exc:
+                log.exception("growing the batch's cache failed")
+                for job in rows:
+                    self.leave(job)
+                    outcome.failed.append((job, exc))
+                return False
+            if not failed:
+                return True
+            for i in failed:
+                self.leave(rows[i])
+                outcome.evicted.append(rows[i])
+            rows = [job for i, job in enumerate(rows) if i not in failed]
+        return False
