@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ctl_harness import run_ctl
 from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
 
 BLOCK = 16  # tokens per block (the daemon's default)
@@ -69,6 +70,12 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     ids_b = {row[0] for i in range(4) for row in borrower.call("blocks_for", f"b-{i}")}
     assert not ids_a & ids_b, "a block held by two owners"
     daemon.audit()
+    borrower.call("report_load", 4, 0, 3)
+    wait_until(lambda: reclaim_view(daemon)["preemptions"] == 3, 5.0)
+    status = run_ctl(daemon.run_dir, "status")
+    assert status.returncode == 0, status.stderr
+    assert "reclaim: asked 1, answered 1 (answer p50 " in status.stdout
+    assert ", late 0, given back 80 KiB; preemptions 3" in status.stdout
 
 
 def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
