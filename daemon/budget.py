@@ -696,12 +696,14 @@ class BudgetLedger:
         capacity = self._budget if self.lend_reserves else self._budget - idle_reserves
         return dict(zip(recs, water_fill(capacity, shares), strict=True))
 
-    def reclaim_need(self) -> ReclaimNeed:
+    def reclaim_need(self, up_to_share: bool = True) -> ReclaimNeed:
         """What must be taken back now, and from whom (see :class:`ReclaimNeed`).
 
         A waiting model is owed the prefix of its queue that fits within its entitlement
         (which is at least its demand up to its reserve): a model below its reserve, or below
-        its fair share while others are above theirs. ``short`` is what of that, plus any
+        its fair share while others are above theirs. With ``up_to_share`` False only the
+        reserves are restored: a model is owed at most up to its reserve (fair shares above
+        reserves are left to bytes freed as requests end). ``short`` is what of that, plus any
         holdings over a lowered budget, the free bytes do not cover; never more. Pure: the
         caller asks the workers of the ``excess`` models for it and credits what they free.
         """
@@ -712,7 +714,7 @@ class BudgetLedger:
         wanted: dict[str, int] = {}
         unused_of_wanting = 0
         for rec in self._queued_models:
-            target = min(entitlement.get(rec, 0.0), rec.limit)
+            target = min(entitlement.get(rec, 0.0), rec.limit if up_to_share else rec.reserve)
             want = 0
             for waiter in rec.queue.values():
                 if rec.held + want + waiter.n_bytes > target:
