@@ -152,7 +152,8 @@ class Policy:
     settings: dict[str, ModelSettings]
     lend: bool
     reclaim: bool
-    reclaim_up_to_share: bool = False
+    reclaim_up_to_share: bool = True
+    """Reclaim for fair shares too, as the daemon does (False: restore reserves only)."""
     reserve_full: bool = False
     """Admit a request with the blocks of its prompt and all its output (today's
     ``--reserve full``: no growth, no preemption) instead of its prompt plus headroom."""
