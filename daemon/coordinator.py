@@ -18,9 +18,9 @@ from typing import Any
 
 from vqpool.daemon.budget_accounting import BudgetAccounting
 from vqpool.daemon.budget_types import ModelSettings
-from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.peer_auth import PeerAuthenticator
+from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.replies import ReplyCache
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline

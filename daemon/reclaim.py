@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 from vqpool.daemon.budget_types import ReclaimNeed
 
-__all__ = ["DEFAULT_RECLAIM_DEADLINE", "LATENCY_SAMPLES", "ReclaimAsk", "ReclaimBook", "ReclaimStats"]
+__all__ = [
+    "DEFAULT_RECLAIM_DEADLINE",
+    "LATENCY_SAMPLES",
+    "ReclaimAsk",
+    "ReclaimBook",
+    "ReclaimStats",
+]
 
 DEFAULT_RECLAIM_DEADLINE = 1.0
 """Seconds a worker has to give bytes back: a few decode steps and a preemption at a step
@@ -185,7 +191,10 @@ class ReclaimBook:
 
     def next_deadline(self) -> float | None:
         """When :meth:`expire` has something to do next (None: no ask is open)."""
-        times = [a.deadline + self.deadline if a.late else a.deadline for a in self._by_session.values()]
+        cool_down = self.deadline
+        times = [
+            a.deadline + cool_down if a.late else a.deadline for a in self._by_session.values()
+        ]
         return min(times) if times else None
 
     def session_ended(self, sid: int) -> None:

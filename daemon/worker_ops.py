@@ -137,9 +137,7 @@ class WorkerRequestHandler:
         self.last_code = 0
         self._stale_boot_logged = False
 
-    def handle(
-        self, payload: bytes, peer: bytes, now: float
-    ) -> bytes | ParkedRequest | ParkedPoll:
+    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | ParkedRequest | ParkedPoll:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
         for an allocation that waits for memory, its :class:`ParkedRequest`, and for a
         ``reclaim_poll`` with no ask yet its :class:`ParkedPoll` (no reply now: the server loop

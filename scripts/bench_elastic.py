@@ -169,7 +169,7 @@ def static_policy(split: Sequence[float]) -> Policy:
     for spec, share in zip(MODELS, split, strict=True):
         part = int(BUDGET * share)
         settings[spec.name] = ModelSettings(reserve=part, limit=part)
-    label = "/".join(f"{int(round(s * 100))}" for s in split)
+    label = "/".join(f"{round(s * 100)}" for s in split)
     return Policy(f"static {label}", settings, lend=False, reclaim=False)
 
 
@@ -252,9 +252,7 @@ class Simulation:
         )
         self.book = ReclaimBook(RECLAIM_DEADLINE)
         self.workers = [Worker(i, spec) for i, spec in enumerate(MODELS)]
-        self.trace = [
-            Request(r.rid, r.model, r.arrival, r.prompt, r.output) for r in trace
-        ]
+        self.trace = [Request(r.rid, r.model, r.arrival, r.prompt, r.output) for r in trace]
         self.check = check
         self.now = 0.0
         self._tickets = itertools.count(1)
@@ -308,9 +306,11 @@ class Simulation:
         if dt > 0:
             for worker in self.workers:
                 settings = self.policy.settings.get(worker.spec.name)
-                if worker.queue and settings is not None:
-                    if self.ledger.held(worker.spec.name) < settings.reserve:
-                        self._below[worker.spec.name] += dt
+                below = (
+                    settings is not None and self.ledger.held(worker.spec.name) < settings.reserve
+                )
+                if worker.queue and below:
+                    self._below[worker.spec.name] += dt
         self.now = t
 
     # -- one worker's steps -------------------------------------------------------------------
@@ -485,9 +485,7 @@ class Simulation:
         need = self.ledger.reclaim_need(self.policy.reclaim_up_to_share)
         if need.short <= self.book.outstanding:
             return
-        holders = {
-            w.spec.name: [(w.index, self.ledger.held(w.spec.name))] for w in self.workers
-        }
+        holders = {w.spec.name: [(w.index, self.ledger.held(w.spec.name))] for w in self.workers}
         for ask in self.book.plan(need, holders, self.now):
             worker = self.workers[ask.sid]
             worker.ask = ask
@@ -588,8 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grown = shared_policy(reserve_full=False)
     statics = [static_policy(split) for split in static_splits(grid)]
     caps = {
-        p.name: capacity(p, seed, duration, iterations)
-        for p in (elastic, shared, grown, *statics)
+        p.name: capacity(p, seed, duration, iterations) for p in (elastic, shared, grown, *statics)
     }
     best_static = max(statics, key=lambda p: caps[p.name])
     print(f"capacity (load multiplier at {ATTAINMENT:.0%} TTFT <= {TTFT_OBJECTIVE:g} s):")
