@@ -101,6 +101,11 @@ class ReclaimBook:
         return self._by_session.get(sid)
 
     @property
+    def n_open(self) -> int:
+        """Asks not answered yet (late ones in their cool-down included)."""
+        return len(self._by_session)
+
+    @property
     def outstanding(self) -> int:
         """Bytes asked and still expected (not answered, not late)."""
         return self._open_bytes

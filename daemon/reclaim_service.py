@@ -16,6 +16,7 @@ See docs/protocol.md, "Reclaim".
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE, ReclaimAsk, ReclaimBook
@@ -67,6 +68,7 @@ class ReclaimService:
         self.polls: dict[int, ParkedPoll] = {}
         self.listeners: set[int] = set()  # sessions that poll: the only ones ever asked
         self._next_plan = 0.0
+        self._next_poll_expiry = math.inf  # no parked poll's wait ends before this
 
     # -- the worker ops ------------------------------------------------------------------------
 
@@ -89,6 +91,7 @@ class ReclaimService:
             self.polls.pop(session.sid, None)
             return encode_result(rid, self._coord.boot_id, {"ask": None})
         parked = self.polls[session.sid] = ParkedPoll(session, rid, now + wait)
+        self._next_poll_expiry = min(self._next_poll_expiry, parked.deadline)
         return parked
 
     def done(self, session: Session, ask_id: int, claimed: int, now: float) -> dict[str, Any]:
@@ -120,7 +123,7 @@ class ReclaimService:
 
     def note_load(self, session: Session, preemptions: int | None) -> None:
         """A ping's running count of preemptions: the increase since the last one counts."""
-        if preemptions is None:
+        if preemptions is None or preemptions == session.preemptions:
             return
         before = session.preemptions
         # A count that went down is a worker that started counting again: all of it is new.
@@ -132,7 +135,7 @@ class ReclaimService:
     @property
     def active(self) -> bool:
         """Whether :meth:`tick` has anything to do (a session that polls, or an ask open)."""
-        return bool(self.listeners) or self.book.next_deadline() is not None
+        return bool(self.listeners) or self.book.n_open > 0
 
     def tick(self, now: float) -> None:
         """Expire late asks and polls, and ask for what is short (replies go to the outbox)."""
@@ -145,17 +148,23 @@ class ReclaimService:
                 format_bytes(ask.n_bytes),
                 self.book.deadline,
             )
-        for sid, parked in list(self.polls.items()):
-            if parked.deadline <= now:
-                del self.polls[sid]
-                self._send(parked, encode_result(parked.rid, self._coord.boot_id, {"ask": None}))
+        if now >= self._next_poll_expiry:  # one scan per expiry, not per loop turn
+            next_expiry = math.inf
+            for sid, parked in list(self.polls.items()):
+                if parked.deadline <= now:
+                    del self.polls[sid]
+                    reply = encode_result(parked.rid, self._coord.boot_id, {"ask": None})
+                    self._send(parked, reply)
+                else:
+                    next_expiry = min(next_expiry, parked.deadline)
+            self._next_poll_expiry = next_expiry
         if now >= self._next_plan and self.listeners:
             self._next_plan = now + PLAN_INTERVAL
             self._plan(now)
 
     def next_wake(self, now: float) -> float | None:
         """When :meth:`tick` must run next (None: nothing pending)."""
-        times = [p.deadline for p in self.polls.values()]
+        times = [self._next_poll_expiry] if self.polls else []
         book_time = self.book.next_deadline()
         if book_time is not None:
             times.append(book_time)

@@ -133,6 +133,8 @@ def test_reclaim_answers_are_checked_against_the_ledger(
         assert raw.call("reclaim_poll", {"wait": 31.0})["ok"] is False
         reply = raw.call("reclaim_poll", {"wait": 0.0})
         assert reply["ok"] and reply["result"] == {"ask": None}
+        reply = raw.call("reclaim_poll", {"wait": 0.2})  # parked, answered when its wait ends
+        assert reply["ok"] and reply["result"] == {"ask": None}
         view = reclaim_view(daemon)
         assert (view["stale_answers"], view["bytes_reclaimed"]) == (1, 0)
     finally:
