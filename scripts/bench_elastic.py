@@ -574,6 +574,32 @@ def calibrate() -> None:
     print(f"PREFILL_PER_TOKEN = {per_token:.3e}")
 
 
+def plot_attainment(path: str, policies: Sequence[Policy], seed: int, duration: float) -> None:
+    """Draw the share of requests meeting the TTFT objective against the load, one line per
+    policy, into a PNG at ``path`` (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    loads = [round(0.1 * i, 1) for i in range(1, 15)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy in policies:
+        shares = [simulate(policy, make_trace(seed, duration, load)).attainment() for load in loads]
+        ax.plot(loads, shares, marker="o", markersize=3, label=policy.name)
+    ax.axhline(ATTAINMENT, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("load (multiple of the trace's base rates)")
+    ax.set_ylabel(f"share of requests with TTFT <= {TTFT_OBJECTIVE:g} s")
+    ax.set_title(f"bench_elastic tier 1: seed {seed}, {duration:g} s trace, 16 MiB budget")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 TIER2_BLOCK_BYTES = 4096
 TIER2_BUDGET_BLOCKS = 256
 TIER2_RESERVE_BLOCKS = 128
@@ -708,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--calibrate", action="store_true", help="measure the cost constants")
     parser.add_argument("--tier2", action="store_true", help="run tier 2 only")
+    parser.add_argument("--plot", metavar="PNG", help="also draw attainment against load")
     parser.add_argument("--tier2-borrower", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--tier2-seconds", type=float, default=30.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -775,6 +802,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"; elastic / best static {rates[elastic.name] / rates[best_static.name]:.3f} "
         "(target >= 0.95)"
     )
+    if args.plot:
+        plot_attainment(args.plot, (elastic, best_static, shared, grown), seed, duration)
     tier2(10 if args.quick else 100)
     return 0
 
