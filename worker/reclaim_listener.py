@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vqpool.shared.errors import DaemonUnavailableError, NoSessionError, VqpoolError
+from vqpool.shared.errors import DaemonUnavailableError, ErrorCode, NoSessionError, VqpoolError
 from vqpool.shared.protocol import RECLAIM_DONE, RECLAIM_POLL, encode_request
 from vqpool.worker.waiting_call import Superseded, request_waiting
 
@@ -36,6 +36,9 @@ blocks); may block until done. Its return is the signal to answer the daemon."""
 POLL_SECONDS = 5.0
 """How long one poll waits at the daemon before it is renewed (well inside the protocol's
 30 s bound; a renewal is one small request)."""
+
+_UNSUPPORTED = frozenset({ErrorCode.UNKNOWN_OP, ErrorCode.BAD_REQUEST})
+"""Answers of a daemon older than reclaim (a reclaim_poll of this client is never malformed)."""
 
 RETRY_SECONDS = 0.5
 """Pause after a poll the daemon could not answer (restarting, session being replaced)."""
@@ -76,6 +79,13 @@ class ReclaimListener(threading.Thread):
             except DaemonUnavailableError:
                 closing.wait(RETRY_SECONDS)
                 continue
+            if not reply.get("ok") and reply["error"]["code"] in _UNSUPPORTED:
+                log.warning(
+                    "reclaim: vqpoold does not take reclaim polls (%s); this worker will not be "
+                    "asked to give memory back",
+                    reply["error"]["message"],
+                )
+                return
             # Another lifetime or an ended session: the heartbeat re-syncs or reopens.
             if not reply.get("ok") or reply.get("boot") != session[1]:
                 closing.wait(RETRY_SECONDS)
