@@ -56,6 +56,8 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     # 20 blocks, within a's reserve; 4 are free: the daemon asks b for 16 and a waits for them.
     blocks = owner_a.call("allocate", "k", 20 * BLOCK, "a-0", "fp16", 5.0)
     assert len(blocks) == 20
+    # a is granted as b frees; b's answer follows its frees.
+    wait_until(lambda: reclaim_view(daemon)["answered"] == 1, 5.0)
     view = reclaim_view(daemon)
     assert (view["asked"], view["answered"], view["late"]) == (1, 1, 0), view
     assert view["bytes_reclaimed"] >= 16 * BYTES_PER_BLOCK
