@@ -48,6 +48,7 @@ step (target: p99 at most one decode step + 20 ms).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import math
@@ -600,6 +601,28 @@ def plot_attainment(path: str, policies: Sequence[Policy], seed: int, duration: 
     print(f"plot: {path}")
 
 
+def overload_variants(seed: int, duration: float, loads: Sequence[float]) -> None:
+    """Which part of elastic costs what past capacity: elastic without reclaim, without
+    lending, and reclaiming for reserves only, on the same overloaded traces."""
+    elastic = elastic_policy()
+    variants = (
+        elastic,
+        dataclasses.replace(elastic, name="lend, no reclaim", reclaim=False),
+        dataclasses.replace(elastic, name="reserves, no lend", lend=False),
+        dataclasses.replace(elastic, name="reclaim for reserves", reclaim_up_to_share=False),
+        shared_policy(reserve_full=False),
+    )
+    print("overload: attainment, preemptions, reclaims answered/late, tokens generated")
+    for load in loads:
+        trace = make_trace(seed, duration, load)
+        for policy in variants:
+            r = simulate(policy, trace)
+            print(
+                f"  load {load:.1f}  {policy.name:<21} {r.attainment():.3f}  {r.preemptions:5d}  "
+                f"{len(r.reclaim_latencies)}/{r.reclaims_late}  {r.tokens:,}"
+            )
+
+
 TIER2_BLOCK_BYTES = 4096
 TIER2_BUDGET_BLOCKS = 256
 TIER2_RESERVE_BLOCKS = 128
@@ -735,6 +758,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calibrate", action="store_true", help="measure the cost constants")
     parser.add_argument("--tier2", action="store_true", help="run tier 2 only")
     parser.add_argument("--plot", metavar="PNG", help="also draw attainment against load")
+    parser.add_argument(
+        "--overload", action="store_true", help="run only the overload variants of elastic"
+    )
     parser.add_argument("--tier2-borrower", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--tier2-seconds", type=float, default=30.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -746,6 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.tier2:
         tier2(10 if args.quick else 100)
+        return 0
+    if args.overload:
+        overload_variants(args.seed, 24.0 if args.quick else 120.0, (1.2, 1.4))
         return 0
     duration, iterations, grid = (24.0, 4, 4) if args.quick else (120.0, 7, 8)
     seed = args.seed
