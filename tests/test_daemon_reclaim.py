@@ -6,12 +6,15 @@ asks the same way. Workers are tests/worker_agent.py processes (PoolClient, 4 Ki
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from ctl_harness import run_ctl
 from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 BLOCK = 16  # tokens per block (the daemon's default)
 BYTES_PER_BLOCK = 4096  # worker_agent's declared bytes per block
@@ -46,7 +49,7 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     start_daemon: Callable[..., DaemonProcess],
     start_worker: Callable[[Path, str], WorkerProcess],
 ) -> None:
-    daemon = lending_daemon(start_daemon)
+    daemon = lending_daemon(start_daemon, "--metrics-port", "0")
     borrower = start_worker(daemon.run_dir, "b")
     borrower.call("reclaim_handler", "free")
     fill_on_loan(borrower, 6, 10)  # 60 of 64 blocks: 28 of a's 32-block reserve on loan
@@ -78,6 +81,26 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     assert status.returncode == 0, status.stderr
     assert "reclaim: asked 1, answered 1 (answer p50 " in status.stdout
     assert ", late 0, given back 80 KiB; preemptions 3" in status.stdout
+    samples = scrape(daemon)
+    for outcome, value in (("asked", 1), ("answered", 1), ("late", 0)):
+        assert samples[("vqpool_reclaim_asks_total", (("outcome", outcome),))] == value
+    assert samples[("vqpool_reclaim_bytes_total", ())] == 20 * BYTES_PER_BLOCK
+    assert samples[("vqpool_preemptions_total", ())] == 3
+    assert ("vqpool_reclaim_latency_seconds", (("quantile", "0.99"),)) in samples
+    # a holds 20 of its 32; 4 blocks are free: 8 of its unused 12 are still on loan to b.
+    assert samples[("vqpool_model_lent_bytes", (("model", "a"),))] == 8 * BYTES_PER_BLOCK
+
+
+def scrape(daemon: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
+    assert match, daemon.log()
+    with urllib.request.urlopen(match.group(1), timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
