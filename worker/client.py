@@ -186,6 +186,9 @@ class PoolClient:
         # (running, queued, preemptions or None) as last given to report_load(); the heartbeat
         # sends it.
         self._load: tuple[int, int, int | None] | None = None
+        # The preemption count reported when the current session opened: the daemon counts per
+        # session, so a new session (re-sync, reopen) is sent the count since then.
+        self._preemptions_base = 0
         self._reclaim: ReclaimListener | None = None
         self.resyncs: list[dict[str, Any]] = []
         """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
@@ -236,6 +239,8 @@ class PoolClient:
         """Take the session a hello opened as this client's."""
         self.session_id = hello["sid"]
         self.boot_id = hello["boot"]
+        load = self._load
+        self._preemptions_base = (load[2] or 0) if load is not None else 0
         self._session = (self.session_id, self.boot_id)
         self._streams: tuple[str, ...] = tuple(hello["streams"])
         self.lease: float = hello["lease"]
@@ -882,7 +887,7 @@ class PoolClient:
         returns. The client then answers the daemon with how far its holdings fell since the
         ask. A handler that raises or frees nothing still gets an answer; one that does not
         return by the deadline is counted late by the daemon, never killed. Calling this
-        again replaces the handler.
+        again replaces the handler. :meth:`close` waits for a handler that is running.
 
         Raises:
             TypeError: ``handler`` is not callable.
@@ -991,7 +996,7 @@ class _Heartbeat(threading.Thread):
                 if load is not None:
                     args = {"running": load[0], "queued": load[1]}
                     if load[2] is not None:
-                        args["preemptions"] = load[2]
+                        args["preemptions"] = max(0, load[2] - client._preemptions_base)
                 payload = encode_request(rid, "ping", args, *session)
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
