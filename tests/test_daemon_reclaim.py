@@ -165,3 +165,20 @@ def test_reclaim_answers_are_checked_against_the_ledger(
     finally:
         raw.close()
     daemon.audit()
+
+
+def test_preemptions_are_counted_once_across_a_reopened_session(
+    start_daemon: Callable[..., DaemonProcess],
+    start_worker: Callable[[Path, str], WorkerProcess],
+) -> None:
+    daemon = lending_daemon(start_daemon)
+    worker = start_worker(daemon.run_dir, "b")
+    worker.call("report_load", 1, 0, 3)
+    wait_until(lambda: reclaim_view(daemon)["preemptions"] == 3, 5.0)
+    sid = worker.call("session")["sid"]
+    daemon.admin("evict_session", sid=sid)
+    wait_until(lambda: worker.call("session")["sid"] != sid, 5.0)  # the heartbeat reopens
+    worker.call("report_load", 1, 0, 5)  # 2 more since
+    wait_until(lambda: reclaim_view(daemon)["preemptions"] >= 5, 5.0)
+    worker.call("ping")
+    assert reclaim_view(daemon)["preemptions"] == 5
