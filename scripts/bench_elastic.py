@@ -310,7 +310,9 @@ class Simulation:
         )
 
     def _advance(self, t: float) -> None:
-        """Move the clock, counting time spent below reserve with waiting demand."""
+        """Move the clock, counting time spent below reserve with waiting demand: an admission
+        parked at the ledger for bytes (a request that only waits for its worker's next step
+        boundary is not waiting for memory)."""
         dt = t - self.now
         if dt > 0:
             for worker in self.workers:
@@ -318,7 +320,7 @@ class Simulation:
                 below = (
                     settings is not None and self.ledger.held(worker.spec.name) < settings.reserve
                 )
-                if worker.queue and below:
+                if worker.waiting is not None and below:
                     self._below[worker.spec.name] += dt
         self.now = t
 
