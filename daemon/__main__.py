@@ -47,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of KV cache all models may hold together: a size (8GiB, 512MiB) or a share "
         "of physical memory (40%%); default: no budget (see docs/budget.md)",
     )
+    parser.add_argument(
+        "--lend-reserves",
+        action=argparse.BooleanOptionalAction,
+        help="let models borrow other models' unused reserves, taken back by reclaim when the "
+        "owner needs them (see docs/budget.md)",
+    )
+    parser.add_argument(
+        "--reclaim-deadline",
+        type=float,
+        metavar="SECONDS",
+        help="how long a worker has to give bytes back when asked (default 1)",
+    )
     parser.add_argument("--block-size", type=int, metavar="TOKENS", help="token slots per block")
     parser.add_argument(
         "--shared-kv",

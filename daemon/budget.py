@@ -44,6 +44,7 @@ from vqpool.daemon.budget_types import (
     ModelSettings,
     Outcome,
     Reason,
+    ReclaimNeed,
     Ticket,
     Verdict,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "ModelSettings",
     "Outcome",
     "Reason",
+    "ReclaimNeed",
     "Ticket",
     "Verdict",
     "bytes_for_context",
@@ -223,6 +225,9 @@ class BudgetLedger:
             when it first asks.
         max_waiting_per_model: Waiting requests allowed per model.
         max_waiting: Waiting requests allowed in all.
+        lend_reserves: Let grants take unused reserves (the third rule is dropped): a reserve
+            becomes a guarantee that :meth:`reclaim_need` restores by taking bytes back from
+            the models above their share, instead of bytes kept idle.
 
     Raises:
         ValueError: A bad budget or queue bound, a model whose settings are not
@@ -236,6 +241,7 @@ class BudgetLedger:
         *,
         max_waiting_per_model: int = DEFAULT_MAX_WAITING_PER_MODEL,
         max_waiting: int = DEFAULT_MAX_WAITING,
+        lend_reserves: bool = False,
     ) -> None:
         _check_budget(budget)
         for name, value in (
@@ -267,6 +273,7 @@ class BudgetLedger:
         self._seq = 0
         self.max_waiting_per_model = max_waiting_per_model
         self.max_waiting = max_waiting
+        self.lend_reserves = bool(lend_reserves)
         for name, settings in configured.items():
             model = self._models[name] = _Model(name, settings, budget)
             model.configured = True
@@ -365,7 +372,8 @@ class BudgetLedger:
         if held + n_bytes <= rec.limit:
             reserve = rec.reserve
             unused_own = reserve - held if held < reserve else 0
-            if n_bytes <= self._budget - self._total_held - (self._protected - unused_own):
+            protected = 0 if self.lend_reserves else self._protected - unused_own
+            if n_bytes <= self._budget - self._total_held - protected:
                 held += n_bytes
                 rec.held = held
                 self._total_held += n_bytes
@@ -496,12 +504,18 @@ class BudgetLedger:
         )
 
     def _protected_from(self, rec: _Model) -> int:
-        """Unused reserves of the models other than ``rec``."""
+        """Unused reserves of the models other than ``rec`` that it may not take (none when
+        reserves are lent)."""
+        if self.lend_reserves:
+            return 0
         held, reserve = rec.held, rec.reserve
         return self._protected - (reserve - held if held < reserve else 0)
 
     def _ceiling(self, rec: _Model) -> int:
-        """The most ``rec`` could ever hold: min(limit, budget - other models' reserves)."""
+        """The most ``rec`` could ever hold: min(limit, budget - other models' reserves), or
+        its limit when reserves are lent (what it holds beyond the first may be taken back)."""
+        if self.lend_reserves:
+            return rec.limit
         return max(0, min(rec.limit, self._budget - (self._reserved - rec.reserve)))
 
     def _refusal(
@@ -667,8 +681,8 @@ class BudgetLedger:
     def _entitlements(self) -> dict[_Model, float]:
         """Each model's water-filling share for demand = held + waiting bytes (see
         :class:`ModelBudgetView`). The capacity shared is the budget less the reserves that sit
-        idle (reserve above demand): other models never get those bytes (until issue 13 lends
-        them out, when the capacity becomes the whole budget)."""
+        idle (reserve above demand): other models never get those bytes, unless reserves are
+        lent, when the capacity is the whole budget."""
         recs = []
         shares = []
         idle_reserves = 0
@@ -679,8 +693,54 @@ class BudgetLedger:
             if demand:
                 recs.append(rec)
                 shares.append((min(demand, rec.reserve), min(demand, rec.limit), rec.weight))
-        capacity = self._budget - idle_reserves
+        capacity = self._budget if self.lend_reserves else self._budget - idle_reserves
         return dict(zip(recs, water_fill(capacity, shares), strict=True))
+
+    def reclaim_need(self, up_to_share: bool = True) -> ReclaimNeed:
+        """What must be taken back now, and from whom (see :class:`ReclaimNeed`).
+
+        A waiting model is owed the prefix of its queue that fits within its entitlement
+        (which is at least its demand up to its reserve): a model below its reserve, or below
+        its fair share while others are above theirs. With ``up_to_share`` False only the
+        reserves are restored: a model is owed at most up to its reserve (fair shares above
+        reserves are left to bytes freed as requests end). ``short`` is what of that, plus any
+        holdings over a lowered budget, the free bytes do not cover; never more. Pure: the
+        caller asks the workers of the ``excess`` models for it and credits what they free.
+        """
+        over = max(0, self._total_held - self._budget)
+        if not self._waiters and not over:
+            return ReclaimNeed(0, {}, [])
+        entitlement = self._entitlements()
+        wanted: dict[str, int] = {}
+        unused_of_wanting = 0
+        for rec in self._queued_models:
+            target = min(entitlement.get(rec, 0.0), rec.limit if up_to_share else rec.reserve)
+            want = 0
+            for waiter in rec.queue.values():
+                if rec.held + want + waiter.n_bytes > target:
+                    break
+                want += waiter.n_bytes
+            if want:
+                wanted[rec.name] = want
+                unused_of_wanting += rec.reserve - rec.held if rec.held < rec.reserve else 0
+        if wanted:
+            # The wanting models may take free bytes and their own unused reserves.
+            protected_others = 0 if self.lend_reserves else self._protected - unused_of_wanting
+            usable = self._budget - self._total_held - protected_others
+            short = max(0, sum(wanted.values()) - usable)
+        else:
+            short = over
+        if not short:
+            return ReclaimNeed(0, wanted, [])
+        # Floored: a model is asked for whole bytes down to its share, never below it by more
+        # than the byte the rounding takes.
+        excess = [
+            (rec, rec.held - int(entitlement.get(rec, 0.0)))
+            for rec in self._models.values()
+            if rec.held > int(entitlement.get(rec, 0.0))
+        ]
+        excess.sort(key=lambda item: (-item[1] / item[0].weight, item[0].name))
+        return ReclaimNeed(short, wanted, [(rec.name, n) for rec, n in excess])
 
     def _refuse_impossible(self) -> list[tuple[Ticket, Verdict]]:
         """Remove and return the waiting requests that settings just made impossible."""
@@ -825,6 +885,8 @@ class BudgetLedger:
         """Everything an operator sees: the budget and, per model, holdings, settings, borrowed
         bytes, entitlement and waiting demand. ``now`` (monotonic) adds waiting ages."""
         entitlement = self._entitlements()
+        protected = self._protected
+        lent = min(protected, max(0, self._total_held + protected - self._budget))
         models = {}
         for name, rec in self._models.items():
             oldest = None
@@ -842,6 +904,7 @@ class BudgetLedger:
                 waiting_bytes=rec.waiting_bytes,
                 oldest_wait_s=oldest,
                 configured=rec.configured,
+                lent=lent * max(0, rec.reserve - rec.held) // protected if lent else 0,
             )
         return BudgetSnapshot(
             budget=self._budget,
@@ -852,6 +915,8 @@ class BudgetLedger:
             protected=self._protected,
             waiting=len(self._waiters),
             models=models,
+            lend_reserves=self.lend_reserves,
+            lent=lent,
         )
 
     def check_invariants(self) -> None:

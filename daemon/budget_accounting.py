@@ -22,6 +22,8 @@ from vqpool.daemon.budget import BudgetLedger, bytes_for_context
 from vqpool.daemon.budget_types import GRANTED, ModelSettings, Outcome, Ticket, Verdict
 from vqpool.daemon.budget_views import budget_view, fit_to_wire, is_limited, model_views
 from vqpool.daemon.dispatch import error_reply
+from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE
+from vqpool.daemon.reclaim_service import ReclaimService
 from vqpool.daemon.sessions import Session
 from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
@@ -71,6 +73,8 @@ class BudgetAccounting:
         budget: Bytes all models may hold together, or None for no budget (an unlimited ledger
             that still counts, so per-model limits and views work).
         models: Settings of the configured models.
+        lend_reserves: Let models borrow other models' unused reserves (taken back by reclaim).
+        reclaim_deadline: Seconds a worker has to answer a reclaim ask.
 
     Raises:
         ValueError: Reserves summing over the budget, or bad settings.
@@ -81,9 +85,14 @@ class BudgetAccounting:
         coord: Coordinator,
         budget: int | None,
         models: Mapping[str, ModelSettings] | None = None,
+        *,
+        lend_reserves: bool = False,
+        reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
     ) -> None:
         self._coord = coord
-        self.ledger = BudgetLedger(MAX_BYTES if budget is None else budget, models)
+        self.ledger = BudgetLedger(
+            MAX_BYTES if budget is None else budget, models, lend_reserves=lend_reserves
+        )
         self._block_size = coord.allocator.config.block_size
         # A shared-kv pool puts every allocation in its one stream whatever name it was asked
         # under ("k" included): blocks are priced by that stream, as they are when freed.
@@ -92,6 +101,7 @@ class BudgetAccounting:
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Replies of parked requests ready to send: (envelope, reply frame)."""
         self.n_refused = 0
+        self.reclaim = ReclaimService(coord, self, reclaim_deadline)
 
     @property
     def limited(self) -> bool:
@@ -235,6 +245,10 @@ class BudgetAccounting:
         usage = self._coord.allocator.usage(owner)
         return sum(n * cost.get(stream, 0) for stream, (n, _) in usage.items())
 
+    def bytes_of_session(self, session: Session) -> int:
+        """Bytes the blocks ``session`` holds cost now (O(its owners))."""
+        return sum(self.bytes_of_owner(session, owner) for owner in session.owners)
+
     def credit(self, session: Session, n_bytes: int) -> None:
         """``session``'s blocks worth ``n_bytes`` were freed.
 
@@ -259,6 +273,7 @@ class BudgetAccounting:
         dropped (never answered: nobody is left to read them), and a model no session serves
         any more is forgotten unless configured."""
         self.credit(session, n_bytes)
+        self.reclaim.session_ended(session)
         ledger = self.ledger
         if self.parked:
             for ticket in [t for t, p in self.parked.items() if p.session is session]:
@@ -352,8 +367,8 @@ class BudgetAccounting:
         return max(0, self.ledger.budget - self.ledger.total_held)
 
     def view(self, now: float, refused: int = 0) -> dict[str, Any]:
-        """The ``budget`` admin op's answer."""
-        return budget_view(self.ledger, now, refused)
+        """The ``budget`` admin op's answer, with the reclaim counters."""
+        return {**budget_view(self.ledger, now, refused), "reclaim": self.reclaim.view()}
 
     def model_views(self, now: float) -> list[dict[str, Any]]:
         """The ``model_list`` admin op's views."""

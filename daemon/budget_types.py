@@ -248,6 +248,9 @@ class ModelBudgetView:
         oldest_wait_s: Seconds its oldest waiting request has waited (None: none waits, or no
             ``now`` was given).
         configured: Whether an operator set its settings (else the defaults apply).
+        lent: Bytes of its unused reserve that other models hold on loan (only when the ledger
+            lends reserves): the unused reserves' shortfall of free bytes, shared out in
+            proportion to each model's unused reserve. Reclaim gives them back on demand.
     """
 
     held: int
@@ -261,6 +264,7 @@ class ModelBudgetView:
     waiting_bytes: int
     oldest_wait_s: float | None
     configured: bool
+    lent: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +280,9 @@ class BudgetSnapshot:
         protected: Unused reserves: sum of max(0, reserve - held).
         waiting: Requests waiting in all.
         models: Per model name.
+        lend_reserves: Whether unused reserves may be lent (see ``docs/budget.md``).
+        lent: Unused reserve bytes held by other models on loan:
+            min(protected, max(0, total_held + protected - budget)).
     """
 
     budget: int
@@ -286,3 +293,24 @@ class BudgetSnapshot:
     protected: int
     waiting: int
     models: dict[str, ModelBudgetView]
+    lend_reserves: bool = False
+    lent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimNeed:
+    """What :meth:`BudgetLedger.reclaim_need` says must be taken back, and from whom.
+
+    Attributes:
+        short: Bytes missing for the waiting demand the policy owes now (each waiting model's
+            queue prefix that fits within its entitlement) plus the bytes held over the budget;
+            0 when nothing needs taking back.
+        wanted: Per waiting model, the bytes of that queue prefix (only models owed something).
+        excess: Models holding more than their entitlement, with ``held - entitlement`` bytes,
+            largest ``excess / weight`` first: the order to ask them back in. A model at or
+            below its reserve never appears (its entitlement covers what it holds).
+    """
+
+    short: int
+    wanted: dict[str, int]
+    excess: list[tuple[str, int]]

@@ -29,6 +29,8 @@ def budget_view(ledger: BudgetLedger, now: float, refused: int = 0) -> dict[str,
         "over_budget": snap.over_budget > 0,
         "reserved": snap.reserved,
         "protected": snap.protected,
+        "lend_reserves": snap.lend_reserves,
+        "lent": snap.lent,
         "waiting": snap.waiting,
         "refused": refused,
     }
@@ -66,6 +68,7 @@ def model_views(
                 "waiting_bytes": 0,
                 "oldest_wait_s": None,
                 "configured": False,
+                "lent": 0,
             }
         else:
             row = {
@@ -80,6 +83,7 @@ def model_views(
                 "waiting_bytes": view.waiting_bytes,
                 "oldest_wait_s": view.oldest_wait_s,
                 "configured": view.configured,
+                "lent": view.lent,
             }
         if not limited and row["limit"] is None:
             row["effective_limit"] = None

@@ -20,6 +20,7 @@ from vqpool.daemon.budget_accounting import BudgetAccounting
 from vqpool.daemon.budget_types import ModelSettings
 from vqpool.daemon.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.peer_auth import PeerAuthenticator
+from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.replies import ReplyCache
 from vqpool.daemon.sessions import Session, SessionTable
 from vqpool.daemon.timeline import StreamTimeline
@@ -75,9 +76,13 @@ class Coordinator:
         boot_id: str | None = None,
         budget: int | None = None,
         models: Mapping[str, ModelSettings] | None = None,
+        lend_reserves: bool = False,
+        reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
     ) -> None:
         self.allocator = BlockPoolAllocator(config)
-        self.budget = BudgetAccounting(self, budget, models)
+        self.budget = BudgetAccounting(
+            self, budget, models, lend_reserves=lend_reserves, reclaim_deadline=reclaim_deadline
+        )
         self.sessions = SessionTable()
         self.replies = ReplyCache()
         self.boot_id = boot_id or new_boot_id()

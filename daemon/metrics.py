@@ -334,6 +334,11 @@ _MODEL_GAUGES = (
         "Allocations of a model waiting at the daemon for memory.",
     ),
     ("vqpool_model_waiting_bytes", "waiting_bytes", "Bytes those waiting allocations ask for."),
+    (
+        "vqpool_model_lent_bytes",
+        "lent",
+        "Bytes of a model's unused reserve that other models hold on loan (--lend-reserves).",
+    ),
 )
 
 
@@ -351,9 +356,41 @@ def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     for name, key, doc in _MODEL_GAUGES:
         family = GaugeMetricFamily(name, doc, labels=["model"])
         for view in snap.models:
-            if view[key] is not None:
+            if view.get(key) is not None:
                 family.add_metric([view["model"]], view[key])
         yield family
+    yield from _reclaim_families(budget["reclaim"])
+
+
+def _reclaim_families(reclaim: dict[str, Any]) -> Iterator[Metric]:
+    """Cooperative reclaim: asks by outcome, bytes, answer latency, workers' preemptions."""
+    asks = CounterMetricFamily(
+        "vqpool_reclaim_asks",
+        "Asks to workers to give bytes back: asked, answered, late (deadline passed unanswered).",
+        labels=["outcome"],
+    )
+    for outcome in ("asked", "answered", "late"):
+        asks.add_metric([outcome], reclaim[outcome])
+    yield asks
+    yield CounterMetricFamily(
+        "vqpool_reclaim_bytes",
+        "Bytes given back to reclaim asks, by the daemon's ledger.",
+        reclaim["bytes_reclaimed"],
+    )
+    latency = GaugeMetricFamily(
+        "vqpool_reclaim_latency_seconds",
+        "Seconds from an ask to its answer, over the last 1024 answers.",
+        labels=["quantile"],
+    )
+    for quantile, key in (("0.5", "latency_p50_s"), ("0.99", "latency_p99_s")):
+        if reclaim[key] is not None:
+            latency.add_metric([quantile], reclaim[key])
+    yield latency
+    yield CounterMetricFamily(
+        "vqpool_preemptions",
+        "Requests the workers preempted (as they report them), to give memory back or to grow.",
+        reclaim["preemptions"],
+    )
 
 
 class _SnapshotCollector(Collector):

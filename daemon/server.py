@@ -297,6 +297,10 @@ class Server:
             raise StartupError(str(exc)) from exc
         if self.settings.lease <= 0:
             raise StartupError(f"lease must be > 0 seconds, got {self.settings.lease}")
+        if not 0 < self.settings.reclaim_deadline <= 60:
+            raise StartupError(
+                f"reclaim deadline must be in (0, 60] seconds, got {self.settings.reclaim_deadline}"
+            )
         if self.settings.claim_grace < 0:
             raise StartupError(f"claim grace must be >= 0 seconds, got {self.settings.claim_grace}")
         metrics_port = self.settings.metrics_port
@@ -314,6 +318,8 @@ class Server:
             boot_id=boot_id,
             budget=budget,
             models=models,
+            lend_reserves=self.settings.lend_reserves,
+            reclaim_deadline=self.settings.reclaim_deadline,
         )
         fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
@@ -480,6 +486,7 @@ class Server:
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
         budget = coord.budget
+        reclaim = budget.reclaim
         while self._stop_signal is None:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
             # The ZAP socket is looked at only when its fd says something changed: reading its
@@ -495,6 +502,10 @@ class Server:
                     deadline = budget.ledger.next_deadline()
                     if deadline is not None and deadline < wake_at:
                         wake_at = deadline
+                if reclaim.active:  # a poll's or an ask's deadline, or the next plan
+                    reclaim_at = reclaim.next_wake(time.monotonic())
+                    if reclaim_at is not None and reclaim_at < wake_at:
+                        wake_at = reclaim_at
                 timeout_ms = max(0, int((wake_at - time.monotonic()) * 1000) + 1)
             for fd, _ in poller.poll(timeout_ms):
                 if fd == wake_fd:
@@ -515,6 +526,8 @@ class Server:
             if budget.parked:
                 budget.expire(time.monotonic())
                 budget.hand_out()
+            if reclaim.active:
+                reclaim.tick(time.monotonic())
             if budget.outbox:
                 self._send_late_replies(worker, coord)
             if self._metrics is not None:

@@ -60,6 +60,9 @@ class Session:
         resumes: The session id this client held under the previous daemon lifetime, named in
             its hello after a restart (the claim period waits for every such session).
         on_roll: Whether the roll of workers (``daemon/claims.py``) lists this session yet.
+        reclaimable: Whether it polls for reclaim asks (``daemon/reclaim_service.py``): only
+            such sessions are ever asked to give bytes back.
+        preemptions: The worker's last reported running count of preemptions.
     """
 
     sid: int
@@ -77,6 +80,8 @@ class Session:
     queued: int | None = None
     resumes: int | None = None
     on_roll: bool = False
+    reclaimable: bool = False
+    preemptions: int = 0
 
     def lease_expired(self, now: float, lease: float) -> str | None:
         """Why this session of a stopped process is reaped now, or None within its lease."""

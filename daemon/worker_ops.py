@@ -22,6 +22,7 @@ from vqpool.daemon.budget_accounting import ParkedRequest
 from vqpool.daemon.coordinator import Coordinator
 from vqpool.daemon.dispatch import PeerLogLimiter, error_reply
 from vqpool.daemon.peer_process import RequestPeer
+from vqpool.daemon.reclaim_service import ParkedPoll
 from vqpool.daemon.sessions import Session, verify_worker_process
 from vqpool.shared.errors import (
     BadRequestError,
@@ -43,6 +44,8 @@ from vqpool.shared.protocol import (
     HELLO,
     MUTATING_OPS,
     PROTOCOL_VERSION,
+    RECLAIM_DONE,
+    RECLAIM_POLL,
     REGISTER_OWNER,
     WORKER_ARGS,
     WORKER_OPS,
@@ -90,6 +93,7 @@ def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> None:
         session.running = args["running"]
     if args["queued"] is not None:
         session.queued = args["queued"]
+    coord.budget.reclaim.note_load(session, args["preemptions"])
 
 
 HANDLERS: dict[str, Handler] = {
@@ -109,8 +113,11 @@ HANDLERS: dict[str, Handler] = {
     FIT: lambda coord, session, a: coord.budget.fit(
         session.model, session.bytes_per_block, a["context"], a["concurrency"]
     ),
+    RECLAIM_DONE: lambda coord, session, a: coord.budget.reclaim.done(
+        session, a["ask"], a["freed"], time.monotonic()
+    ),
 }
-assert HANDLERS.keys() == WORKER_OPS - {HELLO} - BUDGETED_OPS
+assert HANDLERS.keys() == WORKER_OPS - {HELLO, RECLAIM_POLL} - BUDGETED_OPS
 
 
 class WorkerRequestHandler:
@@ -130,10 +137,11 @@ class WorkerRequestHandler:
         self.last_code = 0
         self._stale_boot_logged = False
 
-    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | ParkedRequest:
+    def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | ParkedRequest | ParkedPoll:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
-        for an allocation that waits for memory, its :class:`ParkedRequest` (no reply now: the
-        server loop keeps the envelope in it and sends the reply once there is one)."""
+        for an allocation that waits for memory, its :class:`ParkedRequest`, and for a
+        ``reclaim_poll`` with no ask yet its :class:`ParkedPoll` (no reply now: the server loop
+        keeps the envelope in it and sends the reply once there is one)."""
         coord = self._coord
         coord.n_requests += 1
         boot = coord.boot_id
@@ -201,6 +209,8 @@ class WorkerRequestHandler:
                 result = coord.budget.allocate(session, op, args, rid, now)
                 if type(result) is ParkedRequest:
                     return result
+            elif op == RECLAIM_POLL:
+                return coord.budget.reclaim.poll(session, rid, args["wait"], now)
             else:
                 result = HANDLERS[op](coord, session, args)
             reply = encode_result(rid, boot, result)

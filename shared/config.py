@@ -113,6 +113,9 @@ class DaemonSettings:
             bytes) or a share of physical memory (``"40%"``); None: no budget (docs/budget.md).
         models: Per-model budget settings as written in the TOML ``[models."NAME"]`` tables
             (``reserve``, ``limit``, ``weight``), checked by the daemon at start.
+        lend_reserves: Let a model borrow other models' unused reserves; a model that needs
+            its reserve back gets it by reclaim from the workers that poll for asks.
+        reclaim_deadline: Seconds a worker has to give bytes back when asked.
     """
 
     run_dir: str | None = None
@@ -127,6 +130,8 @@ class DaemonSettings:
     metrics_port: int | None = None
     budget: str | int | None = None
     models: dict[str, Any] = field(default_factory=dict)
+    lend_reserves: bool = False
+    reclaim_deadline: float = 1.0
     n_blocks_given: bool = field(default=False, repr=False)
     """Whether ``n_blocks`` was set by the file or the command line (else a budget sizes the id
     space)."""
@@ -169,6 +174,8 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "metrics_port": (int,),
     "budget": (str, int),
     "models": (dict,),
+    "lend_reserves": (bool,),
+    "reclaim_deadline": (int, float),
 }
 
 

@@ -113,6 +113,8 @@ HISTORY = "history"
 METRICS = "metrics"
 CLAIM = "claim"
 FIT = "fit"
+RECLAIM_POLL = "reclaim_poll"
+RECLAIM_DONE = "reclaim_done"
 
 WORKER_OPS = frozenset(
     {
@@ -133,6 +135,8 @@ WORKER_OPS = frozenset(
         METRICS,
         CLAIM,
         FIT,
+        RECLAIM_POLL,
+        RECLAIM_DONE,
     }
 )
 
@@ -399,6 +403,12 @@ def _stream(value: Any, name: str) -> str:
 MAX_WAIT_SECONDS = 60.0
 """Longest an allocation may wait at the daemon for memory (``wait``)."""
 
+MAX_RECLAIM_POLL_SECONDS = 30.0
+"""Longest a ``reclaim_poll`` may wait at the daemon for an ask."""
+
+MAX_RECLAIM_BYTES = 1 << 50
+"""Largest byte count a ``reclaim_done`` may claim (the budget's own bound)."""
+
 WAIT_FIELD = Field(
     "wait",
     lambda v, n: check_number(v, n, 0.0, MAX_WAIT_SECONDS),
@@ -446,6 +456,12 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
             required=False,
             help="requests waiting in the worker's queue now",
         ),
+        Field(
+            "preemptions",
+            lambda v, n: check_int(v, n, 0, MAX_LOAD),
+            required=False,
+            help="requests the worker preempted since its session opened (a running count)",
+        ),
     ),
     ALLOCATE: (
         Field("stream", _stream),
@@ -475,6 +491,21 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
     STATS: (),
     HISTORY: (),
     METRICS: (),
+    RECLAIM_POLL: (
+        Field(
+            "wait",
+            lambda v, n: check_number(v, n, 0.0, MAX_RECLAIM_POLL_SECONDS),
+            help="seconds to wait at the daemon for an ask to give bytes back",
+        ),
+    ),
+    RECLAIM_DONE: (
+        Field("ask", lambda v, n: check_int(v, n, 1), help="the ask's id, from reclaim_poll"),
+        Field(
+            "freed",
+            lambda v, n: check_int(v, n, 0, MAX_RECLAIM_BYTES),
+            help="bytes the worker freed for it (the daemon's ledger decides what counts)",
+        ),
+    ),
     FIT: (
         Field("context", lambda v, n: check_int(v, n, 1), help="tokens of one sequence"),
         Field(

@@ -709,7 +709,13 @@ class LedgerMachine(RuleBasedStateMachine):
             reserved += reserve
             limit = None if limit is None else max(limit, reserve)
             configs[name] = ModelSettings(reserve, limit, weight)
-        self.ledger = BudgetLedger(budget, configs, max_waiting_per_model=6, max_waiting=12)
+        self.ledger = BudgetLedger(
+            budget,
+            configs,
+            max_waiting_per_model=6,
+            max_waiting=12,
+            lend_reserves=self.lend_reserves,
+        )
         self.now = 0.0
         self.next_ticket = 0
         self.queued: dict[str, deque[Hashable]] = defaultdict(deque)  # per model, arrival order
@@ -747,6 +753,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     model_of: dict[Hashable, str]
     bytes_of: dict[Hashable, int]
+    lend_reserves = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -913,7 +920,8 @@ class LedgerMachine(RuleBasedStateMachine):
             unused_own = max(0, view.reserve - view.held)
             if view.held + n > view.effective_limit:
                 continue
-            if n <= free - (snap.protected - unused_own):
+            protected = 0 if ledger.lend_reserves else snap.protected - unused_own
+            if n <= free - protected:
                 fitting.append((name, view, n))
             else:
                 heads_blocked_by_bytes = True
@@ -925,3 +933,99 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 test_ledger_machine = LedgerMachine.TestCase
+
+
+class LendingLedgerMachine(LedgerMachine):
+    """The same machine with reserves lent, and a reclaim rule: whenever the ledger says bytes
+    must come back, the models it names give them back (largest excess first) and the waiting
+    demand it was short for is then covered. Checked: it never asks for more than the waiting
+    demand owed plus what is held over the budget, never names a model at or below its reserve
+    or its entitlement, and lent bytes are the unused reserves the free bytes do not cover."""
+
+    lend_reserves = True
+
+    @precondition(lambda self: hasattr(self, "ledger"))
+    @rule()
+    def reclaim(self) -> None:
+        ledger = self.ledger
+        need = ledger.reclaim_need()
+        snap = ledger.snapshot()
+        assert need.short <= sum(need.wanted.values()) + snap.over_budget
+        owed = 0
+        for name, n in need.excess:
+            view = snap.models[name]
+            assert n > 0 and view.held - n >= view.entitlement - 1
+            assert view.held > view.reserve, f"{name} asked back at or below its reserve"
+            assert name not in need.wanted
+            take = min(n, need.short - owed)
+            if take <= 0:
+                break
+            ledger.credit(name, take)
+            owed += take
+        self._refresh_over_flags()
+        if need.short:
+            assert owed == need.short, "the models above their share could not cover it"
+            # The bytes owed now exist: free bytes cover the demand the ledger was short for.
+            assert ledger.total_held + sum(need.wanted.values()) <= ledger.budget
+        self._settle()
+
+    @invariant()
+    def lent_accounted(self) -> None:
+        if not hasattr(self, "ledger"):
+            return
+        snap = self.ledger.snapshot()
+        assert snap.lend_reserves
+        free = snap.budget - snap.total_held
+        assert snap.lent == min(snap.protected, max(0, snap.protected - free))
+        assert sum(v.lent for v in snap.models.values()) <= snap.lent
+        for view in snap.models.values():
+            assert view.lent <= max(0, view.reserve - view.held)
+
+
+LendingLedgerMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None
+)
+test_lending_ledger_machine = LendingLedgerMachine.TestCase
+
+
+def test_lending_grants_unused_reserves_and_reclaim_names_the_borrower() -> None:
+    ledger = BudgetLedger(100, {"a": ModelSettings(reserve=60)}, lend_reserves=True)
+    assert ledger.try_grant("b", 90).outcome is Outcome.GRANT  # 50 of a's reserve on loan
+    snap = ledger.snapshot()
+    assert (snap.lent, snap.models["a"].lent) == (50, 50)
+    assert ledger.reclaim_need().short == 0  # a wants nothing: nothing is taken back
+    assert ledger.request("a", 30, "t1", 10.0, 0.0).queued
+    need = ledger.reclaim_need()
+    assert (need.short, need.wanted, need.excess) == (20, {"a": 30}, [("b", 20)])
+    ledger.credit("b", 20)  # b's worker gave back what was asked
+    assert ledger.grants() == ["t1"]
+    assert ledger.reclaim_need().short == 0
+
+
+def test_without_lending_reserves_stay_idle_and_nothing_is_reclaimed_from_a_reserve() -> None:
+    ledger = BudgetLedger(100, {"a": ModelSettings(reserve=60)})
+    assert ledger.try_grant("b", 90).outcome is Outcome.NEVER  # over 100 - a's reserve
+    assert ledger.try_grant("b", 40).outcome is Outcome.GRANT
+    assert ledger.try_grant("b", 1).reason is Reason.RESERVES_PROTECTED
+    assert ledger.request("a", 40, "t1", 10.0, 0.0).outcome is Outcome.GRANT
+    assert ledger.snapshot().lent == 0
+
+
+def test_reclaim_asks_the_largest_weighted_excess_first_and_only_what_is_short() -> None:
+    models = {"a": ModelSettings(reserve=40), "b": ModelSettings(weight=1), "c": ModelSettings()}
+    ledger = BudgetLedger(100, models, lend_reserves=True)
+    assert ledger.try_grant("b", 70).outcome is Outcome.GRANT
+    assert ledger.try_grant("c", 25).outcome is Outcome.GRANT
+    assert ledger.request("a", 10, "t1", 10.0, 0.0).queued  # 5 free, 10 wanted
+    need = ledger.reclaim_need()
+    assert need.short == 5 and need.wanted == {"a": 10}
+    assert [name for name, _ in need.excess] == ["b", "c"][: len(need.excess)]
+    assert need.excess[0][0] == "b"
+
+
+def test_a_budget_lowered_below_holdings_needs_the_excess_back() -> None:
+    ledger = BudgetLedger(100, {"a": ModelSettings(reserve=20)}, lend_reserves=True)
+    assert ledger.try_grant("b", 80).outcome is Outcome.GRANT
+    ledger.set_budget(50)
+    need = ledger.reclaim_need()
+    assert need.short == 30 and need.excess[0][0] == "b"

@@ -15,6 +15,10 @@ bytes held stay within the budget (unless it was lowered below them since) and w
 model's limit (likewise), the ledger equals the recount (the audit), and each model's bytes
 equal the model's. The in-process session declares no bytes per block: the budget never bounds
 it (which is also why the budget is set live: a daemon started with one refuses such a hello).
+
+Issue 13: the same machine against a daemon that lends unused reserves (``--lend-reserves``),
+where the grant rule keeps no model's unused reserve free and a request can never fit only
+over its model's limit.
 """
 
 from __future__ import annotations
@@ -73,10 +77,13 @@ class OwnerModel:
 
 
 class DaemonMachine(RuleBasedStateMachine):
+    options: tuple[str, ...] = OPTIONS
+    lend_reserves = False
+
     @initialize()
     def start(self) -> None:
         self.base = short_tmpdir()
-        self.daemon = DaemonProcess(self.base / "run", *OPTIONS).start()
+        self.daemon = DaemonProcess(self.base / "run", *self.options).start()
         self.sessions: list[Any] = [
             WorkerProcess(self.daemon.run_dir, "w0"),
             WorkerProcess(self.daemon.run_dir, "w1"),
@@ -126,10 +133,13 @@ class DaemonMachine(RuleBasedStateMachine):
         limit = self.limit_of(model)
         limit = budget if limit is None else limit
         others = {m: s for m, s in self.settings.items() if m != model}
-        if n_bytes > min(limit, budget - sum(s.reserve for s in others.values())):
+        ceiling = limit if self.lend_reserves else budget - sum(s.reserve for s in others.values())
+        if n_bytes > min(limit, ceiling):
             return "OverBudgetError"
         held = self.bytes_held(model)
         protected = sum(max(0, s.reserve - self.bytes_held(m)) for m, s in others.items())
+        if self.lend_reserves:
+            protected = 0  # unused reserves are lent
         total = self.total_bytes()
         if held + n_bytes > limit or n_bytes > budget - total - protected:
             return "BlockPoolExhaustedError"
@@ -234,7 +244,7 @@ class DaemonMachine(RuleBasedStateMachine):
     @rule()
     def restart_daemon(self) -> None:
         self.daemon.stop(signal.SIGKILL)
-        self.daemon = DaemonProcess(self.daemon.run_dir, *OPTIONS).start()
+        self.daemon = DaemonProcess(self.daemon.run_dir, *self.options).start()
         # Every session re-syncs (heartbeats every 0.25 s); the pool is rebuilt from the
         # options, so shrinks are undone, and every block held is claimed back.
         assert self._wait(lambda: not self.daemon.admin("stats")["claims"]["active"])
@@ -364,3 +374,17 @@ DaemonMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestDaemonModel = DaemonMachine.TestCase
+
+
+class LendingDaemonMachine(DaemonMachine):
+    options = (*OPTIONS, "--lend-reserves")
+    lend_reserves = True
+
+
+LendingDaemonMachine.TestCase.settings = settings(
+    max_examples=5,
+    stateful_step_count=16,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLendingDaemonModel = LendingDaemonMachine.TestCase

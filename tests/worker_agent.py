@@ -18,9 +18,51 @@ from vqpool.shared.protocol import stats_to_wire
 from vqpool.worker import PoolClient
 
 
+class ReclaimAgent:
+    """A reclaim handler as a worker would have one: ``free`` gives back whole owners, the
+    most recently allocated first (as a scheduler preempts its newest requests), until the
+    bytes asked for are freed; ``stall`` frees nothing and returns only after the deadline
+    (a worker stuck in a long step, or one that ignores asks)."""
+
+    def __init__(self, pool: PoolClient, mode: str) -> None:
+        self.pool = pool
+        self.mode = mode
+        self.asks: list[int] = []
+
+    def __call__(self, n_bytes: int, deadline: float) -> None:
+        self.asks.append(n_bytes)
+        if self.mode == "stall":
+            time.sleep(max(0.0, deadline - time.monotonic()) + 0.3)
+            return
+        freed = 0
+        for owner in reversed(list(OWNERS)):
+            if freed >= n_bytes:
+                break
+            before = self.pool.held_bytes()
+            self.pool.free_all(owner)
+            OWNERS.pop(owner, None)
+            freed += before - self.pool.held_bytes()
+
+
+OWNERS: dict[Any, None] = {}
+"""Owners this agent allocated for, in allocation order (what a reclaim handler gives back)."""
+RECLAIM: list[ReclaimAgent] = []
+
+
 def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
     if op == "allocate":
-        return [b.block_id for b in pool.allocate(*args)]
+        blocks = [b.block_id for b in pool.allocate(*args)]
+        OWNERS[args[2]] = None
+        return blocks
+    if op == "reclaim_handler":
+        agent = ReclaimAgent(pool, args[0])
+        RECLAIM[:] = [agent]
+        pool.set_reclaim_handler(agent)
+        return None
+    if op == "reclaim_asks":
+        return RECLAIM[0].asks if RECLAIM else []
+    if op == "held_bytes":
+        return pool.held_bytes()
     if op == "allocate_many":
         results = pool.allocate_many([AllocationRequest(*item) for item in args[0]])
         return [
@@ -35,6 +77,8 @@ def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
         return None
     if op == "blocks_for":
         return [[b.block_id, b.stream, b.format, b.n_used] for b in pool.blocks_for(*args)]
+    if op == "free_all":
+        OWNERS.pop(args[0], None)
     if op in ("free_all", "register_owner", "release_owner", "n_free", "ping", "report_load"):
         return getattr(pool, op)(*args)
     if op == "stats":

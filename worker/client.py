@@ -77,6 +77,7 @@ from vqpool.shared.protocol import (
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
 from vqpool.worker.abandoned import AbandonedAllocation, granted_ids
+from vqpool.worker.reclaim_listener import ReclaimHandler, ReclaimListener
 from vqpool.worker.waiting_call import Superseded, request_waiting
 
 try:
@@ -136,6 +137,8 @@ class PoolClient:
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
+        on_reclaim: A reclaim handler (see :meth:`set_reclaim_handler`); None: this worker is
+            never asked to give memory back.
 
     Raises (from the constructor):
         DaemonUnavailableError: The daemon did not answer hello in ``timeout``.
@@ -149,6 +152,7 @@ class PoolClient:
         bytes_per_block: int | Mapping[str, int] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         first_retry: float = FIRST_RETRY_SECONDS,
+        on_reclaim: ReclaimHandler | None = None,
     ) -> None:
         self.run_dir = resolve_run_dir(run_dir)
         self.name = name
@@ -184,8 +188,13 @@ class PoolClient:
         self.boot_id: str | None = None
         # (session id, boot id) as one value, so the heartbeat never reads a half-updated pair.
         self._session: tuple[int | None, str | None] = (None, None)
-        # (running, queued) requests as last given to report_load(); the heartbeat sends it.
-        self._load: tuple[int, int] | None = None
+        # (running, queued, preemptions or None) as last given to report_load(); the heartbeat
+        # sends it.
+        self._load: tuple[int, int, int | None] | None = None
+        # The preemption count reported when the current session opened: the daemon counts per
+        # session, so a new session (re-sync, reopen) is sent the count since then.
+        self._preemptions_base = 0
+        self._reclaim: ReclaimListener | None = None
         self.resyncs: list[dict[str, Any]] = []
         """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
         blocks_claimed}``."""
@@ -199,6 +208,8 @@ class PoolClient:
         self._adopt(hello)
         self._heartbeat = _Heartbeat(self, hello["heartbeat"])
         self._heartbeat.start()
+        if on_reclaim is not None:
+            self.set_reclaim_handler(on_reclaim)
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -233,6 +244,8 @@ class PoolClient:
         """Take the session a hello opened as this client's."""
         self.session_id = hello["sid"]
         self.boot_id = hello["boot"]
+        load = self._load
+        self._preemptions_base = (load[2] or 0) if load is not None else 0
         self._session = (self.session_id, self.boot_id)
         self._streams: tuple[str, ...] = tuple(hello["streams"])
         self.lease: float = hello["lease"]
@@ -953,12 +966,49 @@ class PoolClient:
         with self._lock:
             self._call("ping", {})
 
-    def report_load(self, running: int, queued: int) -> None:
+    def report_load(self, running: int, queued: int, preemptions: int | None = None) -> None:
         """Tell the daemon how many requests this worker runs and queues now (the admin
-        ``sessions`` op and ``vqpoolctl watch`` show them). No round trip here: the heartbeat
-        thread sends the counts within LOAD_REPORT_GAP seconds, and with every later ping."""
-        self._load = (running, queued)
+        ``sessions`` op and ``vqpoolctl watch`` show them), and optionally how many requests it
+        has preempted since this client started (a running count, for the reclaim metrics).
+        No round trip here: the heartbeat thread sends the counts within LOAD_REPORT_GAP
+        seconds, and with every later ping."""
+        self._load = (running, queued, preemptions)
         self._heartbeat.wake()
+
+    def set_reclaim_handler(self, handler: ReclaimHandler) -> None:
+        """Let the daemon ask this worker to give memory back, with ``handler(n_bytes,
+        deadline)`` doing it.
+
+        From now on a thread keeps a ``reclaim_poll`` waiting at the daemon. On an ask it calls
+        ``handler`` with the bytes wanted and the monotonic time to be done by; the handler
+        frees blocks with :meth:`free` / :meth:`free_all` (from any thread: typically it tells
+        the scheduler and waits until its next step boundary has preempted requests), and
+        returns. The client then answers the daemon with how far its holdings fell since the
+        ask. A handler that raises or frees nothing still gets an answer; one that does not
+        return by the deadline is counted late by the daemon, never killed. Calling this
+        again replaces the handler. :meth:`close` waits for a handler that is running.
+
+        Raises:
+            TypeError: ``handler`` is not callable.
+        """
+        if not callable(handler):
+            raise TypeError(f"reclaim handler must be callable, got {handler!r}")
+        if self._reclaim is not None:
+            self._reclaim.handler = handler
+            return
+        self._reclaim = ReclaimListener(self, handler)
+        self._reclaim.start()
+
+    def held_bytes(self) -> int:
+        """Bytes the blocks this client holds take, by the ``bytes_per_block`` it declared
+        (0 if none; no round trip)."""
+        cost = self._bytes_per_block
+        if cost is None:
+            return 0
+        blocks = list(self._blocks.values())
+        if isinstance(cost, int):
+            return cost * len(blocks)
+        return sum(cost.get(block.stream, 0) for block in blocks)
 
     def held_blocks(self) -> Iterator[Block]:
         """The blocks this client holds, as it knows them (no round trip)."""
@@ -970,6 +1020,8 @@ class PoolClient:
             return
         self._closing.set()
         self._heartbeat.stop()
+        if self._reclaim is not None:
+            self._reclaim.join()
         with self._lock:
             if self._unusable is None:
                 rid = next(self._ids)
@@ -1039,7 +1091,11 @@ class _Heartbeat(threading.Thread):
                 session = client._session
                 rid = next(client._ids)
                 load = client._load
-                args = {} if load is None else {"running": load[0], "queued": load[1]}
+                args: dict[str, int] = {}
+                if load is not None:
+                    args = {"running": load[0], "queued": load[1]}
+                    if load[2] is not None:
+                        args["preemptions"] = max(0, load[2] - client._preemptions_base)
                 payload = encode_request(rid, "ping", args, *session)
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")

@@ -64,8 +64,25 @@ def budget_fields(budget: dict[str, Any]) -> list[str]:
             fields.append(f"OVER BUDGET by {over}: no grants until holdings fall under it")
     fields.append(f"reserved {format_bytes(budget['reserved'])}")
     fields.append(f"unused reserves {format_bytes(budget['protected'])}")
+    if budget.get("lend_reserves"):
+        fields.append(f"lent {format_bytes(budget['lent'])}")
     fields.append(f"waiting {budget['waiting']}")
     return fields
+
+
+def reclaim_line(reclaim: dict[str, Any]) -> str:
+    """The reclaim counters (``budget`` op's ``reclaim`` map) as one line."""
+    quantiles = [
+        f"{name} {reclaim[key] * 1000:.0f} ms"
+        for name, key in (("p50", "latency_p50_s"), ("p99", "latency_p99_s"))
+        if reclaim[key] is not None
+    ]
+    latency = f" (answer {', '.join(quantiles)})" if quantiles else ""
+    return (
+        f"reclaim: asked {reclaim['asked']}, answered {reclaim['answered']}{latency}, late "
+        f"{reclaim['late']}, given back {format_bytes(reclaim['bytes_reclaimed'])}; "
+        f"preemptions {reclaim['preemptions']}"
+    )
 
 
 def budget_line(budget: dict[str, Any]) -> str:
@@ -98,6 +115,9 @@ def model_row(label: str, view: dict[str, Any]) -> list[object]:
 def budget_report(listing: dict[str, Any]) -> list[str]:
     """The ``model_list`` reply as lines: the budget line, then a table of the models."""
     lines = [budget_line(listing["budget"])]
+    reclaim = listing["budget"].get("reclaim")
+    if reclaim is not None and (reclaim["asked"] or reclaim["preemptions"]):
+        lines.append(reclaim_line(reclaim))
     views = listing["models"]
     if not views:
         return [*lines, "no models: no worker is connected and none is configured"]

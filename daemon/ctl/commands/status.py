@@ -2,7 +2,8 @@
 
 Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
 free and total per stream, fragmentation, what the workers of each model hold (blocks and
-bytes), and the memory budget: the budget, bytes held and free, reserves and requests waiting,
+bytes), and the memory budget: the budget, bytes held and free, reserves (lent) and requests
+waiting, reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions,
 and per model its bytes held, reserve, limit, weight, bytes borrowed above its reserve,
 entitlement and requests waiting (as `vqpoolctl model list`). Exits 3 when no daemon answers on
 the run directory.
