@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -77,6 +78,8 @@ from vqpool.shared.protocol import (
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
 from vqpool.worker.waiting_call import Superseded, request_waiting
+
+log = logging.getLogger("vqpool.worker")
 
 try:
     CLIENT_VERSION = version("vqpool")
@@ -181,6 +184,13 @@ class PoolClient:
         self._session: tuple[int | None, str | None] = (None, None)
         # (running, queued) requests as last given to report_load(); the heartbeat sends it.
         self._load: tuple[int, int] | None = None
+        # The prompt cache's counters as last given to report_prompt_cache(); sent likewise,
+        # until a daemon older than the argument refuses it.
+        self._prompt_cache: dict[str, int] | None = None
+        self._prompt_cache_refused = False
+        self.on_advice: Callable[[dict[str, Any]], None] | None = None
+        """Called (on the heartbeat thread, no lock held) with what the daemon's answer to a
+        load report asks of this worker: ``{drop_cache: true}`` or ``{release_bytes: n}``."""
         self.resyncs: list[dict[str, Any]] = []
         """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
         blocks_claimed}``."""
@@ -861,6 +871,13 @@ class PoolClient:
         self._load = (running, queued)
         self._heartbeat.wake()
 
+    def report_prompt_cache(self, counters: Mapping[str, int]) -> None:
+        """Tell the daemon what the worker's prompt cache holds and did (``bytes``, ``blocks``,
+        ``entries``, ``lookups``, ``hits``, ``tokens_reused``, ``tokens_prefilled``,
+        ``evictions``): sent with the load report (see :meth:`report_load`)."""
+        self._prompt_cache = dict(counters)
+        self._heartbeat.wake()
+
     def held_blocks(self) -> Iterator[Block]:
         """The blocks this client holds, as it knows them (no round trip)."""
         return iter(list(self._blocks.values()))
@@ -919,6 +936,15 @@ class _Heartbeat(threading.Thread):
         """Ping soon (after LOAD_REPORT_GAP) instead of at the next interval."""
         self._wake.set()
 
+    def _advise(self, advice: dict[str, Any]) -> None:
+        handler = self._client.on_advice
+        if handler is None:
+            return
+        try:
+            handler(advice)
+        except Exception:  # the heartbeat must go on whatever the handler does
+            log.exception("following the daemon's advice %r failed", advice)
+
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
@@ -940,7 +966,12 @@ class _Heartbeat(threading.Thread):
                 session = client._session
                 rid = next(client._ids)
                 load = client._load
-                args = {} if load is None else {"running": load[0], "queued": load[1]}
+                args: dict[str, Any] = (
+                    {} if load is None else {"running": load[0], "queued": load[1]}
+                )
+                cached = client._prompt_cache
+                if cached is not None and not client._prompt_cache_refused:
+                    args["prompt_cache"] = cached
                 payload = encode_request(rid, "ping", args, *session)
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
@@ -950,5 +981,10 @@ class _Heartbeat(threading.Thread):
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
                     client.reopen_from_heartbeat(session)  # evicted while alive
+                elif not reply["ok"] and "'prompt_cache'" in reply["error"]["message"]:
+                    client._prompt_cache_refused = True  # a daemon older than the argument
+                    self._wake.set()  # send the load alone at once
+                elif reply["ok"] and isinstance(reply.get("result"), dict):
+                    self._advise(reply["result"])
         finally:
             connection.close()

@@ -66,6 +66,7 @@ from vqpool.shared.errors import (
 from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
+from vqpool.worker.prompt_cache import PromptCache
 from vqpool.worker.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -155,6 +156,9 @@ class GenerationJob:
     parked: bool = False
     cache: list[Any] | None = None
     generator: Generator[tuple[Any, mx.array], None, None] | None = None
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prompt tokens the prompt cache gave (known once the first token is out)."""
 
 
 class Scheduler:
@@ -175,6 +179,8 @@ class Scheduler:
         lost_owners: The pool's owners that are no longer this worker's (a daemon restart
             conflict, an eviction), with why: their jobs end with "error" before their next
             token, since their blocks may be handed out again.
+        prompt_cache: Reuses the KV of earlier requests (``worker/prompt_cache.py``): looked up
+            when a job's prefill starts, stored when its prompt is prefilled and when it ends.
     """
 
     def __init__(
@@ -190,6 +196,7 @@ class Scheduler:
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         reserve_full: bool = True,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0:
             raise ValueError("Scheduler: max_concurrent, max_queue and queue_timeout must be > 0")
@@ -203,8 +210,12 @@ class Scheduler:
         self.retry_interval = retry_interval
         self.reserve_full = reserve_full
         self.lost_owners = lost_owners
+        self.prompt_cache = prompt_cache
         self.stats = ServingStats(
-            max_concurrent=max_concurrent, pooled=source.pooled, on_load=source.report_load
+            max_concurrent=max_concurrent,
+            pooled=source.pooled,
+            on_load=source.report_load,
+            prompt_cache=None if prompt_cache is None else prompt_cache.snapshot,
         )
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
@@ -461,15 +472,30 @@ class Scheduler:
         return True
 
     def _start_generator(self, job: GenerationJob) -> None:
+        job.generator = self._generate(job)
+        self._sample_memory()
+
+    def _generate(self, job: GenerationJob) -> Generator[tuple[Any, mx.array], None, None]:
+        """``generate_step`` over the prompt tokens the prompt cache does not hold. The lookup
+        runs at the first ``next()`` (the prefill's turn), so a job admitted in the same round
+        as another with the same prefix finds it stored once that one's prompt is prefilled."""
+        prompt = job.prompt
+        if self.prompt_cache is not None:
+            assert job.cache is not None
+            job.cached_tokens = self.prompt_cache.reuse(prompt, job.cache)
         s = job.sampling
-        job.generator = generate_step(
-            mx.array(list(job.prompt)),
+        yield from generate_step(
+            mx.array(list(prompt[job.cached_tokens :])),
             self.model,
             max_tokens=job.max_tokens,
             sampler=make_sampler(s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k),
             prompt_cache=job.cache,
         )
-        self._sample_memory()
+
+    def _store_in_prompt_cache(self, job: GenerationJob, tokens: Sequence[int]) -> None:
+        """Keep ``tokens``' KV (the job's cache holds them from position 0) for later jobs."""
+        if self.prompt_cache is not None and job.cache is not None:
+            self.prompt_cache.store(tokens, [layer.state for layer in job.cache])
 
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
@@ -511,6 +537,9 @@ class Scheduler:
                 continue
             token = int(token)
             job.n_generated += 1
+            job.generated.append(token)
+            if job.n_generated == 1:  # the prompt is prefilled: concurrent jobs may reuse it
+                self._store_in_prompt_cache(job, job.prompt)
             n_tokens += 1
             job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
             if token in self.eos_token_ids:
@@ -550,6 +579,8 @@ class Scheduler:
             job.generator.close()
             job.generator = None
         if job.cache is not None:
+            if reason in ("stop", "length", "cancelled"):
+                self._store_in_prompt_cache(job, [*job.prompt, *job.generated])
             cache, job.cache = job.cache, None
             try:
                 self.source.release(cache)
