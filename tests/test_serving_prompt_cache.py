@@ -15,7 +15,9 @@ from ctl_harness import ctl_json, run_ctl
 from daemon_harness import DaemonProcess, wait_until
 from serving_harness import ServingStack
 from test_metrics_http import metrics_url, scrape, value
+from vqpool.shared.pool import AllocationRequest
 from vqpool.shared.protocol import session_label
+from vqpool.worker import PoolClient
 from vqpool.worker.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"  # served with the prompt cache (the default)
@@ -178,3 +180,27 @@ def test_after_a_daemon_restart_a_hit_is_right_and_after_an_eviction_a_clean_mis
     after_eviction = ask(stack, LLAMA, prompt, stream=False)
     assert after_eviction["cached"] == 0 and same_output(after_eviction, baseline)
     stack.wait_for_no_blocks()
+
+
+def test_another_models_waiting_allocation_gets_the_cached_memory() -> None:
+    block_bytes = 4096  # builtin:llama, per stream and block
+    budget_blocks = 64
+    stack = ServingStack(
+        [LLAMA], daemon_args=("--budget", f"{budget_blocks * block_bytes}B", "--lease", "1")
+    ).start()
+    try:
+        ask(stack, LLAMA, list(range(150)), stream=False)  # 162 tokens: 10 blocks per stream
+        wait_until(lambda: cache_owners(stack.daemon, LLAMA), timeout=5)
+        assert stack.worker_stats(LLAMA)["prompt_cache"]["blocks"] == 20
+        with PoolClient(stack.run_dir, name="other", bytes_per_block=block_bytes) as other:
+            n_tokens = budget_blocks // 2 * other.config.block_size
+            requests = [AllocationRequest(s, n_tokens, "whole-budget", "fp16") for s in "kv"]
+            # Parked at the daemon; the cache holder is told at its next heartbeat.
+            granted = other.allocate_many(requests, wait=10)
+            assert all(isinstance(blocks, list) for blocks in granted), granted
+            stats = stack.worker_stats(LLAMA)["prompt_cache"]
+            assert stats["entries"] == 0 and stats["evictions"] >= 1
+            assert not cache_owners(stack.daemon, LLAMA)
+            other.free_all("whole-budget")
+    finally:
+        stack.stop()
