@@ -60,7 +60,11 @@ BUDGET = f"{POOL_BLOCKS * BLOCK_BYTES // 1024}KiB"
 PROMPT = "budget bench: " + "x" * 26
 MAX_TOKENS = 24
 CLIENTS_PER_MODEL = 10
-WORKER_ARGS = ["--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"]
+# No prompt cache: the figures measure admission and fair shares of requests alone.
+WORKER_ARGS = [
+    *("--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"),
+    *("--prompt-cache-bytes", "0"),
+]
 SAMPLE_SECONDS = 0.05
 
 

@@ -106,20 +106,20 @@ def test_retry_and_next_turn_reuse_the_cache_and_match_a_run_without_it(
     assert scored(first) == scored(baseline)
 
     retried, reused, _ = cached.run(turn1)
-    assert reused == (len(turn1) - 1) // BS * BS  # whole blocks, at least one token prefilled
+    assert reused == len(turn1) - 1  # at least one token is prefilled
     assert scored(retried) == scored(baseline)
 
     # The next turn: the previous prompt, its answer (whose KV was made by decode steps), more.
     turn2 = turn1 + [t.token for t in first] + random_tokens(rng, 37, loaded.vocab_size)
     second, reused, _ = cached.run(turn2)
-    assert reused == (len(turn1) + len(first)) // BS * BS
+    assert reused == len(turn1) + len(first)
     assert scored(second) == scored(plain.run(turn2)[0])
 
     assert cached.cache is not None
     counters = cached.cache.snapshot()
     assert (counters["lookups"], counters["hits"]) == (3, 2)
-    assert counters["tokens_reused"] == 288 + 304
-    assert counters["tokens_prefilled"] == 300 + (300 - 288) + (len(turn2) - 304)
+    assert counters["tokens_reused"] == 299 + 312
+    assert counters["tokens_prefilled"] == 300 + 1 + (len(turn2) - 312)
     # One chat keeps one entry: each turn's entry supersedes the ones that are its prefix.
     assert counters["entries"] == 1 and len(cache_owners(cached.pool)) == 1
 
@@ -142,7 +142,7 @@ def test_concurrent_requests_compute_a_shared_prefix_once(
             got.append((event.token, event.logprob))
         results.append(got)
     # The first computes the system prompt; the others find it stored once its prefill ended.
-    assert [job.cached_tokens for job in jobs] == [0, 192, 192]
+    assert [job.cached_tokens for job in jobs] == [0, 200, 200]
     for prompt, got in zip(prompts, results, strict=True):
         assert got == scored(plain.run(prompt, 8)[0])
 
@@ -160,7 +160,7 @@ def test_cached_bytes_are_the_cache_blocks_times_bytes_per_block(
     held = sum(len(cached.pool.blocks_for(owner)) for owner in owners)
     layout = cached.source.storage.layout
     assert snap["entries"] == len(owners) == 3
-    assert snap["blocks"] == held == 2 * ((40 + 5) // BS + (100 + 5) // BS + (260 + 5) // BS)
+    assert snap["blocks"] == held == 2 * (-(-45 // BS) - (-105 // BS) - (-265 // BS))
     assert snap["bytes"] == held // 2 * (layout.k_block_bytes + layout.v_block_bytes)
     # No request runs: the storage holds the cache alone, exactly its blocks' bytes.
     assert cached.source.storage.nbytes == cached.source.storage.expected_nbytes() == snap["bytes"]

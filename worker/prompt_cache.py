@@ -5,22 +5,23 @@ A chat's next turn starts with the previous turn's prompt and answer, users of o
 share a system prompt, a client retries a request: each of those prompts starts with tokens whose
 keys and values a request computed already. :class:`PromptCache` keeps them and gives them back:
 
-* **Entries.** An entry is the KV of one token sequence, whole blocks only (``block_size`` = 16
-  tokens), held as a :class:`~vqpool.worker.cache.PooledSequence` of its own under the owner id
+* **Entries.** An entry is the KV of one token sequence of at least one block (``block_size`` =
+  16 tokens), held as a :class:`~vqpool.worker.cache.PooledSequence` of its own under the owner id
   ``{owner_prefix}-cache-{n}`` in the worker's shared :class:`MLXBlockStorage`. Its blocks are
   pool blocks like a request's: the daemon counts them in the model's bytes, claims them back
   after a restart, and the storage's bytes are blocks held x bytes per block, cache included.
 * **Keys.** Entries are found by token ids at block granularity: block ``i`` of a sequence has
   the key ``hash((key of block i-1, its 16 token ids))``, and the index maps each key to the
   entries holding that prefix. The longest cached prefix of a prompt is found with one dict look
-  per block and checked token by token once (a hash collision is a miss, never a wrong hit).
-* **Reuse** (:meth:`PromptCache.reuse`, when a request starts): the longest cached prefix, in
-  whole blocks and at most ``len(prompt) - 1`` tokens (mlx-lm computes the logits of the next
-  token from at least one prefilled token), is **copied** into the request's own cache through
-  mlx-lm's cache protocol (``update_and_fetch`` per layer); the request prefills only the rest.
-  The request keeps its own blocks and the entry stays (docs/cache.md says why a copy).
+  per whole block, then extended token by token into the next block of the entries found, and
+  checked token by token once (a hash collision is a miss, never a wrong hit).
+* **Reuse** (:meth:`PromptCache.reuse`, when a request starts): the longest cached prefix, at
+  least one whole block and at most ``len(prompt) - 1`` tokens (mlx-lm computes the logits of
+  the next token from at least one prefilled token), is **copied** into the request's own
+  cache through mlx-lm's cache protocol (``update_and_fetch`` per layer); the request prefills
+  only the rest. The request keeps its own blocks and the entry stays (docs/cache.md: why).
 * **Store** (:meth:`PromptCache.store`, when a request ended, and once its prompt is prefilled):
-  its token ids with their KV, whole blocks, are copied into a new entry, unless an entry holds
+  its token ids with their KV are copied into a new entry, unless an entry holds
   them all already; entries whose tokens are a prefix of the new one are then given back (the
   new entry answers every lookup they answered: a chat keeps one entry, its latest turn).
 * **Memory.** At most ``max_bytes`` (LRU eviction makes room; an entry larger than that is not
@@ -43,7 +44,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -81,17 +82,15 @@ def block_keys(tokens: Sequence[int], n_blocks: int, block_size: int) -> list[in
 
 @dataclass(eq=False)
 class CacheEntry:
-    """One cached token sequence (whole blocks) and the pool sequence holding its KV."""
+    """One cached token sequence and the pool sequence holding its KV (its last block may be
+    partly filled; ``keys`` are those of its whole blocks)."""
 
     number: int
     tokens: tuple[int, ...]
     keys: list[int]
     sequence: PooledSequence
     nbytes: int
-    n_blocks: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.n_blocks = len(self.keys)
+    n_blocks: int
 
 
 class PromptCache:
@@ -149,25 +148,44 @@ class PromptCache:
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def _match(self, tokens: Sequence[int], max_blocks: int) -> tuple[CacheEntry | None, int]:
-        """The entry with the longest prefix of ``tokens`` (at most ``max_blocks`` blocks) and
-        that prefix's length in blocks; (None, 0) when none. The caller holds the lock."""
+    def _match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CacheEntry | None, int]:
+        """The entry holding the longest prefix of ``tokens`` (at most ``max_tokens``) and that
+        prefix's length; (None, 0) when none. The caller holds the lock.
+
+        Whole blocks are found by key; then, among the entries holding them, the one whose next
+        (possibly partial) block shares the most tokens with ``tokens`` extends the match token
+        by token. At least one whole block must match.
+        """
         bs = self.block_size
         key = 0
-        found: CacheEntry | None = None
+        holders: dict[CacheEntry, None] | None = None
         depth = 0
-        for i in range(max_blocks):
+        for i in range(max_tokens // bs):
             key = hash((key, tuple(tokens[i * bs : (i + 1) * bs])))
-            holders = self._index.get(key)
-            if not holders:
+            found = self._index.get(key)
+            if not found:
                 break
-            found = next(reversed(holders))
-            depth = i + 1
-        if found is None:
+            holders, depth = found, i + 1
+        if holders is None:
             return None, 0
-        if found.tokens[: depth * bs] != tuple(tokens[: depth * bs]):
+        start = depth * bs
+        wanted = tuple(tokens[start:max_tokens])
+        best: CacheEntry | None = None
+        best_n = -1
+        for entry in reversed(holders):  # the most recently stored first among equals
+            tail = entry.tokens[start : start + bs]
+            n = 0
+            for mine, theirs in zip(tail, wanted, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = entry, n
+        assert best is not None
+        n_tokens = start + best_n
+        if best.tokens[:n_tokens] != tuple(tokens[:n_tokens]):
             return None, 0  # a hash collision: a miss, never a wrong hit
-        return found, depth
+        return best, n_tokens
 
     def reuse(self, prompt: Sequence[int], cache: Sequence[Any]) -> int:
         """Copy the longest cached prefix of ``prompt`` into ``cache`` (a fresh per-layer mlx-lm
@@ -179,8 +197,7 @@ class PromptCache:
         with self._lock:
             self._drop_lost()
             self.counters["lookups"] += 1
-            entry, n_blocks = self._match(prompt, (len(prompt) - 1) // self.block_size)
-            n = n_blocks * self.block_size
+            entry, n = self._match(prompt, len(prompt) - 1)
             if entry is not None:
                 buffers = entry.sequence.buffers
                 for i, layer in enumerate(cache):
@@ -200,21 +217,21 @@ class PromptCache:
     def store(self, tokens: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> bool:
         """Keep the KV of ``tokens``: ``layers`` is (keys, values) per layer, shaped
         (1, n_kv_heads, T, head_dim), position i holding token i (mlx-lm's ``state`` of a
-        cache). Whole blocks of the first min(T, len(tokens)) tokens are kept. Whether a new
-        entry was made (not when an entry holds them all, nothing is kept, or the pool is
-        short: a store never waits for memory and never fails the caller).
+        cache). The first min(T, len(tokens)) tokens are kept (at least one whole block, else
+        nothing). Whether a new entry was made (not when an entry holds them all, nothing is
+        kept, or the pool is short: a store never waits for memory and never fails the caller).
         """
         if not layers or self.max_bytes == 0:
             return False
-        n_blocks = min(len(tokens), layers[0][0].shape[2]) // self.block_size
-        if n_blocks == 0:
+        n = min(len(tokens), layers[0][0].shape[2])
+        if n < self.block_size:
             return False
-        n = n_blocks * self.block_size
         kept = tuple(tokens[:n])
+        n_blocks = -(-n // self.block_size)
         need = n_blocks * self._bytes_per_block_index
         with self._lock:
-            entry, depth = self._match(kept, n_blocks)
-            if entry is not None and depth == n_blocks:
+            entry, held = self._match(kept, n)
+            if entry is not None and held == n:
                 self._lru.move_to_end(entry.number)
                 return False
             if need > self.max_bytes:
@@ -248,6 +265,7 @@ class PromptCache:
                     buffers.values[i][..., :n, :] = layer_values[..., :n, :]
                 mx.eval(buffers.keys, buffers.values)
                 sequence.offsets = [n] * len(sequence.offsets)
+                sequence.sync_usage(n)  # the last block's fill, when partial
             except BaseException:
                 sequence.release()
                 raise
@@ -257,17 +275,21 @@ class PromptCache:
             return False
         finally:
             self._storing = False
-        keys = block_keys(tokens, n_blocks, self.block_size)
-        entry = CacheEntry(number, tokens, keys, sequence, need)
+        keys = block_keys(tokens, n // self.block_size, self.block_size)
+        entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
         self._lru[number] = entry
         for key in keys:
             self._index.setdefault(key, {})[entry] = None
         self.nbytes += need
         self.counters["stores"] += 1
         # Entries whose tokens are a prefix of these answer no lookup the new one does not.
-        for depth, key in enumerate(keys[:-1], start=1):
+        for depth, key in enumerate(keys, start=1):
             for older in list(self._index.get(key, ())):
-                if older.n_blocks == depth and older.tokens == tokens[: len(older.tokens)]:
+                if (
+                    older is not entry
+                    and len(older.keys) == depth
+                    and older.tokens == tokens[: len(older.tokens)]
+                ):
                     self._remove(older)
                     self.counters["superseded"] += 1
         return True

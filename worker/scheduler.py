@@ -538,10 +538,10 @@ class Scheduler:
             token = int(token)
             job.n_generated += 1
             job.generated.append(token)
-            if job.n_generated == 1:  # the prompt is prefilled: concurrent jobs may reuse it
-                self._store_in_prompt_cache(job, job.prompt)
             n_tokens += 1
             job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
+            if job.n_generated == 1:  # the prompt is prefilled: concurrent jobs may reuse it
+                self._store_in_prompt_cache(job, job.prompt)
             if token in self.eos_token_ids:
                 self._end(job, "stop")
             elif job.n_generated >= job.max_tokens:
