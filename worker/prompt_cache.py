@@ -126,11 +126,10 @@ class PromptCache:
         self._bytes_per_block_index = storage.layout.k_block_bytes + storage.layout.v_block_bytes
         self._report = report
         self._lost_owners = lost_owners
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._numbers = itertools.count(1)
         self._lru: OrderedDict[int, CacheEntry] = OrderedDict()  # least recently used first
         self._index: dict[int, dict[CacheEntry, None]] = {}
-        self._storing = False
         self.nbytes = 0
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -253,11 +252,11 @@ class PromptCache:
         """A new entry for ``tokens`` with a copy of their KV; the caller holds the lock."""
         n = len(tokens)
         number = next(self._numbers)
-        self._storing = True  # an allocation refused here must not evict entries to make room
         try:
             owner = f"{self.owner_prefix}-cache-{number}"
             sequence = PooledSequence(self.pool, owner, self.storage)
             try:
+                # Never waits and never reclaims: an entry takes no memory from anyone.
                 sequence.reserve_exactly(n_blocks)
                 buffers = sequence.buffers
                 for i, (layer_keys, layer_values) in enumerate(layers):
@@ -273,8 +272,6 @@ class PromptCache:
             log.debug("prompt cache: not storing %d tokens: %s", n, exc)
             self.counters["stores_skipped"] += 1
             return False
-        finally:
-            self._storing = False
         keys = block_keys(tokens, n // self.block_size, self.block_size)
         entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
         self._lru[number] = entry
@@ -318,10 +315,8 @@ class PromptCache:
 
     def release_bytes(self, n_bytes: int) -> int:
         """Give back entries, least recently used first, until ``n_bytes`` are freed (or none is
-        left); the bytes freed. 0 while this cache is allocating an entry itself."""
+        left); the bytes freed."""
         with self._lock:
-            if self._storing:
-                return 0
             freed = 0
             while self._lru and freed < n_bytes:
                 freed += self._evict(next(iter(self._lru.values())))
@@ -333,8 +328,6 @@ class PromptCache:
     def drop(self) -> int:
         """Give back every entry; the bytes freed."""
         with self._lock:
-            if self._storing:
-                return 0
             freed = sum(self._evict(entry) for entry in list(self._lru.values()))
         self.report()
         return freed
