@@ -134,6 +134,13 @@ def test_cached_bytes_are_counted_shown_and_dropped(stack: ServingStack) -> None
     assert status["models"][LLAMA]["prompt_cache"]["bytes"] == cached["bytes"]
     listing = ctl_json(stack.run_dir, "cache", "list")
     assert listing[LLAMA]["hits"] == cached["hits"] and listing[PLAIN] is None
+    table = run_ctl(stack.run_dir, "cache", "list").stdout.splitlines()
+    assert table[0].split()[:3] == ["MODEL", "CACHED", "BLOCKS"]
+    row = next(line.split() for line in table if line.startswith(LLAMA))
+    assert row[3:6] == [str(cached["blocks"]), str(cached["entries"]), str(cached["lookups"])]
+    assert any(line.startswith(PLAIN) and line.split()[1] == "-" for line in table)
+    frame = run_ctl(stack.run_dir, "watch", "--count", "1").stdout
+    assert "cached " in frame, frame
     _, samples = scrape(metrics_url(daemon))
     assert value(samples, "vqpool_model_prompt_cache_bytes", model=LLAMA) == cached["bytes"]
     assert (

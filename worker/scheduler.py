@@ -37,6 +37,12 @@ read its token ids from the job's event queue. One generation thread does the re
   however the request ended. If the generation thread itself fails, its jobs end as when the
   worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing would run them).
 
+* **Prompt cache** (``prompt_cache``, ``worker/prompt_cache.py``). At a job's first ``next()``
+  (its prefill's turn) the longest cached prefix of its prompt is copied into its cache and
+  only the rest is prefilled (``job.cached_tokens``); once its first token is out its prompt is
+  stored, and when it ends (stop, length, cancelled) its prompt and generated tokens, before its
+  cache is released. Jobs with a common prefix admitted together thus compute it once.
+
 Per-request prefill runs to completion inside one round, so a long prompt delays the other
 jobs' next tokens by its prefill time; chunked interleaving is left for later.
 """
