@@ -24,6 +24,7 @@ the same N tokens.
 
     .venv/bin/python scripts/bench_prompt_cache.py                    # 3 rounds
     .venv/bin/python scripts/bench_prompt_cache.py --rounds 5 --system-words 900
+    .venv/bin/python scripts/bench_prompt_cache.py --quick            # smoke run (tests)
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the model")
     parser.add_argument("--layers", type=int, default=4, help="layers of the model")
-    return parser.parse_args()
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 round of everything, tiny sizes"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.system_words, args.turns, args.users = 1, 40, 2, 2
+        args.max_tokens, args.hidden, args.layers = 4, 64, 2
+    return args
 
 
 def build_model_dir(path: Path, hidden: int, layers: int) -> Path:
