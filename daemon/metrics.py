@@ -183,6 +183,7 @@ class MetricsSnapshot:
     boot_id: str
     budget: dict[str, Any]  # the budget admin op's view
     models: list[dict[str, Any]]  # the model_list op's views
+    prompt_caches: dict[str, dict[str, int]]  # model -> its workers' prompt-cache reports, summed
 
     @classmethod
     def take(cls, coord: Coordinator, requests: RequestMetrics, version: str) -> MetricsSnapshot:
@@ -190,7 +191,12 @@ class MetricsSnapshot:
         allocator = coord.allocator
         now = time.monotonic()
         held: dict[tuple[str, str], tuple[int, int]] = {}
+        caches: dict[str, dict[str, int]] = {}
         for session in coord.sessions:
+            if session.prompt_cache is not None:
+                total = caches.setdefault(session.model, dict.fromkeys(session.prompt_cache, 0))
+                for name, n in session.prompt_cache.items():
+                    total[name] += n
             for usage in coord.usage_by(session).values():
                 for stream, (n_held, _) in usage.items():
                     key = (session.model, stream)
@@ -215,6 +221,7 @@ class MetricsSnapshot:
             boot_id=coord.boot_id,
             budget=coord.budget.view(now),
             models=coord.budget.model_views(now),
+            prompt_caches=caches,
         )
 
 
@@ -269,6 +276,7 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     yield bytes_held
 
     yield from _budget_families(snap)
+    yield from _prompt_cache_families(snap)
 
     yield GaugeMetricFamily("vqpool_sessions", "Live worker sessions.", snap.sessions)
     yield GaugeMetricFamily("vqpool_owners", "Active owner ids.", snap.owners)
@@ -340,6 +348,47 @@ _MODEL_GAUGES = (
         "Bytes of a model's unused reserve that other models hold on loan (--lend-reserves).",
     ),
 )
+
+
+_PROMPT_CACHE_GAUGES = (
+    ("vqpool_model_prompt_cache_bytes", "bytes", "Bytes the workers' prompt caches hold."),
+    (
+        "vqpool_model_prompt_cache_blocks",
+        "blocks",
+        "Blocks the workers' prompt caches hold (part of vqpool_model_blocks_held).",
+    ),
+    ("vqpool_model_prompt_cache_entries", "entries", "Entries of the workers' prompt caches."),
+)
+_PROMPT_CACHE_COUNTERS = (
+    ("vqpool_model_prompt_cache_lookups", "lookups", "Requests that looked up a prompt cache."),
+    ("vqpool_model_prompt_cache_hits", "hits", "Lookups that reused a cached prefix."),
+    (
+        "vqpool_model_prompt_cache_tokens_reused",
+        "tokens_reused",
+        "Prompt tokens taken from a prompt cache instead of being prefilled.",
+    ),
+    (
+        "vqpool_model_prompt_cache_tokens_prefilled",
+        "tokens_prefilled",
+        "Prompt tokens prefilled by requests that looked up a prompt cache.",
+    ),
+    ("vqpool_model_prompt_cache_evictions", "evictions", "Prompt-cache entries given back."),
+)
+
+
+def _prompt_cache_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+    """Per model, the prompt caches of its live workers as they last reported them (counters
+    restart with a worker)."""
+    for name, key, doc in _PROMPT_CACHE_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=["model"])
+        for model, cache in sorted(snap.prompt_caches.items()):
+            gauge.add_metric([model], cache[key])
+        yield gauge
+    for name, key, doc in _PROMPT_CACHE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["model"])
+        for model, cache in sorted(snap.prompt_caches.items()):
+            counter.add_metric([model], cache[key])
+        yield counter
 
 
 def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:

@@ -57,6 +57,11 @@ class Session:
         n_requests: Requests served.
         running: Requests the worker said it runs, in its last ``ping`` that said (None: never).
         queued: Requests the worker said it queues, likewise.
+        prompt_cache: What the worker's prompt cache holds and did, in its last ``ping`` that
+            said (bytes, blocks, entries, lookups, hits, tokens_reused, tokens_prefilled,
+            evictions; None: never). Its blocks are among the session's blocks.
+        drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
+            answer to its next ping, then cleared.
         resumes: The session id this client held under the previous daemon lifetime, named in
             its hello after a restart (the claim period waits for every such session).
         on_roll: Whether the roll of workers (``daemon/claims.py``) lists this session yet.
@@ -78,6 +83,8 @@ class Session:
     n_requests: int = 0
     running: int | None = None
     queued: int | None = None
+    prompt_cache: dict[str, int] | None = None
+    drop_cache: bool = False
     resumes: int | None = None
     on_roll: bool = False
     reclaimable: bool = False

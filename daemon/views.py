@@ -74,4 +74,5 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
         "requests": session.n_requests,
         "running": session.running,
         "queued": session.queued,
+        "prompt_cache": session.prompt_cache,
     }

@@ -87,13 +87,30 @@ def _goodbye(coord: Coordinator, session: Session, args: dict[str, Any]) -> Any:
     return {"ended": True, "owners_released": n_owners, "blocks_freed": n_blocks}
 
 
-def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> None:
+def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> dict[str, Any] | None:
     # The lease is refreshed by any request; a ping may also carry the worker's load.
     if args["running"] is not None:
         session.running = args["running"]
     if args["queued"] is not None:
         session.queued = args["queued"]
     coord.budget.reclaim.note_load(session, args["preemptions"])
+    if args["prompt_cache"] is not None:
+        session.prompt_cache = args["prompt_cache"]
+    return cache_advice(coord, session)
+
+
+def cache_advice(coord: Coordinator, session: Session) -> dict[str, Any] | None:
+    """What the answer to a load report asks of the worker's prompt cache (None: nothing):
+    ``drop_cache`` once after ``cache_drop``; else, while allocations of other sessions wait
+    for memory, ``release_bytes`` (what they wait for) from a worker that reports cached bytes.
+    """
+    if session.drop_cache:
+        session.drop_cache = False
+        return {"drop_cache": True}
+    if not session.prompt_cache or not session.prompt_cache["bytes"]:
+        return None
+    waiting = sum(p.n_bytes for p in coord.budget.parked.values() if p.session is not session)
+    return {"release_bytes": waiting} if waiting else None
 
 
 HANDLERS: dict[str, Handler] = {

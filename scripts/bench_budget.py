@@ -76,7 +76,11 @@ DEMANDS = {
     "proportional": {"builtin:llama": 20, "builtin:qwen3": 10},
     "equal": {"builtin:llama": 10, "builtin:qwen3": 10},
 }
-WORKER_ARGS = ["--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"]
+# No prompt cache: the figures measure admission and fair shares of requests alone.
+WORKER_ARGS = [
+    *("--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"),
+    *("--prompt-cache-bytes", "0"),
+]
 SAMPLE_SECONDS = 0.05
 
 

@@ -67,8 +67,13 @@ def main() -> int:
     try:
         daemon.start()
         worker_args = ["--max-concurrent", max_conc, "--log-level", "WARNING"]
+        # Every request sends the same prompt: without the prompt cache, so that both workers
+        # prefill it and the ratio measures the KV layout (bench_prompt_cache.py measures it).
         workers["pooled"] = WorkerProcess(
-            args.model, base / "pooled.log", run_dir=run_dir, args=worker_args
+            args.model,
+            base / "pooled.log",
+            run_dir=run_dir,
+            args=[*worker_args, "--prompt-cache-bytes", "0"],
         ).start(wait=False)
         workers["stock"] = WorkerProcess(
             args.model, base / "stock.log", no_pool=True, args=worker_args

@@ -327,6 +327,17 @@ def summary(
 # -- main ------------------------------------------------------------------------------------------
 
 
+def drop_prompt_caches(admin: AdminClient, timeout: float = 10.0) -> int:
+    """Make every model's workers drop their prompt caches (what ``vqpoolctl cache drop``
+    does) and wait until the pool holds no block; the cached bytes they last reported."""
+    models = {session["model"] for session in admin.call("sessions")}
+    cached = sum(admin.call("cache_drop", model=model)["cached_bytes"] for model in models)
+    deadline = time.monotonic() + timeout
+    while admin.call("stats")["stats"]["blocks_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cached
+
+
 def shrink_pool(run_dir: Path, admin: AdminClient) -> list[dict[str, Any]]:
     """Retire half of each stream's blocks with the admin command; its JSON result."""
     streams = admin.call("stats")["streams"]
@@ -421,6 +432,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             view.join()
 
             failures = [f"{m}: {f}" for m, t in tallies.items() for f in t.failed]
+            # Ended requests' KV stays in the workers' prompt caches until memory is wanted:
+            # dropped here, so that what is left in use would be a leak.
+            cached = drop_prompt_caches(admin)
             stats = admin.call("stats")
             in_use = stats["stats"]["blocks_in_use"]
             audit = admin.call("audit")
@@ -428,7 +442,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             views = {v["model"]: v for v in admin.call("model_list")["models"]}
             summary(workers, tallies, shrink, shares, views)
             print(
-                f"\nblocks in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
+                f"\nprompt caches dropped (vqpoolctl cache drop): {human_bytes(cached)}; blocks "
+                f"in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
             )
             ok = not failures and in_use == 0 and audit["ok"]
             for failure in failures[:10]:

@@ -161,6 +161,7 @@ ADMIN_OPS = frozenset(
         "model_set",
         "model_list",
         "fit",
+        "cache_drop",
     }
 )
 
@@ -342,6 +343,30 @@ def check_bytes_per_block(value: Any, name: str = "bytes_per_block") -> int | di
     }
 
 
+PROMPT_CACHE_COUNTERS = (
+    "bytes",
+    "blocks",
+    "entries",
+    "lookups",
+    "hits",
+    "tokens_reused",
+    "tokens_prefilled",
+    "evictions",
+)
+"""What a worker's load report may say of its prompt cache (``ping``'s ``prompt_cache``)."""
+
+
+def check_prompt_cache(value: Any, name: str = "prompt_cache") -> dict[str, int]:
+    """A worker's prompt-cache report: a map of names of PROMPT_CACHE_COUNTERS to ints >= 0
+    (absent names read 0)."""
+    if type(value) is not dict:
+        raise BadRequestError(f"{name} must be a map, got {_show(value)}")
+    unknown = sorted(str(k) for k in value.keys() - set(PROMPT_CACHE_COUNTERS))
+    if unknown:
+        raise BadRequestError(f"{name}: unknown counter(s) {unknown}")
+    return {k: check_int(value.get(k, 0), f"{name}.{k}", 0) for k in PROMPT_CACHE_COUNTERS}
+
+
 def _show(value: Any) -> str:
     """A short description of a bad value for an error message (never the whole payload)."""
     text = repr(value)
@@ -461,6 +486,12 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
             lambda v, n: check_int(v, n, 0, MAX_LOAD),
             required=False,
             help="requests the worker preempted since its session opened (a running count)",
+        ),
+        Field(
+            "prompt_cache",
+            check_prompt_cache,
+            required=False,
+            help="what the worker's prompt cache holds and did (PROMPT_CACHE_COUNTERS)",
         ),
     ),
     ALLOCATE: (

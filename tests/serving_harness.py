@@ -76,7 +76,10 @@ class ServingStack:
         return sum(s["total"] - s["free"] for s in self.pool_streams().values())
 
     def wait_for_no_blocks(self, timeout: float = 10.0) -> None:
-        """Wait until no block is in use and no owner is active (AssertionError otherwise)."""
+        """Tell the workers to drop their prompt caches, then wait until no block is in use and
+        no owner is active (AssertionError otherwise)."""
+        for model in {session["model"] for session in self.daemon.admin("sessions")}:
+            self.daemon.admin("cache_drop", model=model)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.blocks_in_use() == 0 and not self.daemon.admin("owners"):

@@ -33,6 +33,17 @@ QUICK_RUNS = {
             "credit+grants()",
         ),
     ),
+    "bench_prompt_cache.py": (
+        240,
+        (
+            "(a) chat: TTFT per turn",
+            "| 2 |",
+            "(b) 2 users sharing a system prompt",
+            "| vqpool-worker |",
+            "hits of",
+            "copy costs in-process",
+        ),
+    ),
     "bench_budget.py": (
         240,
         (

@@ -36,6 +36,7 @@ def test_status_json_matches_the_daemon(pool: LivePool) -> None:
             "bytes_total": 7 * 4096,
             "running": None,  # the test workers never report their requests
             "queued": None,
+            "prompt_cache": None,  # nor a prompt cache
         },
         "beta": {
             "sessions": 1,
@@ -44,6 +45,7 @@ def test_status_json_matches_the_daemon(pool: LivePool) -> None:
             "bytes_total": 14 * 4096,
             "running": None,
             "queued": None,
+            "prompt_cache": None,
         },
     }
     assert status["uptime_s"] > 0
@@ -67,8 +69,8 @@ def test_status_text(pool: LivePool) -> None:
     blocks_table = next(i for i, line in enumerate(lines) if line.startswith("MODEL  SESSIONS"))
     models = {line.split()[0]: line.split()[1:] for line in lines[blocks_table + 1 :][:2]}
     assert models == {
-        "alpha": ["1", "4", "3", "28.0", "KiB"],
-        "beta": ["1", "7", "7", "56.0", "KiB"],
+        "alpha": ["1", "4", "3", "28.0", "KiB", "-"],  # "-": no prompt cache reported
+        "beta": ["1", "7", "7", "56.0", "KiB", "-"],
     }
     assert "fragmentation" in out and "4 partly filled blocks" in out
 

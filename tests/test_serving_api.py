@@ -61,6 +61,7 @@ def test_two_models_serve_concurrent_requests(stack: ServingStack) -> None:
             "prompt_tokens": len(prompt.encode()),
             "completion_tokens": max_tokens,
             "total_tokens": len(prompt.encode()) + max_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},  # no two prompts share a block
         }
     for model in (LLAMA, QWEN3):
         stats = stack.worker_stats(model)

@@ -34,8 +34,9 @@ blocks), as mlx-lm's ``BatchKVCache.extract`` does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -72,6 +73,10 @@ class RowBlocks:
         # around it shrinks.
         self.reserved_slots = 0
         self.batch: PooledBatch | None = None  # the batch whose buffers have a row for it
+        self.reclaim: Callable[[int], int] | None = None
+        """Called with the bytes a refused allocation lacks; returns the bytes it gave back to
+        the pool (the worker's prompt cache frees entries, least recently used first), and the
+        allocation is retried if any. None: refusals are final."""
         self._k_blocks: list[Block] = []
         # The same list object as _k_blocks when one "kv" block holds both.
         self._v_blocks: list[Block] = [] if pool.config.separate_kv else self._k_blocks
@@ -125,9 +130,16 @@ class RowBlocks:
         try:
             return self._allocate(missing + extra, wait)
         except BlockPoolExhaustedError:
-            if not extra:
+            if extra:
+                with contextlib.suppress(BlockPoolExhaustedError):
+                    return self._allocate(missing, wait)
+            # Cached memory goes before a request waits, is refused or gives way.
+            layout = self.layout
+            if self.reclaim is None or not self.reclaim(
+                missing * (layout.k_block_bytes + layout.v_block_bytes)
+            ):
                 raise
-            return self._allocate(missing, wait)
+        return self._allocate(missing, wait)
 
     def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
         """Hold the blocks :meth:`take` returned for ``n_slots`` of the request's own slots."""
@@ -235,6 +247,16 @@ class PooledRowCache:
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (a cached prefix a prompt cache copies in before the
+        request joins a batch) and return all held. Copies, so the source may go at once."""
+        if self.keys is None or self.values is None:
+            self.keys, self.values = mx.contiguous(keys), mx.contiguous(values)
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        return self.keys, self.values
 
     @classmethod
     def merge(cls, caches: Sequence[PooledRowCache]) -> PooledBatchKVCache:

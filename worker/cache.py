@@ -34,6 +34,7 @@ a snapshot cannot leak, saves with ``save_prompt_cache`` and loads with ``load_p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterable
 from types import TracebackType
@@ -151,9 +152,30 @@ class PooledSequence:
         try:
             return self._allocate(missing + extra, wait)
         except BlockPoolExhaustedError:
-            if not extra:
+            if extra:
+                with contextlib.suppress(BlockPoolExhaustedError):
+                    return self._allocate(missing)
+            if not self._reclaim(missing):
                 raise
-            return self._allocate(missing)
+        return self._allocate(missing)
+
+    def _reclaim(self, n_blocks: int) -> bool:
+        """Ask the storage's ``reclaim`` (the worker's prompt cache) for the bytes of
+        ``n_blocks`` refused blocks; whether it freed any (then the allocation is retried)."""
+        reclaim = self.storage.reclaim
+        if reclaim is None:
+            return False
+        return reclaim(n_blocks * (self.layout.k_block_bytes + self.layout.v_block_bytes)) > 0
+
+    def reserve_exactly(self, n_blocks: int) -> None:
+        """Hold ``n_blocks`` blocks per stream more, no growth reserve, in one pool call that
+        never waits and never reclaims (a prompt-cache entry's memory). On error nothing has
+        changed.
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot give them now.
+        """
+        self.adopt((self.n_blocks + n_blocks) * self.layout.block_size, self._allocate(n_blocks))
 
     def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
         """Back ``n_slots`` slots with the blocks :meth:`take` returned (on this sequence's

@@ -29,6 +29,7 @@ taken)`` (on the generation thread); and ``never_fits(n_tokens)`` says why a req
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import mlx.nn as nn
@@ -45,7 +46,8 @@ from vqpool.worker.batch_cache import (
     make_row_cache,
 )
 from vqpool.worker.client import PoolClient
-from vqpool.worker.storage import KVLayout
+from vqpool.worker.prompt_cache import PromptCache
+from vqpool.worker.storage import KVLayout, MLXBlockStorage
 
 
 class CacheSource(Protocol):
@@ -100,12 +102,39 @@ class PooledCacheSource:
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         self.layout = layout
         self._rows: dict[Owner, RowBlocks] = {}
+        self.reclaim: Callable[[int], int] | None = None
+        """Given to every request's blocks (:attr:`RowBlocks.reclaim`): the worker's prompt
+        cache, whose memory goes first when an allocation is refused."""
         self._batches: weakref.WeakSet[PooledBatch] = weakref.WeakSet()
+
+    def attach_prompt_cache(
+        self,
+        *,
+        owner_prefix: str,
+        max_bytes: int,
+        report: Callable[[dict[str, int]], None] | None = None,
+        lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+    ) -> PromptCache:
+        """A prompt cache for this model's requests, its entries in a storage of their own
+        (requests' memory is the batch buffers), whose memory goes first when an allocation of
+        a request is refused (:attr:`reclaim`)."""
+        storage = MLXBlockStorage(self.layout, separate_kv=self.pool.config.separate_kv)
+        cache = PromptCache(
+            self.pool,
+            storage,
+            owner_prefix=owner_prefix,
+            max_bytes=max_bytes,
+            report=report,
+            lost_owners=lost_owners,
+        )
+        self.reclaim = cache.release_bytes
+        return cache
 
     def open(self, owner: str) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
         the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
         row = RowBlocks(self.pool, owner, self.layout)
+        row.reclaim = self.reclaim
         self._rows[owner] = row
         return make_row_cache(row)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -79,6 +80,8 @@ from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
 from vqpool.worker.abandoned import AbandonedAllocation, granted_ids
 from vqpool.worker.reclaim_listener import ReclaimHandler, ReclaimListener
 from vqpool.worker.waiting_call import Superseded, request_waiting
+
+log = logging.getLogger("vqpool.worker")
 
 try:
     CLIENT_VERSION = version("vqpool")
@@ -195,6 +198,13 @@ class PoolClient:
         # session, so a new session (re-sync, reopen) is sent the count since then.
         self._preemptions_base = 0
         self._reclaim: ReclaimListener | None = None
+        # The prompt cache's counters as last given to report_prompt_cache(); sent likewise,
+        # until a daemon older than the argument refuses it.
+        self._prompt_cache: dict[str, int] | None = None
+        self._prompt_cache_refused = False
+        self.on_advice: Callable[[dict[str, Any]], None] | None = None
+        """Called (on the heartbeat thread, no lock held) with what the daemon's answer to a
+        load report asks of this worker: ``{drop_cache: true}`` or ``{release_bytes: n}``."""
         self.resyncs: list[dict[str, Any]] = []
         """One record per re-sync: ``{boot, seconds, owners_claimed, owners_refused,
         blocks_claimed}``."""
@@ -1010,6 +1020,13 @@ class PoolClient:
             return cost * len(blocks)
         return sum(cost.get(block.stream, 0) for block in blocks)
 
+    def report_prompt_cache(self, counters: Mapping[str, int]) -> None:
+        """Tell the daemon what the worker's prompt cache holds and did (``bytes``, ``blocks``,
+        ``entries``, ``lookups``, ``hits``, ``tokens_reused``, ``tokens_prefilled``,
+        ``evictions``): sent with the load report (see :meth:`report_load`)."""
+        self._prompt_cache = dict(counters)
+        self._heartbeat.wake()
+
     def held_blocks(self) -> Iterator[Block]:
         """The blocks this client holds, as it knows them (no round trip)."""
         return iter(list(self._blocks.values()))
@@ -1070,6 +1087,15 @@ class _Heartbeat(threading.Thread):
         """Ping soon (after LOAD_REPORT_GAP) instead of at the next interval."""
         self._wake.set()
 
+    def _advise(self, advice: dict[str, Any]) -> None:
+        handler = self._client.on_advice
+        if handler is None:
+            return
+        try:
+            handler(advice)
+        except Exception:  # the heartbeat must go on whatever the handler does
+            log.exception("following the daemon's advice %r failed", advice)
+
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
@@ -1091,11 +1117,14 @@ class _Heartbeat(threading.Thread):
                 session = client._session
                 rid = next(client._ids)
                 load = client._load
-                args: dict[str, int] = {}
+                args: dict[str, Any] = {}
                 if load is not None:
                     args = {"running": load[0], "queued": load[1]}
                     if load[2] is not None:
                         args["preemptions"] = max(0, load[2] - client._preemptions_base)
+                cached = client._prompt_cache
+                if cached is not None and not client._prompt_cache_refused:
+                    args["prompt_cache"] = cached
                 payload = encode_request(rid, "ping", args, *session)
                 try:
                     reply = connection.request(payload, rid, self.interval, "heartbeat")
@@ -1107,7 +1136,13 @@ class _Heartbeat(threading.Thread):
                     client.resync_from_heartbeat(reply.get("boot"))
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
                     client.reopen_from_heartbeat(session)  # evicted while alive
-                elif client._abandoned:
-                    client.settle_from_heartbeat()  # the daemon answers again
+                elif not reply["ok"] and "'prompt_cache'" in reply["error"]["message"]:
+                    client._prompt_cache_refused = True  # a daemon older than the argument
+                    self._wake.set()  # send the load alone at once
+                else:
+                    if reply["ok"] and isinstance(reply.get("result"), dict):
+                        self._advise(reply["result"])
+                    if client._abandoned:
+                        client.settle_from_heartbeat()  # the daemon answers again
         finally:
             connection.close()

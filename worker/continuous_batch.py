@@ -72,8 +72,8 @@ class _Prefill:
 
     job: Any
     uid: int
-    cached: list[int]  # the prompt tokens its cache holds already
-    to_prefill: list[int]
+    cached: list[int] = field(default_factory=list)  # prompt tokens its cache holds already
+    to_prefill: list[int] = field(default_factory=list)
     batch: PromptProcessingBatch | None = None
 
 
@@ -90,6 +90,10 @@ class ContinuousBatch:
         source: Where caches come from; its ``grow`` backs each forward pass.
         eos_token_ids: Tokens that finish a job with "stop".
         prefill_step_size: Prompt tokens per prefill chunk.
+        on_prefill_start: Called with a job when its prefill begins, before its cache is read:
+            a prompt cache copies a cached prefix of the prompt into the job's cache there.
+        on_joined: Called with a job once its prompt is prefilled and its row joined the batch
+            (before the next job's prefill begins): a prompt cache stores the prompt there.
     """
 
     def __init__(
@@ -99,8 +103,12 @@ class ContinuousBatch:
         *,
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
+        on_prefill_start: Callable[[Any], None] | None = None,
+        on_joined: Callable[[Any], None] | None = None,
     ) -> None:
         self.model = model
+        self.on_prefill_start = on_prefill_start
+        self.on_joined = on_joined
         self.source = source
         self.prefill_step_size = prefill_step_size
         self._stop_tokens = StopSequences([[t] for t in sorted(eos_token_ids)] or None)
@@ -112,22 +120,37 @@ class ContinuousBatch:
 
     def start(self, job: Any) -> None:
         """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
-        tokens already (a cached prefix of the prompt, at most all but its last token) is
-        prefilled with the rest of the prompt only.
+        tokens when the prefill begins (a cached prefix of the prompt, at most all but its last
+        token) is prefilled with the rest of the prompt only."""
+        self._prefilling.append(_Prefill(job, self._next_uid))
+        self._next_uid += 1
+
+    def _begin_prefill(self, pending: _Prefill) -> None:
+        """Split the job's prompt into what its cache holds and what is left to prefill.
 
         Raises:
             ValueError: The cache holds as many tokens as the prompt, or more.
         """
+        job = pending.job
+        if self.on_prefill_start is not None:
+            self.on_prefill_start(job)
         cached = job.cache[0].size()
         if cached >= len(job.prompt):
             raise ValueError(
                 f"the cache holds {cached} tokens of a {len(job.prompt)}-token prompt; it may "
                 "hold all but the prompt's last token at most"
             )
-        self._prefilling.append(
-            _Prefill(job, self._next_uid, list(job.prompt[:cached]), list(job.prompt[cached:-1]))
-        )
-        self._next_uid += 1
+        pending.cached = list(job.prompt[:cached])
+        pending.to_prefill = list(job.prompt[cached:-1])
+
+    def row_kv(self, job: Any) -> tuple[list[Any], list[int]] | None:
+        """A copy of the KV of ``job``'s row in the batch (one stock ``KVCache`` per layer)
+        and the token ids it covers; None when the job has no row in the batch."""
+        batch = self._generation
+        for i, uid in enumerate(batch.uids):
+            if self._by_uid[uid] is job:
+                return batch.extract_cache(i), list(batch.tokens[i])
+        return None
 
     def leave(self, job: Any) -> None:
         """Take ``job`` out of the batch or the prefill queue, if it is there. Before the
@@ -185,6 +208,7 @@ class ContinuousBatch:
         job = pending.job
         try:
             if pending.batch is None:
+                self._begin_prefill(pending)
                 s = job.sampling
                 sampler = self._samplers.get(s)
                 if sampler is None:
@@ -245,6 +269,8 @@ class ContinuousBatch:
                 return
         self._by_uid[uid] = job
         batch.extend(newcomer)
+        if self.on_joined is not None:
+            self.on_joined(job)
 
     def _grow(
         self, cache: list[Any], n_slots: int, outcome: StepOutcome, jobs: list[Any] | None = None

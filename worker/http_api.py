@@ -320,6 +320,7 @@ class ServingHandler(BaseHTTPRequestHandler):
             text.n_tokens,
             text.token_ids if request.return_token_ids else None,
             text.logprobs if request.logprobs else None,
+            job.cached_tokens,
         )
         self._send_json(200, response)
 
@@ -376,7 +377,9 @@ class ServingHandler(BaseHTTPRequestHandler):
             else:
                 chunk(text.finish(), ended.finish_reason, ended.detail)
             if request.include_usage and (ended is None or ended.finish_reason != "error"):
-                self._write_event(builder.usage_chunk(len(request.prompt), text.n_tokens))
+                self._write_event(
+                    builder.usage_chunk(len(request.prompt), text.n_tokens, job.cached_tokens)
+                )
             self._write_event("[DONE]")
         except OSError:  # a client that left, or stopped reading until the write timed out
             self.app.scheduler.cancel(job)

@@ -14,9 +14,10 @@ Responses are mlx-lm's server shapes: a choice ended by a stop string has ``fini
 each chunk carries the entries of its tokens). A stream carries ``usage`` only with
 ``stream_options.include_usage``, once, in a last chunk with ``choices: []`` (as OpenAI).
 Additions: a choice that ended for a reason the ``finish_reason`` alone does not tell (the KV
-pool ran out of blocks) carries ``finish_detail``; and ``return_token_ids: true`` (vLLM's name)
-adds the generated ids as ``token_ids`` to the choice (to each chunk when streaming), since
-byte-level text of a random model is lossy.
+pool ran out of blocks) carries ``finish_detail``; ``return_token_ids: true`` (vLLM's name) adds
+the generated ids as ``token_ids`` to the choice (to each chunk when streaming), since byte-level
+text of a random model is lossy. ``usage.prompt_tokens_details.cached_tokens`` counts the prompt
+tokens the worker's prompt cache gave (as OpenAI's; 0 on a miss or without a cache).
 """
 
 from __future__ import annotations
@@ -257,11 +258,13 @@ def parse_completion(
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage map; ``cached_tokens``: prompt tokens the prompt cache gave."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -309,6 +312,7 @@ class ResponseBuilder:
         n_completion: int,
         token_ids: list[int] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
+        cached_tokens: int = 0,
     ) -> dict[str, Any]:
         """The whole response of a non-streaming request (``logprobs``: its entries, if asked)."""
         ending = self._ending(finish_reason, detail, token_ids, logprobs)
@@ -317,7 +321,7 @@ class ResponseBuilder:
             response = self._envelope("chat.completion", choice)
         else:
             response = self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
-        response["usage"] = usage(n_prompt, n_completion)
+        response["usage"] = usage(n_prompt, n_completion, cached_tokens)
         return response
 
     def chunk(
@@ -338,10 +342,12 @@ class ResponseBuilder:
             return self._envelope("chat.completion.chunk", {"delta": delta, **ending})
         return self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
 
-    def usage_chunk(self, n_prompt: int, n_completion: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, n_prompt: int, n_completion: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         """The extra chunk of ``stream_options.include_usage``: no choices, only usage."""
         obj = "chat.completion.chunk" if self.kind == CHAT else "text_completion"
         response = self._envelope(obj, {})
         response["choices"] = []
-        response["usage"] = usage(n_prompt, n_completion)
+        response["usage"] = usage(n_prompt, n_completion, cached_tokens)
         return response

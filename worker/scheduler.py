@@ -50,6 +50,13 @@ With batching, a row's blocks cover the batch's buffer length, which includes it
 a short request decoding beside a long one holds blocks for the long one's length.
 ``reserve_full`` reserves the request's own prompt + ``max_tokens`` at admission, so a request
 can still run out of blocks for padding when the pool is nearly full (it then ends ``length``).
+
+* **Prompt cache** (``prompt_cache``, ``worker/prompt_cache.py``). When a job's prefill begins
+  (not at admission: a job admitted together with another of the same prefix finds it stored
+  by then), the longest cached prefix of its prompt is copied into its cache and only the rest
+  is prefilled (``job.cached_tokens``). Once its prompt is prefilled (its row joins the batch)
+  the prompt is stored, and when it ends (stop, length, cancelled) its prompt and generated
+  tokens.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.continuous_batch import ContinuousBatch
+from vqpool.worker.prompt_cache import PromptCache
 from vqpool.worker.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -171,6 +179,8 @@ class GenerationJob:
     retry_at: float = 0.0
     parked: bool = False
     cache: list[Any] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens the prompt cache gave (known once its prefill began)."""
 
 
 class Scheduler:
@@ -193,6 +203,8 @@ class Scheduler:
             token, since their blocks may be handed out again.
         prefill_step_size: Prompt tokens per prefill chunk: the most a newcomer's prefill
             delays the running jobs' next tokens.
+        prompt_cache: Reuses the KV of earlier requests (``worker/prompt_cache.py``): looked up
+            when a job's prefill starts, stored when its prompt is prefilled and when it ends.
     """
 
     def __init__(
@@ -209,6 +221,7 @@ class Scheduler:
         reserve_full: bool = True,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
@@ -226,14 +239,23 @@ class Scheduler:
         self.reserve_full = reserve_full
         self.lost_owners = lost_owners
         self.prefill_step_size = prefill_step_size
+        self.prompt_cache = prompt_cache
         self.stats = ServingStats(
-            max_concurrent=max_concurrent, pooled=source.pooled, on_load=source.report_load
+            max_concurrent=max_concurrent,
+            pooled=source.pooled,
+            on_load=source.report_load,
+            prompt_cache=None if prompt_cache is None else prompt_cache.snapshot,
         )
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
         self._batch = ContinuousBatch(
-            model, source, eos_token_ids=eos_token_ids, prefill_step_size=prefill_step_size
+            model,
+            source,
+            eos_token_ids=eos_token_ids,
+            prefill_step_size=prefill_step_size,
+            on_prefill_start=self._reuse_cached_prefix,
+            on_joined=self._store_prompt,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
@@ -498,6 +520,31 @@ class Scheduler:
         self._batch.start(job)
         self._sample_memory()
 
+    def _reuse_cached_prefix(self, job: GenerationJob) -> None:
+        """Called by the batch when ``job``'s prefill begins: copy the longest cached prefix of
+        its prompt into its cache (backed for the prompt already), so only the rest is
+        prefilled."""
+        if self.prompt_cache is not None and job.cache is not None:
+            job.cached_tokens = self.prompt_cache.reuse(job.prompt, job.cache)
+
+    def _store_prompt(self, job: GenerationJob) -> None:
+        """Called by the batch when ``job``'s prompt is prefilled and its row joined: store
+        the prompt, so jobs with the same prefix whose prefill begins next reuse it."""
+        if self.prompt_cache is not None:
+            row = self._batch.row_kv(job)
+            if row is not None:
+                self._store_in_prompt_cache(job.prompt, row[0])
+
+    def _store_in_prompt_cache(self, tokens: Sequence[int], kv: Sequence[Any]) -> None:
+        """Keep the KV of ``tokens`` (``kv``: one stock cache per layer holding them from
+        position 0, as the batch extracts a row) for later jobs."""
+        if self.prompt_cache is None or not kv:
+            return
+        n = min(len(tokens), kv[0].offset)
+        if n > 0:
+            layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in kv]
+            self.prompt_cache.store(list(tokens[:n]), layers)
+
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
         lost = self.lost_owners() if self.lost_owners is not None else None
@@ -541,7 +588,9 @@ class Scheduler:
         """``job`` reached EOS ("stop") or ``max_tokens`` ("length"); the batch already took
         its row out (its blocks are back). The seam for a prompt cache:
         ``response.prompt_cache`` holds the row's KV (stock ``KVCache`` copies, no blocks) and
-        ``response.all_tokens`` the token ids it covers."""
+        ``response.all_tokens`` the token ids it covers, kept in the prompt cache."""
+        if response.prompt_cache and response.all_tokens is not None:
+            self._store_in_prompt_cache(response.all_tokens, response.prompt_cache)
         self._end(job, reason)
 
     def _evict_for_lack_of_blocks(self, jobs: list[GenerationJob]) -> None:
@@ -583,6 +632,11 @@ class Scheduler:
         retry_after: int | None = None,
     ) -> None:
         """End ``job``: take it out of the batch, release its cache, send its JobEnd."""
+        if reason in ("stop", "cancelled"):
+            # Ended by a stop string or its client while in the batch: keep what it computed.
+            row = self._batch.row_kv(job)
+            if row is not None:
+                self._store_in_prompt_cache(row[1], row[0])
         try:
             self._batch.leave(job)
         except Exception:

@@ -2,6 +2,7 @@
 
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
+                  [--prompt-cache-bytes SIZE]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models`). The pool is a ``PoolClient`` session on the
@@ -35,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
@@ -42,6 +44,7 @@ from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCach
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.models import builtin_names, load_model, model_spec_problem
+from vqpool.worker.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from vqpool.worker.scheduler import DEFAULT_PREFILL_STEP_SIZE, Scheduler
 from vqpool.worker.storage import KVLayout
 
@@ -116,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
     )
     parser.add_argument(
+        "--prompt-cache-bytes",
+        type=_cache_bytes,
+        default=DEFAULT_MAX_BYTES,
+        metavar="SIZE",
+        help="most bytes of pool blocks the prompt cache keeps (ended requests' KV, reused by "
+        "requests with the same prefix; e.g. 512MiB; 0: no prompt cache; needs the pool) "
+        "(default: 1GiB)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=256,
@@ -147,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stderr log level (default: %(default)s)",
     )
     return parser
+
+
+def _cache_bytes(text: str) -> int:
+    try:
+        return parse_bytes(text, what="--prompt-cache-bytes", allow_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bytes_per_block(layout: KVLayout) -> dict[str, int]:
@@ -279,10 +298,27 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 described["pool_error"] = problem
             return described
 
+    owner_prefix = f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}"
+    prompt_cache: PromptCache | None = None
+    if pool is not None and isinstance(source, PooledCacheSource) and args.prompt_cache_bytes:
+        pooled, client = source, pool
+
+        def report_cache(counters: dict[str, int]) -> None:
+            client.report_prompt_cache(counters)
+            # Entries may go on another thread (the daemon's advice): /v1/stats follows.
+            scheduler.stats.set_memory(pooled.n_blocks(), pooled.nbytes())
+
+        prompt_cache = source.attach_prompt_cache(
+            owner_prefix=owner_prefix,
+            max_bytes=args.prompt_cache_bytes,
+            report=report_cache,
+            lost_owners=pool.lost_owners,
+        )
+        pool.on_advice = prompt_cache.follow_advice
     scheduler = Scheduler(
         loaded.model,
         source,
-        owner_prefix=f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}",
+        owner_prefix=owner_prefix,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_concurrent=args.max_concurrent,
         max_queue=args.max_queue,
@@ -290,7 +326,10 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         reserve_full=args.reserve == "full",
         lost_owners=None if pool is None else pool.lost_owners,
         prefill_step_size=args.prefill_step_size,
+        prompt_cache=prompt_cache,
     )
+    if prompt_cache is not None:
+        prompt_cache.report()
     app = ServingApp(
         loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
     )
@@ -313,7 +352,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         server.shutdown()
         serving.join()
         scheduler.stop()
-        if pool is not None:
+        if pool is not None:  # its goodbye frees the prompt cache's blocks too
             pool.close()
     return 0
 

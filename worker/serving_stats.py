@@ -33,7 +33,8 @@ class ServingStats:
 
     ``on_load(running, queued)``, if given, is called (under the lock, so calls arrive in order)
     whenever the number of running or queued requests changes: the pooled worker passes it on
-    to the daemon. It must not block.
+    to the daemon. It must not block. ``prompt_cache()``, if given, returns the prompt cache's
+    counters (``PromptCache.snapshot``), served as ``prompt_cache`` (null without a cache).
     """
 
     def __init__(
@@ -42,9 +43,11 @@ class ServingStats:
         max_concurrent: int,
         pooled: bool,
         on_load: Callable[[int, int], None] | None = None,
+        prompt_cache: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._on_load = on_load
+        self._prompt_cache = prompt_cache
         self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._started = time.time()
         self._max_concurrent = max_concurrent
@@ -119,4 +122,6 @@ class ServingStats:
                 peak_bytes=self._peak_bytes,
                 uptime_s=round(time.time() - self._started, 3),
             )
-            return out
+        # Outside the lock: the prompt cache has its own.
+        out["prompt_cache"] = None if self._prompt_cache is None else self._prompt_cache()
+        return out

@@ -30,7 +30,7 @@ at a time, as one mlx-lm generation is.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -189,6 +189,10 @@ class MLXBlockStorage:
         self._sequences: dict[Owner, SequenceBuffers] = {}
         # block id -> (its sequence, its index there): the map the storage exists for.
         self._where: dict[int, tuple[SequenceBuffers, int]] = {}
+        self.reclaim: Callable[[int], int] | None = None
+        """Called with the bytes a sequence's allocation lacks when the pool refused it; returns
+        the bytes it gave back to the pool (the worker's prompt cache frees entries, LRU first),
+        and the allocation is retried if any. None: refusals are final."""
 
     # -- sequences -------------------------------------------------------------------------------
 

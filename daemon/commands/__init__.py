@@ -11,6 +11,7 @@ from types import ModuleType
 from vqpool.daemon.commands import (
     audit,
     budget,
+    cache_drop,
     evict_session,
     fit,
     history,
@@ -40,5 +41,6 @@ COMMANDS: dict[str, ModuleType] = {
         model_set,
         model_list,
         fit,
+        cache_drop,
     )
 }

@@ -7,9 +7,11 @@ from typing import Any
 
 def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """What the sessions of each model hold and do: ``{model: {sessions, blocks, bytes,
-    bytes_total, running, queued}}`` with ``blocks`` and ``bytes`` per stream, and the requests
-    running and queued as the workers last reported them (None when none of the model's workers
-    reports them), models in name order."""
+    bytes_total, running, queued, prompt_cache}}`` with ``blocks`` and ``bytes`` per stream, and
+    the requests running and queued as the workers last reported them (None when none of the
+    model's workers reports them); ``prompt_cache`` sums the workers' prompt-cache reports
+    (bytes, blocks, entries, lookups, hits, tokens_reused, tokens_prefilled, evictions; its
+    bytes are part of ``bytes_total``; None when none reports one), models in name order."""
     models: dict[str, dict[str, Any]] = {}
     for session in sessions:
         model = models.setdefault(
@@ -21,6 +23,7 @@ def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "bytes_total": 0,
                 "running": None,
                 "queued": None,
+                "prompt_cache": None,
             },
         )
         model["sessions"] += 1
@@ -32,6 +35,10 @@ def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for stream, n in session["bytes"].items():
             model["bytes"][stream] = model["bytes"].get(stream, 0) + n
         model["bytes_total"] += session["bytes_total"]
+        cache = session.get("prompt_cache")
+        if cache is not None:
+            total = model["prompt_cache"] or dict.fromkeys(cache, 0)
+            model["prompt_cache"] = {k: total.get(k, 0) + n for k, n in cache.items()}
     return dict(sorted(models.items()))
 
 

@@ -9,6 +9,7 @@ from types import ModuleType
 
 from vqpool.daemon.ctl.commands import (
     budget,
+    cache,
     evict,
     fit,
     history,
@@ -30,6 +31,7 @@ COMMANDS: dict[str, ModuleType] = {
         budget,
         model,
         fit,
+        cache,
         shrink,
         evict,
         history,

@@ -2,11 +2,12 @@
 
 Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
 free and total per stream, fragmentation, what the workers of each model hold (blocks and
-bytes), and the memory budget: the budget, bytes held and free, reserves (lent) and requests
-waiting, reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions,
-and per model its bytes held, reserve, limit, weight, bytes borrowed above its reserve,
-entitlement and requests waiting (as `vqpoolctl model list`). Exits 3 when no daemon answers on
-the run directory.
+bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cache list`), and
+the memory budget: the budget, bytes held and free, reserves (lent) and requests waiting,
+reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions, and per
+model its bytes held, reserve, limit, weight, bytes borrowed above its reserve, entitlement and
+requests waiting (as `vqpoolctl model list`). Exits 3 when no daemon answers on the run
+directory.
 """
 
 from __future__ import annotations
@@ -68,11 +69,18 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
                 m["sessions"],
                 *(m["blocks"].get(s, 0) for s in streams),
                 human_bytes(m["bytes_total"]),
+                "-" if m["prompt_cache"] is None else human_bytes(m["prompt_cache"]["bytes"]),
             ]
             for name, m in models.items()
         ]
-        headers = ["MODEL", "SESSIONS", *(f"BLOCKS {s.upper()}" for s in streams), "BYTES HELD"]
-        ctl.print(table(headers, rows, right={"BYTES HELD"}))
+        headers = [
+            "MODEL",
+            "SESSIONS",
+            *(f"BLOCKS {s.upper()}" for s in streams),
+            "BYTES HELD",
+            "OF WHICH CACHED",
+        ]
+        ctl.print(table(headers, rows, right={"BYTES HELD", "OF WHICH CACHED"}))
     ctl.print()
     for line in budget_report(listing):
         ctl.print(line)

@@ -1,7 +1,8 @@
 """Live view of the pool, redrawn every INTERVAL seconds; quit with q or Ctrl-C.
 
 Shows, per stream, blocks in use against the total as a bar with the free count; per model and
-stream, the blocks its workers hold as bars (with bytes held) and the requests its workers are
+stream, the blocks its workers hold as bars (with bytes held, and on the first stream's line the
+bytes their prompt caches hold of all that) and the requests its workers are
 running and have queued (as the workers last reported them in their heartbeat; "-" for a
 worker that does not report them); fragmentation; and the rates of block allocations and of
 refused (exhausted) allocations since the previous refresh; then the memory budget (budget,
@@ -182,7 +183,10 @@ def _model_bars(
             held = model["blocks"].get(stream, 0)
             heads.append(f"{labels[name]:<{label_width}} {stream}")
             fractions.append(held / counts["total"] if counts["total"] else 0.0)
-            held_texts.append(f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}")
+            held_text = f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}"
+            if model["prompt_cache"] is not None and i == 0:
+                held_text += f" (cached {human_bytes(model['prompt_cache']['bytes'])})"
+            held_texts.append(held_text)
             loads.append(model_loads[i] if i < len(model_loads) else "")
     held_width = max(len(text) for text in held_texts)
     tails = [f"{text:<{held_width}}  {load}" for text, load in zip(held_texts, loads, strict=True)]

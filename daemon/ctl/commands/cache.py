@@ -1,0 +1,110 @@
+"""Show the workers' prompt caches per model, or make a model's workers drop theirs.
+
+cache list: one row per model: cached bytes and blocks (part of the bytes its workers hold),
+entries, lookups, hits, hit rate, prompt tokens reused from the cache and prefilled, and entries
+evicted, as the workers last reported them in their heartbeat ("-" for a model none of whose
+workers reports a prompt cache).
+
+cache drop MODEL: tell every worker of MODEL (its full name, as `vqpoolctl sessions` shows it) to
+drop its prompt cache. The daemon tells each worker in the answer to its next heartbeat (within
+a quarter of the lease), so the blocks come back within that time, not at once. Exits 4 when no
+worker of MODEL is connected.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vqpool.daemon.ctl.context import Ctl
+from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, Exit
+from vqpool.daemon.ctl.options import add_json, common_options
+from vqpool.daemon.ctl.render import human_bytes, percent, table
+from vqpool.daemon.ctl.summaries import per_model
+
+LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    common = common_options()
+    listing = actions.add_parser(
+        "list",
+        help="the prompt caches per model",
+        description=LIST_HELP,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    add_json(listing)
+    dropping = actions.add_parser(
+        "drop",
+        help="make a model's workers drop their prompt cache",
+        description=DROP_HELP,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    dropping.add_argument("name", metavar="MODEL", help="the model's full name")
+    add_json(dropping)
+
+
+def _list(ctl: Ctl) -> int:
+    models = {
+        name: model["prompt_cache"] for name, model in per_model(ctl.call("sessions")).items()
+    }
+    if ctl.as_json:
+        ctl.print_json(models)
+        return Exit.OK
+    rows = []
+    for name, cache in models.items():
+        if cache is None:
+            rows.append([name, *["-"] * 9])
+            continue
+        rate = percent(cache["hits"] / cache["lookups"]) if cache["lookups"] else "-"
+        rows.append(
+            [
+                name,
+                human_bytes(cache["bytes"]),
+                cache["blocks"],
+                cache["entries"],
+                cache["lookups"],
+                cache["hits"],
+                rate,
+                cache["tokens_reused"],
+                cache["tokens_prefilled"],
+                cache["evictions"],
+            ]
+        )
+    headers = [
+        "MODEL",
+        "CACHED",
+        "BLOCKS",
+        "ENTRIES",
+        "LOOKUPS",
+        "HITS",
+        "HIT RATE",
+        "TOKENS REUSED",
+        "PREFILLED",
+        "EVICTED",
+    ]
+    ctl.print(table(headers, rows, right=set(headers[1:])) if rows else "no worker sessions")
+    return Exit.OK
+
+
+def _drop(ctl: Ctl, args: argparse.Namespace) -> int:
+    result = ctl.call("cache_drop", model=args.name)
+    if ctl.as_json:
+        ctl.print_json(result)
+        return Exit.OK
+    ctl.print(
+        f"model {result['model']}: {result['sessions']} worker session(s) told to drop their "
+        f"prompt cache ({human_bytes(result['cached_bytes'])} cached as last reported); they "
+        "do at their next heartbeat"
+    )
+    return Exit.OK
+
+
+def run(ctl: Ctl, args: argparse.Namespace) -> int:
+    if args.action == "list":
+        return _list(ctl)
+    return _drop(ctl, args)

@@ -1,0 +1,375 @@
+"""The worker's prompt cache: the KV of ended requests, kept in pool blocks and reused by requests
+that start with the same tokens.
+
+A chat's next turn starts with the previous turn's prompt and answer, users of one deployment
+share a system prompt, a client retries a request: each of those prompts starts with tokens whose
+keys and values a request computed already. :class:`PromptCache` keeps them and gives them back:
+
+* **Entries.** An entry is the KV of one token sequence of at least one block (``block_size`` =
+  16 tokens), held as a :class:`~vqpool.worker.cache.PooledSequence` of its own under the owner id
+  ``{owner_prefix}-cache-{n}`` in the worker's shared :class:`MLXBlockStorage`. Its blocks are
+  pool blocks like a request's: the daemon counts them in the model's bytes, claims them back
+  after a restart, and the storage's bytes are blocks held x bytes per block, cache included.
+* **Keys.** Entries are found by token ids at block granularity: block ``i`` of a sequence has
+  the key ``hash((key of block i-1, its 16 token ids))``, and the index maps each key to the
+  entries holding that prefix. The longest cached prefix of a prompt is found with one dict look
+  per whole block, then extended token by token into the next block of the entries found, and
+  checked token by token once (a hash collision is a miss, never a wrong hit).
+* **Reuse** (:meth:`PromptCache.reuse`, when a request starts): the longest cached prefix, at
+  least one whole block and at most ``len(prompt) - 1`` tokens (mlx-lm computes the logits of
+  the next token from at least one prefilled token), is **copied** into the request's own
+  cache through mlx-lm's cache protocol (``update_and_fetch`` per layer); the request prefills
+  only the rest. The request keeps its own blocks and the entry stays (docs/cache.md: why).
+* **Store** (:meth:`PromptCache.store`, when a request ended, and once its prompt is prefilled):
+  its token ids with their KV are copied into a new entry, unless an entry holds
+  them all already; entries whose tokens are a prefix of the new one are then given back (the
+  new entry answers every lookup they answered: a chat keeps one entry, its latest turn).
+* **Memory.** At most ``max_bytes`` (LRU eviction makes room; an entry larger than that is not
+  kept). An entry is allocated without waiting: when the pool or the budget is short, nothing is
+  stored. :meth:`release_bytes` gives entries back, least recently used first; the storage
+  calls it (``MLXBlockStorage.reclaim``) when an allocation of this worker is refused, before
+  the allocation is retried, waits or fails: cached memory goes first. :meth:`follow_advice`
+  obeys the daemon's answer to a load report (``drop_cache``, ``release_bytes``).
+
+Thread-safe: one lock around every entry change; the generation thread reuses and stores, the
+admission and heartbeat threads may release. Entries whose owner the pool lost (a daemon
+restart conflict, an eviction of the session) are dropped before a lookup: a miss, never a hit
+on blocks that are no longer this worker's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from vqpool.shared.pool import BlockPool
+from vqpool.worker.cache import PooledSequence
+from vqpool.worker.storage import MLXBlockStorage
+
+log = logging.getLogger("vqpool.worker")
+
+DEFAULT_MAX_BYTES = 1 << 30
+"""``--prompt-cache-bytes`` when not given: 1 GiB per worker."""
+
+_REPORTED = (
+    "bytes",
+    "blocks",
+    "entries",
+    "lookups",
+    "hits",
+    "tokens_reused",
+    "tokens_prefilled",
+    "evictions",
+)
+"""What :meth:`PromptCache.report` sends the daemon (the load report's ``prompt_cache``)."""
+
+
+def block_keys(tokens: Sequence[int], n_blocks: int, block_size: int) -> list[int]:
+    """The chain keys of the first ``n_blocks`` whole blocks of ``tokens``."""
+    keys: list[int] = []
+    key = 0
+    for i in range(n_blocks):
+        key = hash((key, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One cached token sequence and the pool sequence holding its KV (its last block may be
+    partly filled; ``keys`` are those of its whole blocks)."""
+
+    number: int
+    tokens: tuple[int, ...]
+    keys: list[int]
+    sequence: PooledSequence
+    nbytes: int
+    n_blocks: int
+
+
+class PromptCache:
+    """Cached KV of one model's token sequences in pool blocks (see the module docstring).
+
+    Args:
+        pool: Where entry blocks come from (the worker's ``PoolClient``, or a local allocator).
+        storage: The worker's storage for this model (requests' sequences live there too).
+        owner_prefix: Entry owner ids are ``{owner_prefix}-cache-{n}``.
+        max_bytes: Most bytes the entries may hold; 0 keeps nothing.
+        report: Called with the counters (:data:`_REPORTED`) after each change, without
+            blocking (``PoolClient.report_prompt_cache`` sends them with the next heartbeat).
+        lost_owners: The pool's owners that are no longer this worker's (``PoolClient``).
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        storage: MLXBlockStorage,
+        *,
+        owner_prefix: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        report: Callable[[dict[str, int]], None] | None = None,
+        lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"PromptCache: max_bytes must be >= 0, got {max_bytes}")
+        self.pool = pool
+        self.storage = storage
+        self.owner_prefix = owner_prefix
+        self.max_bytes = max_bytes
+        self.block_size = storage.layout.block_size
+        self._bytes_per_block_index = storage.layout.k_block_bytes + storage.layout.v_block_bytes
+        self._report = report
+        self._lost_owners = lost_owners
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        self._lru: OrderedDict[int, CacheEntry] = OrderedDict()  # least recently used first
+        self._index: dict[int, dict[CacheEntry, None]] = {}
+        self.nbytes = 0
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "tokens_reused",
+                "tokens_prefilled",
+                "evictions",
+                "stores",
+                "stores_skipped",
+                "superseded",
+            ),
+            0,
+        )
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def _match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CacheEntry | None, int]:
+        """The entry holding the longest prefix of ``tokens`` (at most ``max_tokens``) and that
+        prefix's length; (None, 0) when none. The caller holds the lock.
+
+        Whole blocks are found by key; then, among the entries holding them, the one whose next
+        (possibly partial) block shares the most tokens with ``tokens`` extends the match token
+        by token. At least one whole block must match.
+        """
+        bs = self.block_size
+        key = 0
+        holders: dict[CacheEntry, None] | None = None
+        depth = 0
+        for i in range(max_tokens // bs):
+            key = hash((key, tuple(tokens[i * bs : (i + 1) * bs])))
+            found = self._index.get(key)
+            if not found:
+                break
+            holders, depth = found, i + 1
+        if holders is None:
+            return None, 0
+        start = depth * bs
+        wanted = tuple(tokens[start:max_tokens])
+        best: CacheEntry | None = None
+        best_n = -1
+        for entry in reversed(holders):  # the most recently stored first among equals
+            tail = entry.tokens[start : start + bs]
+            n = 0
+            for mine, theirs in zip(tail, wanted, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = entry, n
+        assert best is not None
+        n_tokens = start + best_n
+        if best.tokens[:n_tokens] != tuple(tokens[:n_tokens]):
+            return None, 0  # a hash collision: a miss, never a wrong hit
+        return best, n_tokens
+
+    def reuse(self, prompt: Sequence[int], cache: Sequence[Any]) -> int:
+        """Copy the longest cached prefix of ``prompt`` into ``cache`` (a fresh per-layer mlx-lm
+        cache list, empty, backed for the prompt) and return its length in tokens (0: a miss).
+
+        The request then prefills ``prompt[n:]``. The copy is evaluated before this returns, so
+        the entry may be evicted at once after.
+        """
+        with self._lock:
+            self._drop_lost()
+            self.counters["lookups"] += 1
+            entry, n = self._match(prompt, len(prompt) - 1)
+            if entry is not None:
+                buffers = entry.sequence.buffers
+                for i, layer in enumerate(cache):
+                    layer.update_and_fetch(
+                        buffers.keys[i][..., :n, :], buffers.values[i][..., :n, :]
+                    )
+                mx.eval([layer.state for layer in cache])
+                self._lru.move_to_end(entry.number)
+                self.counters["hits"] += 1
+                self.counters["tokens_reused"] += n
+            self.counters["tokens_prefilled"] += len(prompt) - n
+        self.report()
+        return n
+
+    # -- stores ----------------------------------------------------------------------------------
+
+    def store(self, tokens: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> bool:
+        """Keep the KV of ``tokens``: ``layers`` is (keys, values) per layer, shaped
+        (1, n_kv_heads, T, head_dim), position i holding token i (mlx-lm's ``state`` of a
+        cache). The first min(T, len(tokens)) tokens are kept (at least one whole block, else
+        nothing). Whether a new entry was made (not when an entry holds them all, nothing is
+        kept, or the pool is short: a store never waits for memory and never fails the caller).
+        """
+        if not layers or self.max_bytes == 0:
+            return False
+        n = min(len(tokens), layers[0][0].shape[2])
+        if n < self.block_size:
+            return False
+        kept = tuple(tokens[:n])
+        n_blocks = -(-n // self.block_size)
+        need = n_blocks * self._bytes_per_block_index
+        with self._lock:
+            entry, held = self._match(kept, n)
+            if entry is not None and held == n:
+                self._lru.move_to_end(entry.number)
+                return False
+            if need > self.max_bytes:
+                self.counters["stores_skipped"] += 1
+                return False
+            while self._lru and self.nbytes + need > self.max_bytes:
+                self._evict(next(iter(self._lru.values())))
+            created = self._create(kept, n_blocks, need, layers)
+        self.report()
+        return created
+
+    def _create(
+        self,
+        tokens: tuple[int, ...],
+        n_blocks: int,
+        need: int,
+        layers: Sequence[tuple[mx.array, mx.array]],
+    ) -> bool:
+        """A new entry for ``tokens`` with a copy of their KV; the caller holds the lock."""
+        n = len(tokens)
+        number = next(self._numbers)
+        try:
+            owner = f"{self.owner_prefix}-cache-{number}"
+            sequence = PooledSequence(self.pool, owner, self.storage)
+            try:
+                # Never waits and never reclaims: an entry takes no memory from anyone.
+                sequence.reserve_exactly(n_blocks)
+                buffers = sequence.buffers
+                for i, (layer_keys, layer_values) in enumerate(layers):
+                    buffers.keys[i][..., :n, :] = layer_keys[..., :n, :]
+                    buffers.values[i][..., :n, :] = layer_values[..., :n, :]
+                mx.eval(buffers.keys, buffers.values)
+                sequence.offsets = [n] * len(sequence.offsets)
+                sequence.sync_usage(n)  # the last block's fill, when partial
+            except BaseException:
+                sequence.release()
+                raise
+        except Exception as exc:  # the pool is short (or gone): the request is not affected
+            log.debug("prompt cache: not storing %d tokens: %s", n, exc)
+            self.counters["stores_skipped"] += 1
+            return False
+        keys = block_keys(tokens, n // self.block_size, self.block_size)
+        entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
+        self._lru[number] = entry
+        for key in keys:
+            self._index.setdefault(key, {})[entry] = None
+        self.nbytes += need
+        self.counters["stores"] += 1
+        # Entries whose tokens are a prefix of these answer no lookup the new one does not.
+        for depth, key in enumerate(keys, start=1):
+            for older in list(self._index.get(key, ())):
+                if (
+                    older is not entry
+                    and len(older.keys) == depth
+                    and older.tokens == tokens[: len(older.tokens)]
+                ):
+                    self._remove(older)
+                    self.counters["superseded"] += 1
+        return True
+
+    # -- giving memory back ----------------------------------------------------------------------
+
+    def _remove(self, entry: CacheEntry) -> int:
+        """Forget ``entry`` and give its blocks back; its bytes. The caller holds the lock."""
+        del self._lru[entry.number]
+        for key in entry.keys:
+            holders = self._index.get(key)
+            if holders is not None:
+                holders.pop(entry, None)
+                if not holders:
+                    del self._index[key]
+        self.nbytes -= entry.nbytes
+        try:
+            entry.sequence.release()
+        except Exception as exc:  # the storage dropped the memory; the daemon reclaims the rest
+            log.warning("prompt cache: releasing %s failed: %s", entry.sequence.owner, exc)
+        return entry.nbytes
+
+    def _evict(self, entry: CacheEntry) -> int:
+        self.counters["evictions"] += 1
+        return self._remove(entry)
+
+    def release_bytes(self, n_bytes: int) -> int:
+        """Give back entries, least recently used first, until ``n_bytes`` are freed (or none is
+        left); the bytes freed."""
+        with self._lock:
+            freed = 0
+            while self._lru and freed < n_bytes:
+                freed += self._evict(next(iter(self._lru.values())))
+        if freed:
+            log.info("prompt cache: released %d bytes for memory asked elsewhere", freed)
+            self.report()
+        return freed
+
+    def drop(self) -> int:
+        """Give back every entry; the bytes freed."""
+        with self._lock:
+            freed = sum(self._evict(entry) for entry in list(self._lru.values()))
+        self.report()
+        return freed
+
+    def follow_advice(self, advice: Mapping[str, Any]) -> None:
+        """What the daemon's answer to a load report asks: ``drop_cache`` (``vqpoolctl cache
+        drop``) gives every entry back, ``release_bytes`` (memory is wanted elsewhere) that many
+        bytes, least recently used first."""
+        if advice.get("drop_cache"):
+            freed = self.drop()
+            log.info("prompt cache dropped on the daemon's request: %d bytes freed", freed)
+        elif isinstance(advice.get("release_bytes"), int) and advice["release_bytes"] > 0:
+            self.release_bytes(advice["release_bytes"])
+
+    def _drop_lost(self) -> None:
+        """Drop entries whose owner the pool lost; the caller holds the lock."""
+        lost = self._lost_owners() if self._lost_owners is not None else None
+        if not lost:
+            return
+        for entry in list(self._lru.values()):
+            if entry.sequence.owner in lost:
+                log.warning("prompt cache: entry %s was lost: dropped", entry.sequence.owner)
+                self._evict(entry)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters and levels: ``bytes``, ``blocks`` (K and V counted apart, as the daemon
+        does), ``entries``, ``max_bytes``, and the counters (lookups, hits, tokens_reused,
+        tokens_prefilled, evictions, stores, stores_skipped, superseded)."""
+        with self._lock:
+            streams = 2 if self.storage.separate_kv else 1
+            return {
+                "bytes": self.nbytes,
+                "blocks": streams * sum(e.n_blocks for e in self._lru.values()),
+                "entries": len(self._lru),
+                "max_bytes": self.max_bytes,
+                **self.counters,
+            }
+
+    def report(self) -> None:
+        """Pass the counters the daemon shows to ``report`` (if any)."""
+        if self._report is not None:
+            snapshot = self.snapshot()
+            self._report({name: snapshot[name] for name in _REPORTED})
