@@ -237,16 +237,15 @@ def copy_costs(model_dir: Path, n_tokens: int) -> dict[str, float]:
     from vqpool.shared import BlockPoolAllocator, PoolConfig
     from vqpool.worker.cache import make_pooled_cache
     from vqpool.worker.cache_source import PooledCacheSource
-    from vqpool.worker.prompt_cache import PromptCache
 
     model = load(str(model_dir))[0]
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1 << 14))
     source = PooledCacheSource(model, pool)
-    cache = PromptCache(pool, source.storage, owner_prefix="b", max_bytes=1 << 34)
+    cache = source.attach_prompt_cache(owner_prefix="b", max_bytes=1 << 34)
     tokens = [(7 * i) % 300 + 4 for i in range(n_tokens + 1)]
     times: dict[str, list[float]] = {"prefill_ms": [], "store_ms": [], "reuse_ms": []}
     for i in range(6):
-        request = make_pooled_cache(model, pool, f"r{i}", storage=source.storage)
+        request = make_pooled_cache(model, pool, f"r{i}", storage=cache.storage)
         request.sequence.reserve(n_tokens + 2)
         started = time.perf_counter()
         next(generate_step(mx.array(tokens), model, max_tokens=1, prompt_cache=request))
@@ -256,7 +255,7 @@ def copy_costs(model_dir: Path, n_tokens: int) -> dict[str, float]:
         cache.store(tokens, [layer.state for layer in request])
         times["store_ms"].append(time.perf_counter() - started)
         request.release()
-        reader = make_pooled_cache(model, pool, f"q{i}", storage=source.storage)
+        reader = make_pooled_cache(model, pool, f"q{i}", storage=cache.storage)
         reader.sequence.reserve(n_tokens + 2)
         started = time.perf_counter()
         reused = cache.reuse(tokens, reader)
