@@ -24,6 +24,7 @@ from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tm
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING
+from serving_harness import ServingStack
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 from vqpool.worker import KVLayout, PoolClient
 from vqpool.worker.cache_source import PooledCacheSource
@@ -361,3 +362,24 @@ def test_worker_refuses_a_sliding_window_model_dir_in_one_line(daemon: DaemonPro
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert_one_line_refusal(lines[0], "layer 1 uses RotatingKVCache")
+
+
+def test_worker_serves_a_fused_qkv_model_dir_pooled() -> None:
+    # phi3 was refused before the layout was probed (no k_proj / v_proj to read).
+    from mlx_lm import generate, load
+
+    base = short_tmpdir("vqa")
+    model_dir = str(write_config_dir(base / "phi3", CONFIGS["phi3"]))
+    stack = ServingStack([model_dir]).start()
+    try:
+        model, tokenizer = load(model_dir)
+        expected = generate(model, tokenizer, "A key-value cache keeps", max_tokens=24)
+        assert expected
+        body = {"prompt": "A key-value cache keeps", "max_tokens": 24}
+        reply = stack.complete(model_dir, body)
+        assert reply.status == 200, reply
+        assert reply.body["choices"][0]["text"] == expected
+        stack.wait_for_no_blocks()
+    finally:
+        stack.stop()
+        remove_tree(base)
