@@ -211,10 +211,10 @@ class MlxLmServer:
 
 
 def start_server(
-    kind: str, model_dir: Path, base: Path, run_dir: Path, max_concurrent: int
+    kind: str, model_dir: Path, log: Path, run_dir: Path, max_concurrent: int
 ) -> tuple[str, Callable[[], object]]:
-    """Start one server of ``kind`` on ``model_dir``; its URL and how to stop it."""
-    log = base / f"{kind.replace(' ', '_').replace('-', '')}.log"
+    """Start one server of ``kind`` on ``model_dir`` logging to ``log`` (a new file: a worker's
+    ready line is looked for there); its URL and how to stop it."""
     if kind == "mlx_lm.server":
         mlx = MlxLmServer(model_dir, log)
         try:
@@ -352,7 +352,8 @@ def bench_model(
         warm_up = make_prompts(model_dir, 1, 8, seed=-1 - round_no)
         order = SERVERS[round_no % 3 :] + SERVERS[: round_no % 3]
         for kind in order:
-            url, stop = start_server(kind, model_dir, base, run_dir, max(args.concurrency))
+            log = base / f"{name}-{round_no}-{kind.replace(' ', '_').replace('-', '')}.log"
+            url, stop = start_server(kind, model_dir, log, run_dir, max(args.concurrency))
             try:
                 run_batch(url, warm_up, 4)
                 for c in args.concurrency:
