@@ -189,6 +189,15 @@ def test_pooled_greedy_matches_stock_in_process(arch: str) -> None:
     assert {stream: pool.n_free(stream) for stream in POOL_CONFIG.streams} == free
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_quantized_weights_pool_with_the_dtype_they_write(arch: str) -> None:
+    # mlx-community models ship 4-bit weights: keys and values come out in the scales' dtype.
+    model = build_random_model(CONFIGS[arch], seed=SEEDS.get(arch, 0))
+    nn.quantize(model, group_size=32, bits=4)
+    assert KVLayout.from_model(model).dtype == mx.float32
+    assert_identity_and_bytes(model, BlockPoolAllocator(POOL_CONFIG), f"{arch}-4bit")
+
+
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     base = short_tmpdir("vqa")
