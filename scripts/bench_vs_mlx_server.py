@@ -29,6 +29,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -375,6 +376,10 @@ def bench_model(
     return results
 
 
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def median_of(batches: list[Batch], field: str) -> float:
     return statistics.median(getattr(b, field) for b in batches)
 
@@ -389,8 +394,9 @@ def report(
     name: str, results: dict[tuple[str, int], list[Batch]], args: argparse.Namespace
 ) -> None:
     mlx, pooled, stock = SERVERS
-    print(f"\n### {name}: {MODELS[name][0]['hidden_size']} hidden x "
-          f"{MODELS[name][0]['num_hidden_layers']} layers, {MODELS[name][1]}\n")  # fmt: skip
+    config, dtype = MODELS[name]
+    layers = config["num_hidden_layers"]
+    print(f"\n### {name}: {config['hidden_size']} hidden x {layers} layers, {_dtype_name(dtype)}\n")
     print(
         "| concurrency | mlx_lm.server tok/s | vqpool pooled tok/s | vqpool --no-pool tok/s "
         "| pooled / mlx_lm.server | pooled / --no-pool | TTFT p50 pooled / mlx_lm.server |"
@@ -422,6 +428,11 @@ def report(
             )
 
 
+def _load() -> str:
+    """The 1/5/15-minute load averages: how busy the machine was (other processes too)."""
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> int:
     args = parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqvsmlx-", dir="/tmp"))
@@ -433,7 +444,7 @@ def main() -> int:
             f"streaming completions, ~{args.prompt_tokens}-token prompts, {args.max_tokens} "
             f"tokens generated, temperature 0; concurrency {args.concurrency}; {args.rounds} "
             "round(s), servers one at a time in rotating order; medians over rounds "
-            "(ratios: medians of per-round ratios)",
+            f"(ratios: medians of per-round ratios); load average {_load()} at start",
             flush=True,
         )
         for name in args.models:
@@ -442,6 +453,7 @@ def main() -> int:
             never_emit_eos(model_dir)
             results = bench_model(name, model_dir, args, base, run_dir)
             report(name, results, args)
+        print(f"\nload average {_load()} at the end (2 vCPUs shared: read ratios, not absolutes)")
         return 0
     finally:
         daemon.stop()
