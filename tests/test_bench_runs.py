@@ -44,6 +44,15 @@ QUICK_RUNS = {
             "copy costs in-process",
         ),
     ),
+    "bench_vs_mlx_server.py": (
+        120,
+        (
+            "| concurrency | mlx_lm.server tok/s | vqpool pooled tok/s | vqpool --no-pool tok/s",
+            "| 2 | vqpool pooled |",
+            "| 2 | vqpool --no-pool |",
+            "| 2 | mlx_lm.server |",
+        ),
+    ),
     "bench_budget.py": (
         240,
         (

@@ -90,7 +90,7 @@ def test_layout_from_model_matches_what_layers_write(name: str) -> None:
 def test_layout_from_model_refuses_unknown_layers() -> None:
     model = nn.Module()
     model.layers = [nn.Linear(2, 2)]
-    with pytest.raises(ValueError, match="self_attn"):
+    with pytest.raises(ValueError, match="one-token forward pass failed"):
         KVLayout.from_model(model)
 
 

@@ -46,6 +46,7 @@ from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cach
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import AllocationRequest, BlockPool
+from vqpool.worker.kv_probe import unpoolable_reason
 from vqpool.worker.storage import KVLayout, MLXBlockStorage
 
 # A growing sequence also reserves 1/RESERVE_DIVISOR of the blocks it needs, so its buffers are
@@ -530,12 +531,9 @@ def make_pooled_cache(
             ``storage`` does not fit the model or the pool.
         OwnerAlreadyActiveError: ``owner`` is active in the pool.
     """
-    stock_kinds = {type(cache).__name__ for cache in make_prompt_cache(model)}
-    if stock_kinds != {"KVCache"}:
-        raise ValueError(
-            "make_pooled_cache: the model's layers use cache kinds "
-            f"{sorted(stock_kinds)}; a pooled cache replaces full-attention KVCache layers only"
-        )
+    reason = unpoolable_reason(make_prompt_cache(model))
+    if reason is not None:
+        raise ValueError(f"make_pooled_cache: {reason}")
     if storage is None:
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         storage = MLXBlockStorage(layout, separate_kv=pool.config.separate_kv)

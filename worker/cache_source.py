@@ -46,6 +46,7 @@ from vqpool.worker.batch_cache import (
     make_row_cache,
 )
 from vqpool.worker.client import PoolClient
+from vqpool.worker.kv_probe import unpoolable_reason
 from vqpool.worker.prompt_cache import PromptCache
 from vqpool.worker.storage import KVLayout, MLXBlockStorage
 
@@ -91,12 +92,9 @@ class PooledCacheSource:
     def __init__(self, model: nn.Module, pool: BlockPool) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
         rather than at each request)."""
-        kinds = {type(cache).__name__ for cache in make_prompt_cache(model)}
-        if kinds != {"KVCache"}:
-            raise ValueError(
-                f"the model's layers use cache kinds {sorted(kinds)}; the pooled cache serves "
-                "full-attention (KVCache) layers only: run this model with --no-pool"
-            )
+        reason = unpoolable_reason(make_prompt_cache(model))
+        if reason is not None:
+            raise ValueError(reason)
         self.model = model
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)

@@ -60,6 +60,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 """The architectures :func:`write_model_dir` builds (model args apart from the vocabulary)."""
 
+# config.json's name of each weight dtype (mlx_lm.load reads the dtype off the weights).
+_TORCH_DTYPE_NAMES: dict[mx.Dtype, str] = {
+    mx.float32: "float32",
+    mx.float16: "float16",
+    mx.bfloat16: "bfloat16",
+}
+
 _TRAINING_TEXT = """\
 A key-value cache keeps the keys and values of every token a model has seen, so that each new
 token attends to the past without computing it again. The cache grows with the context: one
@@ -97,16 +104,26 @@ def write_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    return write_config_dir(path, ARCHITECTURES[arch], seed)
+
+
+def write_config_dir(
+    path: Path, model_args: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32
+) -> Path:
+    """Write a loadable model directory at ``path`` (created if missing) for any mlx-lm
+    architecture: ``model_args`` are its ``config.json`` args (``model_type`` included) apart
+    from the vocabulary, which the tokenizer sets; weights are random, of ``dtype``. Returns
+    ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = build_tokenizer_json()
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     config = {
-        **ARCHITECTURES[arch],
+        **model_args,
         "vocab_size": len(vocab),
         "eos_token_id": vocab[EOS_TOKEN],
-        "torch_dtype": "float32",
+        "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
     }
-    model = build_random_model(config, seed)
+    model = build_random_model(config, seed, dtype)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))

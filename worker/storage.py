@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.allocator import DEFAULT_BLOCK_SIZE, Owner
+from vqpool.worker.kv_probe import probe_kv_layout
 
 # The pool's block format tag for each dtype a cache can hold (Block.format).
 _FORMAT_OF_DTYPE: dict[mx.Dtype, str] = {
@@ -77,44 +78,22 @@ class KVLayout:
 
     @classmethod
     def from_model(cls, model: nn.Module, block_size: int = DEFAULT_BLOCK_SIZE) -> KVLayout:
-        """Read the layout off an mlx-lm model whose layers have a ``self_attn`` with
-        ``n_kv_heads`` and ``k_proj``/``v_proj`` (llama, qwen2, qwen3, mistral, ... families).
-
-        Head dims come from the projections' output sizes, the dtype from the key projection
-        (its ``scales`` for a quantized model), i.e. what the layer really writes to its cache.
+        """Read the layout off the keys and values an mlx-lm model's layers write to their
+        caches in a one-token forward pass (see :mod:`vqpool.worker.kv_probe`), whatever its
+        attention modules look like: separate or fused projections, q/k norms, biases.
 
         Raises:
-            ValueError: The model's layers do not look like that, or differ from each other.
+            ValueError: One line: a layer whose cache is not mlx-lm's plain ``KVCache``
+                (sliding window, state-space, quantized, ...), layers that write different
+                layouts, or a model the probe cannot run.
         """
-        layers = getattr(model, "layers", None)
-        if not layers:
-            raise ValueError("KVLayout.from_model: the model has no 'layers'")
-        layouts = {cls._layer_layout(layer, len(layers), block_size) for layer in layers}
-        if len(layouts) != 1:
-            raise ValueError(
-                "KVLayout.from_model: layers have different KV layouts; a pooled cache needs "
-                f"one layout for all layers, got {sorted(map(repr, layouts))}"
-            )
-        return layouts.pop()
-
-    @classmethod
-    def _layer_layout(cls, layer: nn.Module, n_layers: int, block_size: int) -> KVLayout:
-        attn = getattr(layer, "self_attn", None)
-        n_kv_heads = getattr(attn, "n_kv_heads", None)
-        k_proj = getattr(attn, "k_proj", None)
-        v_proj = getattr(attn, "v_proj", None)
-        if not isinstance(n_kv_heads, int) or k_proj is None or v_proj is None:
-            raise ValueError(
-                "KVLayout.from_model: expected layers with self_attn.n_kv_heads, k_proj and "
-                f"v_proj; got {type(attn).__name__}. Build the KVLayout by hand for this model."
-            )
-        dtype = getattr(k_proj, "scales", k_proj.weight).dtype
+        probed = probe_kv_layout(model)
         return cls(
-            n_layers=n_layers,
-            n_kv_heads=n_kv_heads,
-            k_head_dim=k_proj.weight.shape[0] // n_kv_heads,
-            v_head_dim=v_proj.weight.shape[0] // n_kv_heads,
-            dtype=dtype,
+            n_layers=probed.n_layers,
+            n_kv_heads=probed.n_kv_heads,
+            k_head_dim=probed.k_head_dim,
+            v_head_dim=probed.v_head_dim,
+            dtype=probed.dtype,
             block_size=block_size,
         )
 
