@@ -21,14 +21,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tmpdir
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING
 from serving_harness import ServingStack
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 from vqpool.worker import KVLayout, PoolClient
+from vqpool.worker.batch_probe import batching_problem
+from vqpool.worker.cache import make_pooled_cache
 from vqpool.worker.cache_source import PooledCacheSource
 from vqpool.worker.model_dirs import write_config_dir
+from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler
 from vqpool.worker.tiny_models import build_random_model
 
 _COMMON: dict[str, Any] = {
@@ -130,24 +133,88 @@ def greedy(model: nn.Module, cache: list[Any], n_tokens: int) -> tuple[list[int]
 
 
 def assert_identity_and_bytes(model: nn.Module, pool: BlockPool, what: str) -> None:
-    """Greedy tokens and logprobs of a pooled cache (through the worker's cache source) equal
+    """Greedy tokens and logprobs of a pooled cache (one request, ``make_pooled_cache``) equal
     stock mlx-lm's; the storage holds exactly blocks held x bytes per block; all goes back."""
     ref_tokens, ref_lp = greedy(model, make_prompt_cache(model), GEN_LEN)
     assert len(set(ref_tokens)) >= 10, f"{what}: tokens barely vary, nothing is compared"
-    source = PooledCacheSource(model, pool)
-    cache = source.open(f"arch-{what}")
+    cache = make_pooled_cache(model, pool, f"arch-{what}")
+    storage = cache.sequence.storage
     try:
         tokens, lp = greedy(model, cache, GEN_LEN)
         assert tokens == ref_tokens, f"{what}: tokens differ from stock KVCache"
         assert mx.array_equal(lp, ref_lp).item(), f"{what}: logprobs differ from stock KVCache"
         held = pool.blocks_for(f"arch-{what}")
-        assert held and source.n_blocks() == len(held)
-        assert source.nbytes() == sum(source.storage.bytes_per_block(b.stream) for b in held)
-        assert source.nbytes() == source.storage.expected_nbytes()
+        assert held and storage.n_blocks == len(held)
+        assert storage.nbytes == sum(storage.bytes_per_block(b.stream) for b in held)
+        assert storage.nbytes == storage.expected_nbytes()
     finally:
-        source.release(cache)
+        cache.release()
     assert pool.blocks_for(f"arch-{what}") == []
-    assert source.nbytes() == 0 and source.n_blocks() == 0
+    assert storage.nbytes == 0 and storage.n_blocks == 0
+
+
+# Architectures whose mlx-lm model files cannot run a batch of left-padded rows (gemma2's
+# attention mask does not broadcast over its query groups; mlx-lm's batch_generate fails too).
+UNBATCHABLE = {"gemma2"}
+
+
+class NoEosTokenizer:
+    """What ``batch_generate`` asks of a tokenizer: no EOS (every request runs to max_tokens)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, tokens: list[int]) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_batched_pooled_greedy_matches_mlx_batch_generate(arch: str) -> None:
+    """The worker's batched path (its scheduler over pooled rows, left padding and requests
+    leaving at different lengths) gives mlx-lm's own batched tokens on every architecture; a
+    model mlx-lm cannot batch (gemma2) is found at start and decoded one request at a time,
+    with the tokens of mlx-lm's single-request path."""
+    model = tiny(arch)
+    prompts = [[(i * 37 + j * 11 + 5) % 256 for j in range(n)] for i, n in enumerate((5, 21, 12))]
+    max_tokens = [14, 8, 11]
+    unbatchable = batching_problem(model)
+    assert (unbatchable is not None) == (arch in UNBATCHABLE), unbatchable
+    if unbatchable is None:
+        reference = batch_generate(
+            model, NoEosTokenizer(), prompts, max_tokens=max_tokens, return_token_ids=True
+        ).token_ids
+    else:
+        reference = [
+            [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=m)]
+            for p, m in zip(prompts, max_tokens, strict=True)
+        ]
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=512))
+    scheduler = Scheduler(
+        model,
+        PooledCacheSource(model, pool),
+        owner_prefix=f"batch-{arch}",
+        eos_token_ids=frozenset(),
+        max_concurrent=4 if unbatchable is None else 1,
+        max_queue=8,
+        queue_timeout=60.0,
+    )
+    jobs = [GenerationJob(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    scheduler.start()
+    try:
+        for job in jobs:
+            scheduler.submit(job)
+        got = []
+        for job in jobs:
+            tokens: list[int] = []
+            while not isinstance(event := job.events.get(timeout=60), JobEnd):
+                assert isinstance(event, int)
+                tokens.append(event)
+            assert event.finish_reason == "length", event
+            got.append(tokens)
+    finally:
+        scheduler.stop()
+    assert got == reference, f"{arch}: batched pooled tokens differ from batch_generate"
+    assert all(pool.n_free(s) == pool.n_total(s) for s in pool.streams), "blocks left held"
+    pool.check_invariants()
 
 
 # -- the probed layout ----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
+from vqpool.worker.batch_probe import batching_problem
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, ServingServer, make_server
@@ -266,6 +267,11 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         log.error("%s", exc)
         return 2
     served_name = args.served_model_name or loaded.name
+    max_concurrent = args.max_concurrent
+    batching = batching_problem(loaded.model)
+    if batching is not None and max_concurrent > 1:
+        log.warning("%s: decoding one request at a time (--max-concurrent 1)", batching)
+        max_concurrent = 1
     pool: PoolClient | None = None
     source: CacheSource
     describe_pool: Callable[[], dict[str, Any]]
@@ -320,7 +326,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         source,
         owner_prefix=owner_prefix,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
-        max_concurrent=args.max_concurrent,
+        max_concurrent=max_concurrent,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         reserve_full=args.reserve == "full",
