@@ -16,8 +16,11 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 * ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
   is released when the batch drops it.
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
-* ``report_load(running, queued)``: the requests running and queued now (pooled: told to the
-  daemon, which shows them in ``vqpoolctl watch``; stock: nobody to tell).
+* ``report_load(running, queued, preemptions)``: the requests running and queued now, and the
+  preemptions so far (pooled: told to the daemon, which shows them in ``vqpoolctl watch`` and
+  its reclaim metrics; stock: nobody to tell).
+* ``held_bytes()``: the bytes the daemon counts against this worker (pooled on a daemon: its
+  client's ``held_bytes``; else 0), what a reclaim ask is measured in.
 
 A source whose pool is the daemon (``waits``) also splits ``reserve`` so that admission can wait
 at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the pool call, any
@@ -66,7 +69,9 @@ class CacheSource(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def report_load(self, running: int, queued: int) -> None: ...
+    def report_load(self, running: int, queued: int, preemptions: int) -> None: ...
+
+    def held_bytes(self) -> int: ...
 
     @property
     def waits(self) -> bool: ...
@@ -131,9 +136,12 @@ class PooledCacheSource:
         """Bytes of the batch buffers (never more than the rows' blocks x bytes per block)."""
         return sum(batch.nbytes for batch in self._batches)
 
-    def report_load(self, running: int, queued: int) -> None:
+    def report_load(self, running: int, queued: int, preemptions: int) -> None:
         if isinstance(self.pool, PoolClient):  # an in-process pool has no daemon to tell
-            self.pool.report_load(running, queued)
+            self.pool.report_load(running, queued, preemptions)
+
+    def held_bytes(self) -> int:
+        return self.pool.held_bytes() if isinstance(self.pool, PoolClient) else 0
 
     @property
     def waits(self) -> bool:
@@ -210,8 +218,11 @@ class StockCacheSource:
         requests = sum(layer.nbytes for cache in self._live.values() for layer in cache)
         return requests + sum(layer.nbytes for layer in self._batch_layers)
 
-    def report_load(self, running: int, queued: int) -> None:
+    def report_load(self, running: int, queued: int, preemptions: int) -> None:
         return None  # no daemon: --no-pool
+
+    def held_bytes(self) -> int:
+        return 0  # no daemon to count them
 
     waits = False
 
