@@ -27,6 +27,10 @@ at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the po
 thread, may wait ``wait`` seconds in the daemon's fair queue) and ``adopt(cache, n_tokens,
 taken)`` (on the generation thread); and ``never_fits(n_tokens)`` says why a request of
 ``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
+
+``fits_alone(n_tokens)`` says whether one sequence of ``n_tokens`` could ever hold its blocks
+(within the pool's blocks and the model's share of the budget): a request the pool refuses to
+grow while it runs alone is preempted and waits when it could, and ends when it never can.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class CacheSource(Protocol):
     def free_taken(self, taken: Any) -> None: ...
 
     def never_fits(self, n_tokens: int) -> str | None: ...
+
+    def fits_alone(self, n_tokens: int) -> bool: ...
 
 
 class PooledCacheSource:
@@ -159,6 +165,17 @@ class PooledCacheSource:
         if taken is not None:
             k_blocks, v_blocks = taken
             self.pool.free(k_blocks if v_blocks is k_blocks else [*k_blocks, *v_blocks])
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        """Whether one sequence of ``n_tokens`` fits the pool's blocks per stream (its most
+        when it grows) and the model's share of the budget."""
+        config = self.pool.config
+        most = config.max_blocks if config.grow_on_exhaustion else config.n_blocks
+        if most is not None:
+            per_stream = most // len(config.streams)
+            if -(-n_tokens // config.block_size) > per_stream:
+                return False
+        return self.never_fits(n_tokens) is None
 
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
@@ -237,6 +254,9 @@ class StockCacheSource:
 
     def never_fits(self, n_tokens: int) -> str | None:
         return None  # no budget: bounded only by memory
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        return True  # never refused: stock caches grow inside the step
 
 
 def _row(cache: list[Any]) -> RowBlocks:

@@ -39,18 +39,19 @@ read its token ids from the job's event queue. One generation thread does the re
   timeout: it was admitted once); on resume its KV is recomputed by a prefill and it goes on
   (the client sees one response; greedy tokens are those of a run never preempted). A reclaim
   ask from the daemon (:meth:`Scheduler.give_back`) preempts the same way, newest first, until
-  the bytes asked are freed. Only a job the pool cannot grow while it is the only one started
-  ends for lack of blocks (:meth:`Scheduler._evict_for_lack_of_blocks`).
+  the bytes asked are freed. A job the pool cannot grow while it is the only one started is
+  preempted too when it could fit alone (another model or a reclaim took the room), and ends
+  for lack of blocks only when it never can (:meth:`Scheduler._evict_for_lack_of_blocks`).
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the pool
-  cannot back the next step of a job started alone (``length`` with a detail saying so; nothing was
-  written), when its client went away (``cancelled``), when its text reached a stop string (the HTTP
-  layer cancels it with reason ``stop``), when the pool lost its owner (``error``: a daemon restart
-  conflict or an eviction freed its blocks), on any other error (``error``; a failed batched step
-  ends every job in the batch) and when the worker stops. Every ending goes through
-  :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its cache: the
-  blocks go back to the pool however the request ended. If the generation thread itself fails, its
-  jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing would
-  run them).
+  cannot back the next step of a job that can never fit alone (``length`` with a detail saying so;
+  nothing was written), when its client went away (``cancelled``), when its text reached a stop
+  string (the HTTP layer cancels it with reason ``stop``), when the pool lost its owner (``error``:
+  a daemon restart conflict or an eviction freed its blocks), on any other error (``error``; a
+  failed batched step ends every job in the batch) and when the worker stops. Every ending goes
+  through :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its cache:
+  the blocks go back to the pool however the request ended. If the generation thread itself fails,
+  its jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing
+  would run them).
 
 With batching, a row's blocks cover the batch's buffer length, which includes its left padding:
 a short request decoding beside a long one holds blocks for the long one's length. When the pool
@@ -591,16 +592,21 @@ class Scheduler:
 
     def _evict_for_lack_of_blocks(self, jobs: list[GenerationJob]) -> None:
         """The pool could not back the next forward pass of ``jobs``, which the batch took
-        out, and no other started job of this worker could give way: end them ("length";
-        preempting would not help, as nothing of this worker's is left to free)."""
+        out, and no other started job of this worker could give way. A job that could fit
+        alone was refused for the pool's other users (another model, or a reclaim): it is
+        preempted, and waits for its blocks. One that can never fit alone ends ("length")."""
         for job in jobs:
+            n_tokens = len(job.prompt) + job.n_generated + 1
+            if self.source.fits_alone(n_tokens):
+                self._preempt(job)
+                continue
             self.stats.add(exhaustions=1)
             self._end(
                 job,
                 "length",
                 f"the KV cache pool ran out of blocks after {job.n_generated} generated "
-                "tokens, with no other request of this worker to preempt "
-                "(BlockPoolExhaustedError)",
+                f"tokens: {n_tokens} tokens can never fit in the pool or the model's share of "
+                "the budget, even alone (BlockPoolExhaustedError)",
             )
 
     def _preempt(self, job: GenerationJob) -> None:
