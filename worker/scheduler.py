@@ -407,15 +407,18 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start jobs from the head of the queue while there is room (module docstring)."""
-        while len(self._active) < self.max_concurrent and self._hold.allows(len(self._active)):
+        while len(self._active) < self.max_concurrent:
             with self._cond:
                 if not self._waiting:
                     return
                 job = self._waiting[0]
             if job.parked:
+                # Granted blocks are picked up even after a preemption: they are this job's.
                 if not self._collect(job):
                     return
                 continue
+            if not self._hold.allows(len(self._active)):
+                return
             if job.retry_at > time.monotonic():
                 return
             try:
