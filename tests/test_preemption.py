@@ -6,6 +6,7 @@ was never preempted, streamed or not, and no request ends early because the pool
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -198,3 +199,51 @@ def _set_when_running(stack: ServingStack, started: threading.Event) -> None:
     while stack.worker_stats(LLAMA)["active"] < 1:
         started.wait(0.005)
     started.set()
+
+
+@pytest.fixture(scope="module")
+def impatient_stack() -> Iterator[ServingStack]:
+    stack = ServingStack(
+        [LLAMA],
+        daemon_args=("--n-blocks", "64", "--lease", "1"),
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "1"],
+    ).start()
+    yield stack
+    stack.stop()
+
+
+def test_a_request_refused_alone_waits_past_its_queue_timeout_and_completes(
+    impatient_stack: ServingStack,
+) -> None:
+    # Another session takes every free block while the request runs: its next growth is
+    # refused with nothing of its worker's to preempt but itself. It could fit alone, so it
+    # gives way and waits at the head of the queue, longer than --queue-timeout (it was
+    # admitted once), and completes as if nothing happened once the blocks come back.
+    stack = impatient_stack
+    body = {"prompt": LONG, "max_tokens": 300, "temperature": 0, "return_token_ids": True}
+    reference = stack.complete(LLAMA, body).body["choices"][0]["token_ids"]
+    started = threading.Event()
+    watcher = threading.Thread(target=_set_when_running, args=(stack, started), daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(stack.complete, LLAMA, body)
+        assert started.wait(30)
+        with PoolClient(stack.run_dir, name="hog") as hog:
+            for stream in ("k", "v"):
+                hog.allocate(stream, hog.n_free(stream) * hog.config.block_size, "hog-request")
+            deadline = time.monotonic() + 20
+            while stack.worker_stats(LLAMA)["preemptions"] < 1:
+                assert not pending.done(), pending.result()
+                assert time.monotonic() < deadline, stack.logs()
+                time.sleep(0.01)
+            time.sleep(1.5)  # past the queue timeout, waiting at the head of the queue
+            assert not pending.done()
+            hog.free_all("hog-request")
+        reply = pending.result(60)
+    assert reply.status == 200, reply
+    choice = reply.body["choices"][0]
+    assert choice["finish_reason"] == "length" and "finish_detail" not in choice, choice
+    assert choice["token_ids"] == reference
+    stats = stack.worker_stats(LLAMA)
+    assert stats["queue_timeouts"] == 0 and stats["exhaustions"] == 0
+    stack.wait_for_no_blocks()
