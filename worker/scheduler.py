@@ -361,7 +361,9 @@ class Scheduler:
                 self._waiting.clear()
             for job in left:
                 self._abandon(job)
-                self._end(job, "rejected", "the worker is shutting down", status=503)
+                # A preempted job was answered in part: it ends as a running one does.
+                reason = "error" if job.preemptions else "rejected"
+                self._end(job, reason, "the worker is shutting down", status=503)
             if self._waiter is not None:
                 self._waiter.stop()
             # MLX wants each thread that evaluated to destroy its streams before it ends: left
@@ -518,7 +520,9 @@ class Scheduler:
         if self.reserve == "full":
             return len(job.prompt) + job.max_tokens
         headroom = self.headroom_slots if self.reserve == "on-demand" else 1
-        return len(job.prompt) + len(job.generated) + headroom
+        return min(
+            len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
+        )
 
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
@@ -599,7 +603,7 @@ class Scheduler:
         alone was refused for the pool's other users (another model, or a reclaim): it is
         preempted, and waits for its blocks. One that can never fit alone ends ("length")."""
         for job in jobs:
-            n_tokens = len(job.prompt) + job.n_generated + 1
+            n_tokens = self._slots_for(job)  # what its admission will reserve again
             if self.source.fits_alone(n_tokens):
                 self._preempt(job)
                 continue
@@ -608,8 +612,9 @@ class Scheduler:
                 job,
                 "length",
                 f"the KV cache pool ran out of blocks after {job.n_generated} generated "
-                f"tokens: {n_tokens} tokens can never fit in the pool or the model's share of "
-                "the budget, even alone (BlockPoolExhaustedError)",
+                f"tokens: the {n_tokens} token slots it would need to resume can never fit in "
+                "the pool or the model's share of the budget, even alone "
+                "(BlockPoolExhaustedError)",
             )
 
     def _preempt(self, job: GenerationJob) -> None:
