@@ -252,3 +252,49 @@ def test_a_request_refused_alone_waits_past_its_queue_timeout_and_completes(
     stats = stack.worker_stats(LLAMA)
     assert stats["queue_timeouts"] == 0 and stats["exhaustions"] == 0
     stack.wait_for_no_blocks()
+
+
+def test_growth_refused_behind_a_parked_admission_does_not_deadlock() -> None:
+    # A budget leaves llama 32 block ids: one request of 120 + 100 tokens (28 at its end) fits,
+    # two do not. The second one's admission parks at the daemon, which serves llama's
+    # allocations in order: the first one's growth is refused behind it, and the first one is
+    # preempted (it could fit alone) and queued behind the parked admission. Both complete
+    # with the tokens of a run never preempted.
+    hog_ids = 16
+    stack = ServingStack(
+        [LLAMA],
+        daemon_args=("--budget", f"{(32 + hog_ids) * 4096}B", "--lease", "1"),
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
+    ).start()
+    try:
+        with PoolClient(stack.run_dir, name="hog", bytes_per_block=4096) as hog:
+            for stream in ("k", "v"):
+                hog.allocate(stream, hog_ids // 2 * BLOCK, "hog-request")
+            prompts = [[1 + (i * 11 + j * 3) % 200 for j in range(120)] for i in range(2)]
+            body = {"max_tokens": 100, "temperature": 0, "return_token_ids": True}
+
+            def complete(prompt: list[int]) -> list[int]:
+                reply = stack.complete(LLAMA, {**body, "prompt": prompt})
+                assert reply.status == 200, reply
+                choice = reply.body["choices"][0]
+                assert choice["finish_reason"] == "length" and "finish_detail" not in choice
+                tokens: list[int] = choice["token_ids"]
+                return tokens
+
+            reference = [complete(prompt) for prompt in prompts]
+            started = threading.Event()
+            watcher = threading.Thread(target=_set_when_running, args=(stack, started))
+            watcher.start()
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(complete, prompts[0])
+                assert started.wait(30)
+                second = pool.submit(complete, prompts[1])
+                results = [first.result(120), second.result(120)]
+            assert results == reference
+            stats = stack.worker_stats(LLAMA)
+            assert stats["exhaustions"] == 0 and stats["queue_timeouts"] == 0
+            assert stats["preemptions"] >= 1 and stats["waits"] >= 1
+            stack.daemon.audit()
+        stack.wait_for_no_blocks()
+    finally:
+        stack.stop()
