@@ -43,6 +43,10 @@ process (a PoolClient with a reclaim handler, whose steps are calibrated sleeps)
 full on loan, and a model with a reserve asks for it again and again (``allocate`` with
 ``wait``). Reports the daemon's reclaim latency p50/p99 and the owner's wait against one decode
 step (target: p99 at most one decode step + 20 ms).
+
+Tier 3 (``--tier3``, ``scripts/bench_elastic_tier3.py``): real ``vqpool-worker`` processes with
+the built-in tiny llama, a shorter trace with lengths and budget scaled down; elastic against
+shared today, TTFT measured by streaming clients.
 """
 
 from __future__ import annotations
@@ -753,12 +757,31 @@ def tier2(rounds: int) -> None:
     )
 
 
+def tier3_run(seed: int, duration: float, load: float) -> None:
+    """Tier 3: the tier-1 trace, shortened and scaled to the built-in tiny llama."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_elastic_tier3 import LENGTH_SCALE, tier3
+
+    trace = make_trace(seed, duration, load)
+    for request in trace:
+        request.prompt = max(1, request.prompt // LENGTH_SCALE)
+        request.output = max(1, request.output // LENGTH_SCALE)
+    tier3(trace, [s.name for s in MODELS], BUDGET // 2048 // LENGTH_SCALE, RESERVES)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of every figure")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--calibrate", action="store_true", help="measure the cost constants")
     parser.add_argument("--tier2", action="store_true", help="run tier 2 only")
+    parser.add_argument(
+        "--tier3", action="store_true", help="run tier 3 only (real workers, built-in models)"
+    )
+    parser.add_argument("--tier3-seconds", type=float, default=30.0, help="tier 3 trace length")
+    parser.add_argument("--tier3-load", type=float, default=1.0, help="tier 3 load multiplier")
     parser.add_argument("--plot", metavar="PNG", help="also draw attainment against load")
     parser.add_argument(
         "--overload", action="store_true", help="run only the overload variants of elastic"
@@ -774,6 +797,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.tier2:
         tier2(10 if args.quick else 100)
+        return 0
+    if args.tier3:
+        tier3_run(args.seed, 8.0 if args.quick else args.tier3_seconds, args.tier3_load)
         return 0
     if args.overload:
         overload_variants(args.seed, 24.0 if args.quick else 120.0, (1.2, 1.4))

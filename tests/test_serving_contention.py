@@ -79,8 +79,9 @@ def test_contending_models_queue_for_blocks_and_all_complete(stack: ServingStack
     assert all(0 < watcher.peak_by_model[m] <= N_BLOCKS for m in (LLAMA, QWEN3))
     stats = [stack.worker_stats(m) for m in (LLAMA, QWEN3)]
     # 12 requests of 9 blocks per stream on 32 per stream: at most 3 run at once in the pool,
-    # while the two workers would run 4.
-    assert sum(s["waits"] for s in stats) > 0
+    # while the two workers would run 4. Admitted with their prompts plus a block (--reserve
+    # on-demand), they contend as they grow: some wait, or are preempted and resume.
+    assert sum(s["waits"] + s["preemptions"] for s in stats) > 0
     assert all(s["exhaustions"] == 0 for s in stats)
     stack.wait_for_no_blocks()
 

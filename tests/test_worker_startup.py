@@ -105,7 +105,7 @@ def test_help_shows_defaults() -> None:
     for expected in (
         "requests decoding at once (default: 4)",
         "(default: 30)",
-        "(default: full)",
+        "(default: on-demand)",
         "stderr log level (default: INFO)",
         "--served-model-name NAME",
     ):

@@ -16,14 +16,21 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 * ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
   is released when the batch drops it.
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
-* ``report_load(running, queued)``: the requests running and queued now (pooled: told to the
-  daemon, which shows them in ``vqpoolctl watch``; stock: nobody to tell).
+* ``report_load(running, queued, preemptions)``: the requests running and queued now, and the
+  preemptions so far (pooled: told to the daemon, which shows them in ``vqpoolctl watch`` and
+  its reclaim metrics; stock: nobody to tell).
+* ``held_bytes()``: the bytes the daemon counts against this worker (pooled on a daemon: its
+  client's ``held_bytes``; else 0), what a reclaim ask is measured in.
 
 A source whose pool is the daemon (``waits``) also splits ``reserve`` so that admission can wait
 at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the pool call, any
 thread, may wait ``wait`` seconds in the daemon's fair queue) and ``adopt(cache, n_tokens,
 taken)`` (on the generation thread); and ``never_fits(n_tokens)`` says why a request of
 ``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
+
+``fits_alone(n_tokens)`` says whether one sequence of ``n_tokens`` could ever hold its blocks
+(within the pool's blocks and the model's share of the budget): a request the pool refuses to
+grow while it runs alone is preempted and waits when it could, and ends when it never can.
 """
 
 from __future__ import annotations
@@ -69,7 +76,9 @@ class CacheSource(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def report_load(self, running: int, queued: int) -> None: ...
+    def report_load(self, running: int, queued: int, preemptions: int) -> None: ...
+
+    def held_bytes(self) -> int: ...
 
     @property
     def waits(self) -> bool: ...
@@ -81,6 +90,8 @@ class CacheSource(Protocol):
     def free_taken(self, taken: Any) -> None: ...
 
     def never_fits(self, n_tokens: int) -> str | None: ...
+
+    def fits_alone(self, n_tokens: int) -> bool: ...
 
 
 class PooledCacheSource:
@@ -158,9 +169,12 @@ class PooledCacheSource:
         """Bytes of the batch buffers (never more than the rows' blocks x bytes per block)."""
         return sum(batch.nbytes for batch in self._batches)
 
-    def report_load(self, running: int, queued: int) -> None:
+    def report_load(self, running: int, queued: int, preemptions: int) -> None:
         if isinstance(self.pool, PoolClient):  # an in-process pool has no daemon to tell
-            self.pool.report_load(running, queued)
+            self.pool.report_load(running, queued, preemptions)
+
+    def held_bytes(self) -> int:
+        return self.pool.held_bytes() if isinstance(self.pool, PoolClient) else 0
 
     @property
     def waits(self) -> bool:
@@ -178,6 +192,17 @@ class PooledCacheSource:
         if taken is not None:
             k_blocks, v_blocks = taken
             self.pool.free(k_blocks if v_blocks is k_blocks else [*k_blocks, *v_blocks])
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        """Whether one sequence of ``n_tokens`` fits the pool's blocks per stream (its most
+        when it grows) and the model's share of the budget."""
+        config = self.pool.config
+        most = config.max_blocks if config.grow_on_exhaustion else config.n_blocks
+        if most is not None:
+            per_stream = most // len(config.streams)
+            if -(-n_tokens // config.block_size) > per_stream:
+                return False
+        return self.never_fits(n_tokens) is None
 
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
@@ -237,8 +262,11 @@ class StockCacheSource:
         requests = sum(layer.nbytes for cache in self._live.values() for layer in cache)
         return requests + sum(layer.nbytes for layer in self._batch_layers)
 
-    def report_load(self, running: int, queued: int) -> None:
+    def report_load(self, running: int, queued: int, preemptions: int) -> None:
         return None  # no daemon: --no-pool
+
+    def held_bytes(self) -> int:
+        return 0  # no daemon to count them
 
     waits = False
 
@@ -253,6 +281,9 @@ class StockCacheSource:
 
     def never_fits(self, n_tokens: int) -> str | None:
         return None  # no budget: bounded only by memory
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        return True  # never refused: stock caches grow inside the step
 
 
 def _row(cache: list[Any]) -> RowBlocks:

@@ -12,10 +12,15 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   its last chunk its last prompt token makes its first token and it joins the batch. A newcomer
   delays the running jobs by at most one chunk.
 * **Blocks before every forward pass.** Before each pass ``source.grow`` makes the cache it
-  writes cover the slots it writes (the pool's blocks for every row, padding included); a row
-  the pool cannot grow is taken out first and reported as evicted. Joining grows both sides
-  first; when the running rows cannot grow to a newcomer's length, the newcomer is evicted
-  instead of them.
+  writes cover the slots it writes (the pool's blocks for every row, padding included). When
+  the pool cannot grow a row, the most recently admitted started job (in the batch or in its
+  prefill) is taken out and reported as preempted (its blocks are back), and growth is tried
+  again (:mod:`vqpool.worker.preemption`); a row the pool cannot grow while its job is the only
+  one started is taken out and reported as evicted. Joining grows both sides first, the same
+  way (the newcomer is usually the one that gives way).
+* **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
+  generated``) appended to its prompt: all but the last are prefilled, the last is the next
+  input, and it may make ``max_tokens - len(generated)`` more tokens.
 * **Leaving** (:meth:`ContinuousBatch.leave`) takes a job's row out of the batch, or the job out
   of the prefill queue: its cache's blocks go back at once (a pooled batch releases a row it
   drops).
@@ -42,6 +47,7 @@ from mlx_lm.generate import (
 )
 from mlx_lm.sample_utils import make_sampler
 from vqpool.worker.cache_source import CacheSource
+from vqpool.worker.preemption import most_recently_admitted
 
 log = logging.getLogger("vqpool.worker")
 
@@ -51,7 +57,10 @@ class StepOutcome:
     """What one :meth:`ContinuousBatch.step` did, in the order the scheduler must act on it.
 
     Attributes:
-        evicted: Jobs taken out because the pool could not back their next forward pass.
+        evicted: Jobs taken out because the pool could not back their next forward pass
+            with no other started job to preempt.
+        preempted: Jobs taken out (blocks back) so that others' next forward pass could be
+            backed; the scheduler requeues them.
         failed: Jobs taken out because their forward pass raised, with the error.
         tokens: ``(job, token, logprobs)`` per job that got a token this step.
         finished: ``(job, "stop" | "length", response)`` per job that reached EOS or
@@ -61,6 +70,7 @@ class StepOutcome:
     """
 
     evicted: list[Any] = field(default_factory=list)
+    preempted: list[Any] = field(default_factory=list)
     failed: list[tuple[Any, Exception]] = field(default_factory=list)
     tokens: list[tuple[Any, int, mx.array]] = field(default_factory=list)
     finished: list[tuple[Any, str, GenerationBatch.Response]] = field(default_factory=list)
@@ -80,7 +90,9 @@ class _Prefill:
 class ContinuousBatch:
     """The started jobs of a scheduler (see the module docstring).
 
-    A job needs ``prompt`` (token ids), ``max_tokens``, ``sampling`` (with ``temperature``,
+    A job needs ``prompt`` (token ids), ``generated`` (the token ids it made before it was
+    preempted, if it was), ``admission`` (its first admission's rank: the highest gives way
+    first), ``max_tokens``, ``sampling`` (with ``temperature``,
     ``top_p``, ``min_p``, ``top_k``; hashable), ``cache`` (made by ``source.open`` and backed
     for its prompt: the seam where a prompt cache would hand a cache holding a cached prefix)
     and ``owner``.
@@ -90,8 +102,9 @@ class ContinuousBatch:
         source: Where caches come from; its ``grow`` backs each forward pass.
         eos_token_ids: Tokens that finish a job with "stop".
         prefill_step_size: Prompt tokens per prefill chunk.
-        on_prefill_start: Called with a job when its prefill begins, before its cache is read:
-            a prompt cache copies a cached prefix of the prompt into the job's cache there.
+        on_prefill_start: Called with a job and the tokens its cache is to hold when its
+            prefill begins, before its cache is read: a prompt cache copies a cached prefix of
+            them into the job's cache there.
         on_joined: Called with a job once its prompt is prefilled and its row joined the batch
             (before the next job's prefill begins): a prompt cache stores the prompt there.
     """
@@ -103,7 +116,7 @@ class ContinuousBatch:
         *,
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
-        on_prefill_start: Callable[[Any], None] | None = None,
+        on_prefill_start: Callable[[Any, list[int]], None] | None = None,
         on_joined: Callable[[Any], None] | None = None,
     ) -> None:
         self.model = model
@@ -120,28 +133,30 @@ class ContinuousBatch:
 
     def start(self, job: Any) -> None:
         """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
-        tokens when the prefill begins (a cached prefix of the prompt, at most all but its last
-        token) is prefilled with the rest of the prompt only."""
+        tokens when the prefill begins (a cached prefix of its tokens, at most all but the last)
+        is prefilled with the rest only. A resumed job's tokens are its prompt and generated
+        tokens."""
         self._prefilling.append(_Prefill(job, self._next_uid))
         self._next_uid += 1
 
     def _begin_prefill(self, pending: _Prefill) -> None:
-        """Split the job's prompt into what its cache holds and what is left to prefill.
+        """Split the job's tokens into what its cache holds and what is left to prefill.
 
         Raises:
             ValueError: The cache holds as many tokens as the prompt, or more.
         """
         job = pending.job
+        tokens = _tokens_of(job)
         if self.on_prefill_start is not None:
-            self.on_prefill_start(job)
+            self.on_prefill_start(job, tokens)
         cached = job.cache[0].size()
-        if cached >= len(job.prompt):
+        if cached >= len(tokens):
             raise ValueError(
-                f"the cache holds {cached} tokens of a {len(job.prompt)}-token prompt; it may "
+                f"the cache holds {cached} tokens of a {len(tokens)}-token prompt; it may "
                 "hold all but the prompt's last token at most"
             )
-        pending.cached = list(job.prompt[:cached])
-        pending.to_prefill = list(job.prompt[cached:-1])
+        pending.cached = list(tokens[:cached])
+        pending.to_prefill = list(tokens[cached:-1])
 
     def row_kv(self, job: Any) -> tuple[list[Any], list[int]] | None:
         """A copy of the KV of ``job``'s row in the batch (one stock ``KVCache`` per layer)
@@ -181,7 +196,9 @@ class ContinuousBatch:
         if not len(batch):
             return
         # The step writes the batch's next slot: back it before the forward pass.
-        if not self._grow(batch.prompt_cache, batch.prompt_cache[0].size() + 1, outcome):
+        if not self._grow(
+            lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome
+        ):
             return
         try:
             responses = batch.next()
@@ -227,19 +244,20 @@ class ContinuousBatch:
                     fallback_sampler=greedy_sampler,
                     logits_processors=[[]],
                     stop_sequences=[self._stop_tokens],
-                    max_tokens=[job.max_tokens],
+                    max_tokens=[job.max_tokens - len(job.generated)],
                 )
             prompt_batch = pending.batch
             used = prompt_batch.prompt_cache[0].size()
+            cache = prompt_batch.prompt_cache
             if pending.to_prefill:
                 chunk = pending.to_prefill[: self.prefill_step_size]
-                if self._grow(prompt_batch.prompt_cache, used + len(chunk), outcome, [job]):
+                if self._grow(lambda: cache, lambda: used + len(chunk), outcome, job):
                     prompt_batch.prompt([chunk])
                     del pending.to_prefill[: len(chunk)]
                 return
-            if not self._grow(prompt_batch.prompt_cache, used + 1, outcome, [job]):
+            if not self._grow(lambda: cache, lambda: used + 1, outcome, job):
                 return
-            newcomer = prompt_batch.generate([[job.prompt[-1]]])
+            newcomer = prompt_batch.generate([[_tokens_of(job)[-1]]])
         except Exception as exc:
             log.exception("request %s failed in its prefill", job.owner)
             self.leave(job)
@@ -251,47 +269,77 @@ class ContinuousBatch:
     def _join(self, job: Any, uid: int, newcomer: GenerationBatch, outcome: StepOutcome) -> None:
         """Add the prefilled ``job`` (alone in ``newcomer``) to the batch: the rows of both
         are grown first to the joined batch's next step. When the running rows cannot grow to
-        the newcomer's length (its prompt would pad them), the newcomer, the most recently
-        admitted, gives way (evicted) rather than a running request."""
+        the newcomer's length (its prompt would pad them), the most recently admitted job,
+        usually the newcomer, gives way."""
         batch = self._generation
         if len(batch):
-            n_slots = max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
-            try:
-                padded = not self.source.grow(batch.prompt_cache, n_slots)
-            except Exception as exc:
-                log.exception("growing the batch's cache failed")
-                outcome.failed.append((job, exc))
+
+            def n_slots() -> int:
+                return max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
+
+            backed = self._grow(lambda: batch.prompt_cache, n_slots, outcome, joining=job)
+            gave_way = [*outcome.preempted, *outcome.evicted, *(j for j, _ in outcome.failed)]
+            if job in gave_way:
                 return
-            if not padded:
-                outcome.evicted.append(job)
-                return
-            if not self._grow(newcomer.prompt_cache, n_slots, outcome, [job]):
+            # Not backed: every running row gave way, and the newcomer starts the batch anew.
+            if backed and not self._grow(lambda: newcomer.prompt_cache, n_slots, outcome, job):
                 return
         self._by_uid[uid] = job
         batch.extend(newcomer)
         if self.on_joined is not None:
             self.on_joined(job)
 
+    def _started(self) -> list[Any]:
+        """Every started job: the batch's rows and the jobs waiting for or in their prefill."""
+        return [*self._by_uid.values(), *(p.job for p in self._prefilling)]
+
     def _grow(
-        self, cache: list[Any], n_slots: int, outcome: StepOutcome, jobs: list[Any] | None = None
+        self,
+        cache: Callable[[], list[Any]],
+        n_slots: Callable[[], int],
+        outcome: StepOutcome,
+        prefilling: Any = None,
+        *,
+        joining: Any = None,
     ) -> bool:
-        """Make ``cache`` (the batch's, or the rows ``jobs`` of a prefill's) cover ``n_slots``
-        slots; rows the pool cannot back are taken out first (``outcome.evicted``). False when
-        no row is left."""
-        rows = [self._by_uid[uid] for uid in self._generation.uids] if jobs is None else jobs
-        while rows:
+        """Make ``cache()`` (the batch's, or the cache of the job ``prefilling``) cover
+        ``n_slots()`` slots. While the pool cannot grow a row, the most recently admitted
+        started job gives way (``outcome.preempted``; both are asked again after, as the batch
+        may have shrunk); a row whose job is the only one started is evicted. False when the
+        cache has no row left (``prefilling`` or ``joining`` gave way, or the batch is empty)."""
+        while True:
+            if prefilling is not None:
+                rows = [prefilling]
+            else:
+                rows = [self._by_uid[uid] for uid in self._generation.uids]
+            if not rows:
+                return False
             try:
-                failed = self.source.grow(cache, n_slots)
+                failed = self.source.grow(cache(), n_slots())
             except Exception as exc:
                 log.exception("growing the batch's cache failed")
-                for job in rows:
+                for job in {*rows, *([joining] if joining is not None else [])}:
                     self.leave(job)
                     outcome.failed.append((job, exc))
                 return False
             if not failed:
                 return True
-            for i in failed:
-                self.leave(rows[i])
-                outcome.evicted.append(rows[i])
-            rows = [job for i, job in enumerate(rows) if i not in failed]
-        return False
+            started = self._started()
+            started += [j for j in (prefilling, joining) if j is not None and j not in started]
+            if len(started) < 2:
+                for i in failed:
+                    self.leave(rows[i])
+                    outcome.evicted.append(rows[i])
+                return False
+            victim = most_recently_admitted(started)
+            if victim is not joining:
+                self.leave(victim)
+            outcome.preempted.append(victim)
+            if victim is prefilling or victim is joining:
+                return False
+
+
+def _tokens_of(job: Any) -> list[int]:
+    """The tokens a started job's cache is to hold: its prompt, and what it generated before
+    it was preempted."""
+    return [*job.prompt, *job.generated]

@@ -5,23 +5,21 @@ cache's storage expects one sequence to be driven by one thread. So the HTTP han
 never touch the model: they tokenize, :meth:`Scheduler.submit` a :class:`GenerationJob`, and
 read its token ids from the job's event queue. One generation thread does the rest:
 
-* **Admission, FIFO.** Jobs wait in a bounded FIFO queue. While fewer than ``max_concurrent``
-  jobs are active, the head of the queue is started: it gets a cache with a unique owner id
-  (``{owner_prefix}-{n}``) and blocks are reserved before its prefill: with ``reserve_full``
-  (the default) for its prompt plus ``max_tokens``, so an admitted request always completes;
-  without, for its prompt plus one token (more requests share the pool, but one may run out of
-  blocks mid-generation; there is no preemption to make room). If the pool has too few free
-  blocks, the head waits (and the jobs behind it too: a
-  long prompt is not starved by short ones); admission is retried every ``retry_interval``
-  seconds, since blocks may be freed by another worker, and at once when one of this worker's
-  jobs ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once
-  with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
+* **Admission, FIFO.** Jobs wait in a bounded FIFO queue. While fewer than ``max_concurrent`` jobs
+  are active, the head of the queue is started: it gets a cache with a unique owner id
+  (``{owner_prefix}-{n}``) and blocks are reserved before its prefill (``reserve``): with
+  "on-demand" for its prompt plus ``headroom_slots`` (a block), with "prompt" for its prompt plus
+  one token, with "full" for its prompt plus ``max_tokens``; it grows at block boundaries from there
+  (see Preemption). If the pool has too few free blocks, the head waits (and the jobs behind it too:
+  a long prompt is not starved by short ones); admission is retried every ``retry_interval``
+  seconds, since blocks may be freed by another worker, and at once when one of this worker's jobs
+  ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once with
+  ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
   :class:`~vqpool.worker.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
-  between models and workers, not who retries first; the generation thread keeps decoding and
-  picks the granted blocks up between steps. A job that can never fit its model's share of the
-  budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
-  (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it
-  was submitted ends as
+  between models and workers, not who retries first; the generation thread keeps decoding and picks
+  the granted blocks up between steps. A job that can never fit its model's share of the budget (the
+  daemon's fit answer for prompt + ``max_tokens``) is refused at submit (:class:`NeverFitsError`,
+  HTTP 400). A job still waiting ``queue_timeout`` seconds after it was submitted ends as
   ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
 * **Decode, batched (continuous batching).** Every active job decodes in one batched forward
   pass per step (mlx-lm's ``GenerationBatch``: one token per job per step, left-padded rows,
@@ -32,37 +30,47 @@ read its token ids from the job's event queue. One generation thread does the re
   the batch. Before every forward pass the batch's cache is grown to cover the slots the pass
   writes (``source.grow``: blocks from the pool for every row, padding included, never
   inside the forward pass); a row the pool cannot grow leaves the batch first
-  (:meth:`Scheduler._evict_for_lack_of_blocks` ends it). The batching itself lives in
+  (see Preemption). The batching itself lives in
   :mod:`vqpool.worker.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
-* **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the
-  pool cannot back the batch's next step for it (``length`` with a detail saying so; nothing
-  was written), when its client went away (``cancelled``), when its text reached a stop string
-  (the HTTP layer cancels it with reason ``stop``), when the pool lost its owner (``error``: a
-  daemon restart conflict or an eviction freed its blocks), on any other error (``error``; a
+* **Preemption** (:mod:`vqpool.worker.preemption`). When the pool refuses a growth step, the
+  most recently admitted started job gives way at the step boundary: its blocks go back, its
+  prompt and generated tokens are kept, and it waits at the head of the queue (no queue
+  timeout: it was admitted once); on resume its KV is recomputed by a prefill and it goes on
+  (the client sees one response; greedy tokens are those of a run never preempted). A reclaim
+  ask from the daemon (:meth:`Scheduler.give_back`) preempts the same way, newest first, until
+  the bytes asked are freed. A job the pool cannot grow while it is the only one started is
+  preempted too when it could fit alone (another model or a reclaim took the room), and ends
+  for lack of blocks only when it never can (:meth:`Scheduler._evict_for_lack_of_blocks`).
+* **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the pool
+  cannot back the next step of a job that can never fit alone (``length`` with a detail saying so;
+  nothing was written), when its client went away (``cancelled``), when its text reached a stop
+  string (the HTTP layer cancels it with reason ``stop``), when the pool lost its owner (``error``:
+  a daemon restart conflict or an eviction freed its blocks), on any other error (``error``; a
   failed batched step ends every job in the batch) and when the worker stops. Every ending goes
-  through :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its
-  cache: the blocks go back to the pool however the request ended. If the generation thread
-  itself fails, its jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new
-  ones (nothing would run them).
+  through :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its cache:
+  the blocks go back to the pool however the request ended. If the generation thread itself fails,
+  its jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing
+  would run them).
 
 With batching, a row's blocks cover the batch's buffer length, which includes its left padding:
-a short request decoding beside a long one holds blocks for the long one's length.
-``reserve_full`` reserves the request's own prompt + ``max_tokens`` at admission, so a request
-can still run out of blocks for padding when the pool is nearly full (it then ends ``length``).
+a short request decoding beside a long one holds blocks for the long one's length. When the pool
+cannot cover that padding, a request is preempted rather than ended.
 
 * **Prompt cache** (``prompt_cache``, ``worker/prompt_cache.py``). When a job's prefill begins
   (not at admission: a job admitted together with another of the same prefix finds it stored
-  by then), the longest cached prefix of its prompt is copied into its cache and only the rest
+  by then), the longest cached prefix of its tokens is copied into its cache and only the rest
   is prefilled (``job.cached_tokens``). Once its prompt is prefilled (its row joins the batch)
   the prompt is stored, and when it ends (stop, length, cancelled) its prompt and generated
-  tokens.
+  tokens. Cached memory goes before any request is preempted: a refused growth takes it first
+  (``RowBlocks.reclaim``), and a reclaim ask is answered from it first.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -84,6 +92,12 @@ from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.continuous_batch import ContinuousBatch
+from vqpool.worker.preemption import (
+    AdmissionHold,
+    ReclaimDesk,
+    most_recently_admitted,
+    requeue_position,
+)
 from vqpool.worker.prompt_cache import PromptCache
 from vqpool.worker.serving_stats import ServingStats
 
@@ -97,6 +111,9 @@ CLEAR_CACHE_EVERY = 256
 
 DEFAULT_PREFILL_STEP_SIZE = 2048
 """Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
+
+RESERVE_MODES = ("on-demand", "prompt", "full")
+"""What a job reserves at admission (see the module docstring)."""
 
 
 class QueueFullError(Exception):
@@ -175,6 +192,9 @@ class GenerationJob:
     owner: str | None = None
     deadline: float = 0.0
     n_generated: int = 0
+    generated: list[int] = field(default_factory=list)
+    admission: int = 0  # rank of its first admission (the highest is preempted first)
+    preemptions: int = 0
     waited_for_blocks: bool = False
     retry_at: float = 0.0
     parked: bool = False
@@ -196,8 +216,10 @@ class Scheduler:
         max_queue: Jobs waiting at once; more are refused (QueueFullError).
         queue_timeout: Seconds a job may wait before it is rejected.
         retry_interval: Seconds between admission attempts while the pool is exhausted.
-        reserve_full: Reserve a job's whole KV need (prompt + max_tokens) at admission; else
-            only the prompt's and the first token's.
+        reserve: What a job reserves at admission: "on-demand" (prompt + ``headroom_slots``),
+            "prompt" (prompt + 1 token) or "full" (prompt + max_tokens); a resumed job's
+            generated tokens count as prompt.
+        headroom_slots: The on-demand headroom, in token slots (one block of the pool).
         lost_owners: The pool's owners that are no longer this worker's (a daemon restart
             conflict, an eviction), with why: their jobs end with "error" before their next
             token, since their blocks may be handed out again.
@@ -218,7 +240,8 @@ class Scheduler:
         max_queue: int,
         queue_timeout: float,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
-        reserve_full: bool = True,
+        reserve: str = "full",
+        headroom_slots: int = 1,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache: PromptCache | None = None,
@@ -228,6 +251,11 @@ class Scheduler:
                 "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
                 "must be > 0"
             )
+        if reserve not in RESERVE_MODES or headroom_slots < 1:
+            raise ValueError(
+                f"Scheduler: reserve must be one of {RESERVE_MODES} (got {reserve!r}) and "
+                f"headroom_slots >= 1 (got {headroom_slots})"
+            )
         self.model = model
         self.source = source
         self.owner_prefix = owner_prefix
@@ -236,7 +264,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.retry_interval = retry_interval
-        self.reserve_full = reserve_full
+        self.reserve = reserve
+        self.headroom_slots = headroom_slots
         self.lost_owners = lost_owners
         self.prefill_step_size = prefill_step_size
         self.prompt_cache = prompt_cache
@@ -261,6 +290,9 @@ class Scheduler:
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
+        self._admissions = itertools.count(1)
+        self._hold = AdmissionHold()
+        self._reclaims = ReclaimDesk(self._notify)
         self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
         self._waiter = AdmissionWaiter(source, self._notify) if source.waits else None
 
@@ -307,6 +339,12 @@ class Scheduler:
         with self._cond:
             self._cond.notify()
 
+    def give_back(self, n_bytes: int, deadline: float) -> None:
+        """The reclaim handler (``PoolClient.set_reclaim_handler``): have the generation thread
+        preempt requests, newest first, at its next step boundary until ``n_bytes`` are freed
+        (or none runs); returns when it did, or at the monotonic ``deadline``."""
+        self._reclaims.ask(n_bytes, deadline)
+
     def _notify(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -325,6 +363,7 @@ class Scheduler:
         try:
             while not self._stopping:
                 self._expire_waiting()
+                self._answer_reclaims()
                 self._admit()
                 if self._active:
                     self._step()
@@ -345,7 +384,9 @@ class Scheduler:
                 self._waiting.clear()
             for job in left:
                 self._abandon(job)
-                self._end(job, "rejected", "the worker is shutting down", status=503)
+                # A preempted job was answered in part: it ends as a running one does.
+                reason = "error" if job.preemptions else "rejected"
+                self._end(job, reason, "the worker is shutting down", status=503)
             if self._waiter is not None:
                 self._waiter.stop()
             # MLX wants each thread that evaluated to destroy its streams before it ends: left
@@ -397,9 +438,12 @@ class Scheduler:
                     return
                 job = self._waiting[0]
             if job.parked:
+                # Granted blocks are picked up even after a preemption: they are this job's.
                 if not self._collect(job):
                     return
                 continue
+            if not self._hold.allows(len(self._active)):
+                return
             if job.retry_at > time.monotonic():
                 return
             try:
@@ -476,6 +520,8 @@ class Scheduler:
     def _activate(self, job: GenerationJob) -> None:
         self._pop_head(job)
         self.stats.set_blocked(False)
+        if not job.admission:
+            job.admission = next(self._admissions)
         self._active.append(job)
         self.stats.set_active(len(self._active))
 
@@ -494,7 +540,12 @@ class Scheduler:
     def _slots_for(self, job: GenerationJob) -> int:
         # generate_step writes the KV of every token it yields, the last one included: a job
         # needs prompt + max_tokens slots in all.
-        return len(job.prompt) + (job.max_tokens if self.reserve_full else 1)
+        if self.reserve == "full":
+            return len(job.prompt) + job.max_tokens
+        headroom = self.headroom_slots if self.reserve == "on-demand" else 1
+        return min(
+            len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
+        )
 
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
@@ -520,12 +571,14 @@ class Scheduler:
         self._batch.start(job)
         self._sample_memory()
 
-    def _reuse_cached_prefix(self, job: GenerationJob) -> None:
+    def _reuse_cached_prefix(self, job: GenerationJob, tokens: list[int]) -> None:
         """Called by the batch when ``job``'s prefill begins: copy the longest cached prefix of
-        its prompt into its cache (backed for the prompt already), so only the rest is
-        prefilled."""
+        ``tokens`` (its prompt, and what it generated if it was preempted) into its cache
+        (backed for them already), so only the rest is prefilled."""
         if self.prompt_cache is not None and job.cache is not None:
-            job.cached_tokens = self.prompt_cache.reuse(job.prompt, job.cache)
+            reused = self.prompt_cache.reuse(tokens, job.cache)
+            if not job.generated:  # usage reports the prompt tokens of its first start
+                job.cached_tokens = reused
 
     def _store_prompt(self, job: GenerationJob) -> None:
         """Called by the batch when ``job``'s prompt is prefilled and its row joined: store
@@ -567,10 +620,13 @@ class Scheduler:
         with mx.stream(generation_stream):
             outcome = self._batch.step()
         self._evict_for_lack_of_blocks(outcome.evicted)
+        for job in outcome.preempted:
+            self._preempt(job)
         for job, exc in outcome.failed:
             self._end(job, "error", f"generation failed: {exc}", status=500)
         for job, token, logprobs in outcome.tokens:
             job.n_generated += 1
+            job.generated.append(token)
             job.events.put(_scored(token, logprobs, job.top_logprobs) if job.logprobs else token)
         for job, reason, response in outcome.finished:
             self._row_finished(job, reason, response)
@@ -595,28 +651,78 @@ class Scheduler:
 
     def _evict_for_lack_of_blocks(self, jobs: list[GenerationJob]) -> None:
         """The pool could not back the next forward pass of ``jobs``, which the batch took
-        out: end them ("length", as a request the pool could not back always ended). The one
-        place a preemption policy would instead requeue them (their blocks are back)."""
+        out, and no other started job of this worker could give way. A job that could fit
+        alone was refused for the pool's other users (another model, or a reclaim): it is
+        preempted, and waits for its blocks. One that can never fit alone ends ("length")."""
         for job in jobs:
+            n_tokens = self._slots_for(job)  # what its admission will reserve again
+            if self.source.fits_alone(n_tokens):
+                self._preempt(job)
+                continue
             self.stats.add(exhaustions=1)
             self._end(
                 job,
                 "length",
                 f"the KV cache pool ran out of blocks after {job.n_generated} generated "
-                "tokens (BlockPoolExhaustedError)",
+                f"tokens: the {n_tokens} token slots it would need to resume can never fit in "
+                "the pool or the model's share of the budget, even alone "
+                "(BlockPoolExhaustedError)",
             )
+
+    def _preempt(self, job: GenerationJob) -> None:
+        """``job`` gives way: out of the batch, blocks back, requeued at the head with what it
+        generated (module docstring); nothing is sent to its client."""
+        self._batch.leave(job)
+        self._release(job)
+        if job in self._active:
+            self._active.remove(job)
+            self.stats.set_active(len(self._active))
+        job.preemptions += 1
+        job.deadline = math.inf  # admitted once: the queue timeout is not for it
+        job.retry_at = 0.0
+        job.waited_for_blocks = False
+        with self._cond:
+            self._waiting.insert(requeue_position(self._waiting), job)
+            self.stats.set_queue_length(len(self._waiting))
+        self._hold.hold(len(self._active))
+        self._sample_memory()
+        self.stats.add(preemptions=1)
+        log.info(
+            "request %s preempted after %d generated tokens (resumes at the queue's head)",
+            job.owner,
+            job.n_generated,
+        )
+
+    def _answer_reclaims(self) -> None:
+        """Answer the reclaim asks filed since the last step boundary: the prompt cache gives
+        back entries, least recently used first, then the newest started jobs are preempted
+        until each ask's bytes are freed."""
+        for ask in self._reclaims.take():
+            before = self.source.held_bytes()
+            # Cached memory goes first; requests are preempted only for what it cannot give.
+            cached = (
+                0 if self.prompt_cache is None else self.prompt_cache.release_bytes(ask.n_bytes)
+            )
+            while self._active and cached + before - self.source.held_bytes() < ask.n_bytes:
+                self._preempt(most_recently_admitted(self._active))
+            ask.freed = cached + max(0, before - self.source.held_bytes())
+            ask.done.set()
 
     def _idle_wait(self) -> None:
         """Sleep until a job arrives or is cancelled, the head's retry is due, or a deadline."""
         with self._cond:
             if self._stopping:
                 return
+            if self._reclaims.pending():
+                return
             if not self._waiting:
                 self._cond.wait()
                 return
             now = time.monotonic()
             wake = min(min(job.deadline for job in self._waiting), self._waiting[0].retry_at)
-            if wake > now:
+            if wake == math.inf:  # only preempted jobs, parked at the daemon
+                self._cond.wait()
+            elif wake > now:
                 self._cond.wait(wake - now)
 
     def _sample_memory(self) -> None:
@@ -642,6 +748,18 @@ class Scheduler:
         except Exception:
             # Its blocks still go back below; the batch it was in failed (its jobs end too).
             log.exception("taking request %s out of the batch failed", job.owner)
+        self._release(job)
+        if job in self._active:
+            self._active.remove(job)
+            self.stats.set_active(len(self._active))
+        self._sample_memory()
+        self.stats.add(**{f"ended_{reason}": 1})
+        job.events.put(
+            JobEnd(reason, len(job.prompt), job.n_generated, detail, status, retry_after)
+        )
+
+    def _release(self, job: GenerationJob) -> None:
+        """Give ``job``'s cache back (its blocks go back to the pool)."""
         if job.cache is not None:
             cache, job.cache = job.cache, None
             try:
@@ -653,14 +771,6 @@ class Scheduler:
             with self._cond:
                 if self._waiting:
                     self._waiting[0].retry_at = 0.0  # blocks may be free now: retry at once
-        if job in self._active:
-            self._active.remove(job)
-            self.stats.set_active(len(self._active))
-        self._sample_memory()
-        self.stats.add(**{f"ended_{reason}": 1})
-        job.events.put(
-            JobEnd(reason, len(job.prompt), job.n_generated, detail, status, retry_after)
-        )
 
 
 def _scored(token: int, logprobs: mx.array, n_top: int) -> ScoredToken:

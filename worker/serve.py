@@ -46,7 +46,7 @@ from vqpool.worker.client import PoolClient
 from vqpool.worker.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.models import builtin_names, load_model, model_spec_problem
 from vqpool.worker.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
-from vqpool.worker.scheduler import DEFAULT_PREFILL_STEP_SIZE, Scheduler
+from vqpool.worker.scheduler import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES, Scheduler
 from vqpool.worker.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
@@ -110,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--reserve",
-        choices=["full", "prompt"],
-        default="full",
-        help="blocks reserved when a request starts: for prompt + max_tokens (full: it always "
-        "completes), or for the prompt only (more sharing; a request may then end early with "
-        "finish_reason length when the pool runs out) (default: %(default)s)",
+        choices=list(RESERVE_MODES),
+        default="on-demand",
+        help="blocks reserved when a request starts: its prompt's plus one block (on-demand), "
+        "plus one token (prompt), or for prompt + max_tokens (full); requests grow at block "
+        "boundaries, and when the pool refuses, the newest request is preempted and resumed "
+        "later with its tokens recomputed, never ended (default: %(default)s)",
     )
     parser.add_argument(
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
@@ -329,13 +330,18 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         max_concurrent=max_concurrent,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
-        reserve_full=args.reserve == "full",
+        reserve=args.reserve,
+        headroom_slots=1 if pool is None else pool.config.block_size,
         lost_owners=None if pool is None else pool.lost_owners,
         prefill_step_size=args.prefill_step_size,
         prompt_cache=prompt_cache,
     )
     if prompt_cache is not None:
         prompt_cache.report()
+    if pool is not None:
+        # Reclaim asks from the daemon: the prompt cache, then requests preempted at the next
+        # step boundary, give the bytes back.
+        pool.set_reclaim_handler(scheduler.give_back)
     app = ServingApp(
         loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
     )

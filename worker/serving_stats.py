@@ -18,6 +18,7 @@ _COUNTERS = (
     "busy_seconds",  # seconds the generation thread spent in decode rounds
     "waits",  # requests that had to wait for free blocks before starting
     "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
+    "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
     "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
     "ended_stop",
@@ -31,10 +32,11 @@ _COUNTERS = (
 class ServingStats:
     """Counters, current levels and peaks of one worker (see :meth:`snapshot`).
 
-    ``on_load(running, queued)``, if given, is called (under the lock, so calls arrive in order)
-    whenever the number of running or queued requests changes: the pooled worker passes it on
-    to the daemon. It must not block. ``prompt_cache()``, if given, returns the prompt cache's
-    counters (``PromptCache.snapshot``), served as ``prompt_cache`` (null without a cache).
+    ``on_load(running, queued, preemptions)``, if given, is called (under the lock, so calls
+    arrive in order) whenever the number of running or queued requests or of preemptions
+    changes: the pooled worker passes it on to the daemon. It must not block.
+    ``prompt_cache()``, if given, returns the prompt cache's counters (``PromptCache.snapshot``),
+    served as ``prompt_cache`` (null without a cache).
     """
 
     def __init__(
@@ -42,7 +44,7 @@ class ServingStats:
         *,
         max_concurrent: int,
         pooled: bool,
-        on_load: Callable[[int, int], None] | None = None,
+        on_load: Callable[[int, int, int], None] | None = None,
         prompt_cache: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self._lock = threading.Lock()
@@ -61,7 +63,7 @@ class ServingStats:
         self._bytes = 0
         self._peak_bytes = 0
         if on_load is not None:  # idle to start with: "0 running" rather than "not reported"
-            on_load(0, 0)
+            on_load(0, 0, 0)
 
     def add(self, **deltas: float) -> None:
         """Add to named counters (names from the module's list; others raise KeyError)."""
@@ -70,6 +72,8 @@ class ServingStats:
                 if name not in self._counters:
                     raise KeyError(f"ServingStats: unknown counter {name!r}")
                 self._counters[name] += delta
+            if deltas.get("preemptions") and self._on_load is not None:
+                self._on_load(self._active, self._queue_length, self._preemptions)
 
     def set_queue_length(self, n: int) -> None:
         with self._lock:
@@ -77,14 +81,18 @@ class ServingStats:
             self._queue_length = n
             self._peak_queue_length = max(self._peak_queue_length, n)
             if changed and self._on_load is not None:
-                self._on_load(self._active, n)
+                self._on_load(self._active, n, self._preemptions)
 
     def set_active(self, n: int) -> None:
         with self._lock:
             changed = n != self._active
             self._active = n
             if changed and self._on_load is not None:
-                self._on_load(n, self._queue_length)
+                self._on_load(n, self._queue_length, self._preemptions)
+
+    @property
+    def _preemptions(self) -> int:
+        return int(self._counters["preemptions"])
 
     def set_blocked(self, blocked: bool) -> None:
         """Whether the head of the queue is waiting for free blocks right now."""

@@ -1,0 +1,169 @@
+"""Tier 3 of ``scripts/bench_elastic.py``: real ``vqpool-worker`` processes with built-in models.
+
+The trace of tier 1 (same seed, same three models and arrival patterns), shortened and scaled
+down to the built-in tiny llama (prompt and output lengths divided by ``LENGTH_SCALE``, the
+budget likewise), played in wall-clock time against one real ``vqpoold`` and three real
+``vqpool-worker`` processes (``builtin:llama`` served as ``steady``, ``bursty``, ``longctx``).
+Each request is a streamed completion; its time to first token is measured by the client.
+Two policies, same trace:
+
+- ``elastic``: ``vqpoold --lend-reserves`` with the tier-1 reserves, workers with
+  ``--reserve on-demand`` (grow, preempt, answer reclaims);
+- ``shared today``: no reserves, workers with ``--reserve full``.
+
+Reports per policy: attainment of the TTFT objective, p99 TTFT per model, preemptions, and the
+daemon's reclaim counts and latency. On 2 shared vCPUs three workers and the client compete for
+the cores: read the two policies of one run against each other, not as absolute figures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vqpool.shared.admin_client import AdminClient
+from vqpool.worker.http_client import request_json, stream_events
+from vqpool.worker.launch import DaemonProcess, WorkerProcess
+
+LENGTH_SCALE = 8
+"""Tier-1 token lengths and budget are divided by this for the tiny model on real cores."""
+BYTES_PER_TOKEN = 2 * 4096 // 16  # builtin:llama: K + V, 4,096 bytes per 16-slot block each
+MODEL = "builtin:llama"
+TTFT_OBJECTIVE = 1.0
+
+
+@dataclass
+class Played:
+    model: int
+    ttft: float | None = None
+    ok: bool = False
+
+
+def play(
+    policy: str,
+    trace: Sequence[Any],
+    names: Sequence[str],
+    budget_tokens: int,
+    reserves: dict[str, float],
+) -> dict[str, Any]:
+    """Play ``trace`` (tier-1 requests, lengths already scaled) under ``policy``."""
+    elastic = policy == "elastic"
+    with tempfile.TemporaryDirectory(prefix="vqt3") as base:
+        run_dir = Path(base) / "run"
+        daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
+        if elastic:
+            daemon_args.append("--lend-reserves")
+        daemon = DaemonProcess(run_dir, daemon_args).start()
+        workers: list[WorkerProcess] = []
+        try:
+            if elastic:
+                with AdminClient(run_dir, timeout=5.0) as admin:
+                    for name in names:
+                        reserve = int(budget_tokens * reserves[name]) * BYTES_PER_TOKEN
+                        admin.call("model_set", model=name, reserve=reserve)
+            reserve_mode = "on-demand" if elastic else "full"
+            for name in names:
+                worker = WorkerProcess(
+                    MODEL,
+                    Path(base) / f"{name}.log",
+                    run_dir=run_dir,
+                    args=[
+                        "--served-model-name",
+                        name,
+                        "--reserve",
+                        reserve_mode,
+                        "--max-concurrent",
+                        "8",
+                        "--queue-timeout",
+                        "120",
+                        "--log-level",
+                        "WARNING",
+                    ],
+                )
+                workers.append(worker.start(wait=False))
+            for worker in workers:
+                worker.wait_ready()
+            played = [Played(r.model) for r in trace]
+            threads = []
+            start = time.monotonic()
+            for request, outcome in zip(trace, played, strict=True):
+                delay = start + request.arrival - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                thread = threading.Thread(
+                    target=_one, args=(workers[request.model].url, request, outcome), daemon=True
+                )
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                thread.join(300)
+            stats = [request_json(w.url, "GET", "/v1/stats").body for w in workers]
+            with AdminClient(run_dir, timeout=5.0) as admin:
+                reclaim = admin.call("budget")["reclaim"]
+                audit = admin.call("audit")
+        finally:
+            for worker in workers:
+                if worker.process is not None:
+                    worker.stop()
+            daemon.stop()
+    return {"played": played, "stats": stats, "reclaim": reclaim, "audit": audit}
+
+
+def _one(url: str, request: Any, outcome: Played) -> None:
+    prompt = [1 + (request.rid * 13 + j * 7) % 250 for j in range(request.prompt)]
+    body = {"prompt": prompt, "max_tokens": request.output, "temperature": 0}
+    sent = time.monotonic()
+    try:
+        for event in stream_events(url, "/v1/completions", body, timeout=300):
+            if outcome.ttft is None and event["choices"][0].get("text") is not None:
+                outcome.ttft = time.monotonic() - sent
+        outcome.ok = True
+    except Exception:
+        outcome.ok = False
+
+
+def _p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
+
+
+def tier3(
+    trace: Sequence[Any], names: Sequence[str], budget_tokens: int, reserves: dict[str, float]
+) -> None:
+    """Play the scaled ``trace`` under both policies and print the figures."""
+    print(
+        f"tier 3 (real vqpoold + 3 vqpool-workers on {MODEL}, lengths / {LENGTH_SCALE}, budget "
+        f"{budget_tokens} tokens, {len(trace)} requests, TTFT objective {TTFT_OBJECTIVE:g} s):"
+    )
+    for policy in ("elastic", "shared today"):
+        result = play(policy, trace, names, budget_tokens, reserves)
+        played: list[Played] = result["played"]
+        met = sum(1 for p in played if p.ok and p.ttft is not None and p.ttft <= TTFT_OBJECTIVE)
+        p99s = []
+        for i, name in enumerate(names):
+            ttfts = [p.ttft for p in played if p.model == i and p.ttft is not None]
+            p99s.append(f"{name} {_p99(ttfts):.3f}")
+        failed = sum(1 for p in played if not p.ok)
+        preemptions = sum(int(s["preemptions"]) for s in result["stats"])
+        exhaustions = sum(int(s["exhaustions"]) for s in result["stats"])
+        reclaim = result["reclaim"]
+        latency = "none"
+        if reclaim["latency_p50_s"] is not None:
+            p50, p99 = reclaim["latency_p50_s"] * 1000, reclaim["latency_p99_s"] * 1000
+            latency = f"p50 {p50:.1f} ms p99 {p99:.1f} ms"
+        median = statistics.median([p.ttft for p in played if p.ttft is not None] or [0.0])
+        print(
+            f"  {policy:<13} attainment {met / len(played):.3f}, failed {failed}, TTFT median "
+            f"{median:.3f} s, p99 TTFT (s): {', '.join(p99s)}; preemptions {preemptions}, "
+            f"ended for lack of blocks {exhaustions}; reclaims asked {reclaim['asked']}, "
+            f"answered {reclaim['answered']}, late {reclaim['late']}, latency {latency}; "
+            f"audit blocks in use {result['audit']['blocks_in_use']}"
+        )
+    print(f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
