@@ -275,7 +275,9 @@ class ContinuousBatch:
         if len(batch):
 
             def n_slots() -> int:
-                return max(batch.prompt_cache[0].size(), newcomer.prompt_cache[0].size()) + 1
+                # Growing the newcomer may preempt the last running row: the batch is empty then.
+                running = batch.prompt_cache[0].size() if batch.prompt_cache else 0
+                return max(running, newcomer.prompt_cache[0].size()) + 1
 
             backed = self._grow(lambda: batch.prompt_cache, n_slots, outcome, joining=job)
             gave_way = [*outcome.preempted, *outcome.evicted, *(j for j, _ in outcome.failed)]
