@@ -253,6 +253,10 @@ class DaemonMachine(RuleBasedStateMachine):
         # request, so one that held nothing yet may not be expected: all that were came back.
         assert claims["resynced"] == claims["expected"] and claims["owners_refused"] == 0, claims
         assert claims["owners_claimed"] == len(self.owners)
+        # A session that held nothing is not awaited by the claims: make each re-sync now, so
+        # a budget set next cannot refuse the in-process session's hello (it declares no bytes).
+        for session in self.sessions:
+            session.call("n_free", "k")
         self.total = {"k": PER_STREAM, "v": PER_STREAM}
         # Live budget settings die with the daemon; claims are charged to their models.
         self.budget = UNLIMITED

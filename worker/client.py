@@ -1133,7 +1133,12 @@ class _Heartbeat(threading.Thread):
                     continue  # keep trying: a busy or restarting daemon may answer the next one
                 client._daemon_silent = False
                 if reply.get("boot") != session[1] or client._claims_due:
-                    client.resync_from_heartbeat(reply.get("boot"))
+                    try:
+                        client.resync_from_heartbeat(reply.get("boot"))
+                    except ValueError as exc:
+                        # The new daemon refused this session (e.g. a budget now wants bytes per
+                        # block): callers get the refusal; keep beating for the next try.
+                        log.error("re-sync with the restarted vqpoold refused: %s", exc)
                 elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
                     client.reopen_from_heartbeat(session)  # evicted while alive
                 elif not reply["ok"] and "'prompt_cache'" in reply["error"]["message"]:
