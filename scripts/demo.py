@@ -82,7 +82,11 @@ REAL_MODEL_BUDGET = ("1GiB", "128MiB")
 
 BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
 CLIENTS_PER_MODEL = 4
-WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60"]
+# --reserve full: each request takes its whole KV need through the daemon's weighted fair queue
+# at admission, so the summary's bytes shares show the budget's weights. With on-demand growth
+# (the worker's default) growth steps do not queue at the daemon and shares follow who grows
+# first (docs/elastic.md, "Known limits").
+WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60", "--reserve", "full"]
 TOPICS = [
     "the unified memory of a laptop",
     "two models sharing one pool of blocks",
