@@ -44,8 +44,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, create_attention_mask, dynamic_roll
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
-from vqpool.shared.pool import AllocationRequest, BlockPool
-from vqpool.worker.cache import blocks_to_hold
+from vqpool.shared.pool import BlockPool
+from vqpool.worker.cache import allocate_kv_blocks, blocks_to_hold
 from vqpool.worker.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
@@ -154,30 +154,7 @@ class RowBlocks:
             self._v_blocks.extend(v_new)
 
     def _allocate(self, n_blocks: int, wait: float) -> tuple[list[Block], list[Block]]:
-        """``n_blocks`` blocks per stream in one pool call; all or nothing."""
-        n_tokens = n_blocks * self.layout.block_size
-        fmt = self.layout.format
-        waiting = {"wait": wait} if wait > 0 else {}
-        pool: Any = self.pool
-        if not self.pool.config.separate_kv:
-            blocks = list(pool.allocate("kv", n_tokens, self.owner, fmt, **waiting))
-            return blocks, blocks
-        results = pool.allocate_many(
-            [
-                AllocationRequest("k", n_tokens, self.owner, fmt),
-                AllocationRequest("v", n_tokens, self.owner, fmt),
-            ],
-            **waiting,
-        )
-        failures = [r for r in results if isinstance(r, Exception)]
-        if failures:
-            granted = [b for r in results if not isinstance(r, Exception) for b in r]
-            if granted:
-                self.pool.free(granted)
-            raise failures[0]
-        k_blocks, v_blocks = results
-        assert not isinstance(k_blocks, Exception) and not isinstance(v_blocks, Exception)
-        return list(k_blocks), list(v_blocks)
+        return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait)
 
     def shrink_to(self, n_slots: int) -> None:
         """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never

@@ -60,6 +60,38 @@ def blocks_to_hold(n_tokens: int, block_size: int) -> int:
     return needed + needed // RESERVE_DIVISOR
 
 
+def allocate_kv_blocks(
+    pool: BlockPool, owner: Owner, layout: KVLayout, n_blocks: int, wait: float = 0.0
+) -> tuple[list[Block], list[Block]]:
+    """Take ``n_blocks`` blocks per stream for ``owner`` in one pool call, all or nothing:
+    (K blocks, V blocks), or the same "kv" list twice in a pool without separate streams.
+    ``wait`` > 0 may wait that long at a daemon."""
+    n_tokens = n_blocks * layout.block_size
+    fmt = layout.format
+    # Only a pool whose allocations can wait is given the argument.
+    waiting = {"wait": wait} if wait > 0 else {}
+    any_pool: Any = pool
+    if not pool.config.separate_kv:
+        blocks = list(any_pool.allocate("kv", n_tokens, owner, fmt, **waiting))
+        return blocks, blocks
+    results = any_pool.allocate_many(
+        [
+            AllocationRequest("k", n_tokens, owner, fmt),
+            AllocationRequest("v", n_tokens, owner, fmt),
+        ],
+        **waiting,
+    )
+    failures = [r for r in results if isinstance(r, Exception)]
+    if failures:
+        granted = [b for r in results if not isinstance(r, Exception) for b in r]
+        if granted:
+            pool.free(granted)
+        raise failures[0]
+    k_blocks, v_blocks = results
+    assert not isinstance(k_blocks, Exception) and not isinstance(v_blocks, Exception)
+    return list(k_blocks), list(v_blocks)
+
+
 class PooledSequence:
     """One sequence's pool blocks and storage buffers, shared by its per-layer caches.
 
@@ -201,31 +233,7 @@ class PooledSequence:
         self.sync_usage(max(self.n_tokens, n_slots))
 
     def _allocate(self, n_blocks: int, wait: float = 0.0) -> tuple[list[Block], list[Block]]:
-        """Take ``n_blocks`` blocks per stream in one pool call; all or nothing."""
-        n_tokens = n_blocks * self.layout.block_size
-        fmt = self.layout.format
-        # Only a pool whose allocations can wait is given the argument.
-        waiting = {"wait": wait} if wait > 0 else {}
-        pool: Any = self.pool
-        if not self.pool.config.separate_kv:
-            blocks = list(pool.allocate("kv", n_tokens, self.owner, fmt, **waiting))
-            return blocks, blocks
-        results = pool.allocate_many(
-            [
-                AllocationRequest("k", n_tokens, self.owner, fmt),
-                AllocationRequest("v", n_tokens, self.owner, fmt),
-            ],
-            **waiting,
-        )
-        failures = [r for r in results if isinstance(r, Exception)]
-        if failures:
-            granted = [b for r in results if not isinstance(r, Exception) for b in r]
-            if granted:
-                self.pool.free(granted)
-            raise failures[0]
-        k_blocks, v_blocks = results
-        assert not isinstance(k_blocks, Exception) and not isinstance(v_blocks, Exception)
-        return list(k_blocks), list(v_blocks)
+        return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait)
 
     # -- shrink and usage ------------------------------------------------------------------------
 
