@@ -3,13 +3,16 @@
 
 Builds Hugging Face-format model directories with random weights and a ``tokenizers`` tokenizer
 (small: hidden 256 x 4 layers, fp32; medium: hidden 1024 x 8 layers, bf16), then serves each
-with three servers, one at a time so they never share the CPU: stock ``python -m mlx_lm.server``,
-``vqpool-worker`` drawing its KV cache from a live ``vqpoold`` (private run directory), and
-``vqpool-worker --no-pool``. The order of the three rotates from round to round. Each server is
-started, warmed up with one short request, sent a batch of ``c`` simultaneous streaming
-completions for each concurrency ``c`` (the same prompts, ~64 tokens each, for every server of a
-round; different between batches so mlx_lm.server's prompt cache has nothing to reuse), and
-stopped. Requests are greedy (temperature 0) with ``max_tokens`` new tokens.
+with three servers: stock ``python -m mlx_lm.server``, ``vqpool-worker`` drawing its KV cache
+from a live ``vqpoold`` (private run directory), and ``vqpool-worker --no-pool``. In each round
+the three are started and warmed up with one short request, then, for each concurrency ``c``,
+each server in turn is sent a batch of ``c`` simultaneous streaming completions (the same
+prompts, ~64 tokens each, for every server of a round; different between batches so
+mlx_lm.server's prompt cache has nothing to reuse), and the three are stopped. Only one server
+has work at a time (the others sit idle), and the order of the three rotates from batch to
+batch: on a shared machine whose load drifts over minutes, the three batches of one
+concurrency run within a minute or two of each other, not a whole server's run apart. Requests
+are greedy (temperature 0) with ``max_tokens`` new tokens.
 
 Measured client side, per batch: aggregate generated tokens per second (usage's completion
 tokens of all requests / wall time from the first request sent to the last [DONE]), time to
@@ -351,14 +354,19 @@ def bench_model(
             for c in args.concurrency
         }
         warm_up = make_prompts(model_dir, 1, 8, seed=-1 - round_no)
-        order = SERVERS[round_no % 3 :] + SERVERS[: round_no % 3]
-        for kind in order:
-            log = base / f"{name}-{round_no}-{kind.replace(' ', '_').replace('-', '')}.log"
-            url, stop = start_server(kind, model_dir, log, run_dir, max(args.concurrency))
-            try:
-                run_batch(url, warm_up, 4)
-                for c in args.concurrency:
-                    batch = run_batch(url, prompts[c], args.max_tokens)
+        urls: dict[str, str] = {}
+        stops: list[Callable[[], object]] = []
+        try:
+            for kind in SERVERS:
+                log = base / f"{name}-{round_no}-{kind.replace(' ', '_').replace('-', '')}.log"
+                url, stop = start_server(kind, model_dir, log, run_dir, max(args.concurrency))
+                urls[kind] = url
+                stops.append(stop)
+                run_batch(urls[kind], warm_up, 4)
+            for i, c in enumerate(args.concurrency):
+                shift = (round_no + i) % 3
+                for kind in SERVERS[shift:] + SERVERS[:shift]:
+                    batch = run_batch(urls[kind], prompts[c], args.max_tokens)
                     results[(kind, c)].append(batch)
                     print(
                         f"  {name} round {round_no + 1} {kind:16} c={c:<3} "
@@ -367,7 +375,8 @@ def bench_model(
                         file=sys.stderr,
                         flush=True,
                     )
-            finally:
+        finally:
+            for stop in stops:
                 stop()
         for c in args.concurrency:
             seen = {kind: results[(kind, c)][-1].prompt_tokens for kind in SERVERS}
@@ -443,7 +452,7 @@ def main() -> int:
         print(
             f"streaming completions, ~{args.prompt_tokens}-token prompts, {args.max_tokens} "
             f"tokens generated, temperature 0; concurrency {args.concurrency}; {args.rounds} "
-            "round(s), servers one at a time in rotating order; medians over rounds "
+            "round(s), one server busy at a time, order rotating per batch; medians over rounds "
             f"(ratios: medians of per-round ratios); load average {_load()} at start",
             flush=True,
         )
