@@ -358,8 +358,9 @@ class Simulation:
             self._give_back(worker)
         # Running requests grow first; a step that had to preempt admits nothing (vLLM's
         # rule: admitting then would take the bytes the preempted request just gave back).
-        # A parked admission is withdrawn meanwhile: the ledger serves a model's requests in
-        # order, so it would make every growth of the same model wait behind it.
+        # A parked admission is withdrawn meanwhile and asked again after the growths (the
+        # simulator's model of admission since tier 1 began; the real worker keeps it parked,
+        # and its growths go ahead of it at the ledger: docs/elastic.md, "Known limits").
         # A worker left with nothing running asks anyway: its parked admission is the demand
         # the ledger sees (and reclaims for).
         self._withdraw(worker)
