@@ -294,6 +294,7 @@ def summary(
         "peak blocks",
         "peak bytes",
         "waits",
+        "preempted",
         "exhaustions",
         "503s",
     ]
@@ -315,6 +316,7 @@ def summary(
                 stats["peak_blocks"],
                 human_bytes(stats["peak_bytes"]),
                 stats["waits"],
+                stats["preemptions"],
                 stats["exhaustions"],
                 tallies[model].refused,
             ]
@@ -322,7 +324,8 @@ def summary(
     print("\nPer model (bytes share: of the bytes held while both models wanted memory, mean")
     print(f"over {shares.samples} samples; decode share: of the workers' decode time;")
     print("tokens/s: generated tokens per busy second of the worker; blocks count K and V")
-    print("blocks apart; waits: requests that queued for memory):\n")
+    print("blocks apart; waits: requests that queued for memory; preempted: requests that gave")
+    print("way, to their own model's growth or to a reclaim, and were resumed):\n")
     print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(

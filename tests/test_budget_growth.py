@@ -1,12 +1,15 @@
 """Growth requests in the byte budget ledger (daemon/budget.py): a growth of held memory goes
 ahead of its model's waiting admissions, waits only while its model is owed it (below its fair
-share), and at most one growth of each party waits; the queue's invariants hold throughout."""
+share), and at most one growth of each party waits; the queue's invariants hold throughout. And
+the worker's bound on how long a step's growths may wait (``--growth-wait``)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome, Reason
+from vqpool.worker.serve import build_parser
 
 
 def full_ledger() -> BudgetLedger:
@@ -153,3 +156,12 @@ def test_random_growths_admissions_credits_keep_the_invariants() -> None:
             ledger.check_invariants()
             assert ledger.total_held <= ledger.budget
             assert all(ledger.held(m) == held[m] for m in models)
+
+
+def test_the_workers_growth_wait_option_is_bounded() -> None:
+    base = ["--model", "builtin:llama", "--port", "0"]
+    assert build_parser().parse_args(base).growth_wait == 0.15
+    assert build_parser().parse_args([*base, "--growth-wait", "0"]).growth_wait == 0.0
+    for bad in ("-0.1", "5.5", "soon", "nan"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, "--growth-wait", bad])
