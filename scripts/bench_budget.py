@@ -303,10 +303,10 @@ def main() -> int:
     parser.add_argument(
         "--reserve",
         choices=["on-demand", "full"],
-        default="full",
-        help="the workers' --reserve: full (default: whole requests through the daemon's fair "
-        "queue, as the figures in docs/serving.md were measured) or on-demand (requests grow "
-        "block by block; their growths queue at the daemon too)",
+        default="on-demand",
+        help="the workers' --reserve: on-demand (default, the worker's: requests grow block by "
+        "block and their growths queue at the daemon's fair queue too) or full (whole requests "
+        "at admission, as the figures in docs/serving.md were measured)",
     )
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
