@@ -1,18 +1,21 @@
 """Growth under the budget's weights, end to end (real vqpoold, a real vqpool-worker): a model
 below its fair share whose running requests grow while another model holds the budget gets its
 growths granted by reclaim from the model above its share (the daemon asks that model's client,
-which frees), instead of preempting its own requests; every response is whole, nothing leaks."""
+which frees), instead of preempting its own requests; every response is whole, nothing leaks.
+And a session the daemon asks to give bytes back has its waiting growth answered at once."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from daemon_harness import DaemonProcess, wait_until
 from serving_harness import ServingStack
+from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker import PoolClient
 
 LLAMA = "builtin:llama"
@@ -103,3 +106,57 @@ def test_a_growth_below_its_share_is_granted_by_reclaim(stack: ServingStack) -> 
     # of small's owners (8 ids each) came back.
     assert view["bytes_reclaimed"] >= 4 * 8 * BLOCK_BYTES, view
     stack.wait_for_no_blocks()
+
+
+def test_a_session_asked_to_give_back_has_its_waiting_growth_answered_at_once(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    # Budget 100 blocks, equal weights. b waits with a growth while below its share of two;
+    # then c asks for 30: b is above its share of three, and the daemon asks a and b to give
+    # back. b's growth is answered at once (its worker would reach the ask at its next step).
+    daemon = start_daemon(
+        "--n-blocks", "512", "--budget", str(100 * BLOCK_BYTES), "--lend-reserves"
+    )
+    with (
+        PoolClient(daemon.run_dir, name="a", bytes_per_block=BLOCK_BYTES) as a,
+        PoolClient(daemon.run_dir, name="b", bytes_per_block=BLOCK_BYTES) as b,
+        PoolClient(daemon.run_dir, name="c", bytes_per_block=BLOCK_BYTES) as c,
+    ):
+        held = {a: [f"a-{i}" for i in range(6)], b: [f"b-{i}" for i in range(4)]}
+        for client, owners in held.items():
+            for owner in owners:
+                client.allocate("k", 10 * BLOCK, owner)
+        asked: list[PoolClient] = []
+
+        def handler(client: PoolClient) -> Callable[[int, float], None]:
+            def give_back(n_bytes: int, deadline: float) -> None:
+                asked.append(client)
+                freed = 0
+                while freed < n_bytes and held[client]:
+                    client.free_all(held[client].pop())
+                    freed += 10 * BLOCK_BYTES
+
+            return give_back
+
+        a.set_reclaim_handler(handler(a))
+        b.set_reclaim_handler(handler(b))
+        outcome: dict[str, object] = {}
+
+        def grow() -> None:
+            started = time.monotonic()
+            try:
+                b.allocate("k", 5 * BLOCK, "b-0", wait=20.0, growth=True)
+            except BlockPoolExhaustedError as exc:
+                outcome["error"] = str(exc)
+            outcome["seconds"] = time.monotonic() - started
+
+        grower = threading.Thread(target=grow)
+        grower.start()
+        wait_until(lambda: daemon.admin("budget")["waiting"] == 1, 5.0)
+        assert "error" not in outcome  # b is below its share of two: its growth waits
+        assert len(c.allocate("k", 30 * BLOCK, "c-0", wait=10.0)) == 30
+        grower.join(10)
+        assert b in asked and a in asked
+        assert "asked to give bytes back" in str(outcome.get("error")), outcome
+        assert outcome["seconds"] < 10, outcome
+        daemon.audit()
