@@ -711,7 +711,8 @@ class BudgetLedger:
 
         The policy, applied until no waiting request can go:
 
-        1. Within a model, first come first served: only the head of its queue is considered.
+        1. Within a model, first come first served (its growths ahead of its other requests, see
+           :meth:`request`): only the head of its queue is considered.
         2. A head blocked only by its own model's limit is passed over: it waits for its own
            model's bytes and holds up nobody else.
         3. Models below their reserve go first, in the order their heads arrived.
