@@ -79,7 +79,7 @@ PREFILL_CHUNK = 2048
 """Most prompt tokens one step prefills (chunked prefill: a long prompt does not stall the
 decodes of the batch for seconds); an admission beyond it waits for the next step."""
 RECLAIM_DEADLINE = 0.5
-GROWTH_WAIT = 0.15
+GROWTH_WAIT = 0.1
 """Seconds a worker's step may wait for its growths at the ledger (``--growth-wait``, the
 worker's default): a growth its model is owed waits ahead of the model's admissions while
 reclaim takes bytes back for it; one still refused then preempts."""

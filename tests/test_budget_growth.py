@@ -160,7 +160,7 @@ def test_random_growths_admissions_credits_keep_the_invariants() -> None:
 
 def test_the_workers_growth_wait_option_is_bounded() -> None:
     base = ["--model", "builtin:llama", "--port", "0"]
-    assert build_parser().parse_args(base).growth_wait == 0.15
+    assert build_parser().parse_args(base).growth_wait == 0.1
     assert build_parser().parse_args([*base, "--growth-wait", "0"]).growth_wait == 0.0
     for bad in ("-0.1", "5.5", "soon", "nan"):
         with pytest.raises(SystemExit):

@@ -38,7 +38,7 @@ def stack() -> Iterator[ServingStack]:
     ).start()
     serving.daemon.admin("model_set", model="big", weight=2.0)
     serving.daemon.admin("model_set", model="small", weight=1.0)
-    # A growth may wait up to a second here (the default is 0.15 s): room for a busy machine.
+    # A growth may wait up to a second here (the default is 0.1 s): room for a busy machine.
     serving.workers["big"] = serving.start_worker(
         LLAMA,
         [
