@@ -30,9 +30,10 @@ its settings and its holdings here.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from vqpool.daemon.budget_types import (
     DEFAULT_SETTINGS,
@@ -155,12 +156,21 @@ def water_fill(capacity: float, shares: Sequence[tuple[float, float, float]]) ->
 
 
 class _Waiter:
-    """One queued request."""
+    """One queued request. ``growth`` marks a growth of held memory, queued ahead of its
+    model's other requests; ``key`` is its growing party (None for a try_grant candidate)."""
 
-    __slots__ = ("deadline", "enqueued_at", "model", "n_bytes", "seq", "ticket")
+    __slots__ = ("deadline", "enqueued_at", "growth", "key", "model", "n_bytes", "seq", "ticket")
 
     def __init__(
-        self, ticket: Ticket, model: _Model, n_bytes: int, deadline: float, seq: int, now: float
+        self,
+        ticket: Ticket,
+        model: _Model,
+        n_bytes: int,
+        deadline: float,
+        seq: int,
+        now: float,
+        growth: bool = False,
+        key: Hashable | None = None,
     ) -> None:
         self.ticket = ticket
         self.model = model
@@ -168,6 +178,8 @@ class _Waiter:
         self.deadline = deadline
         self.seq = seq
         self.enqueued_at = now
+        self.growth = growth
+        self.key = key
 
 
 class _Model:
@@ -177,6 +189,7 @@ class _Model:
         "configured",
         "held",
         "limit",
+        "n_growth",
         "name",
         "queue",
         "reserve",
@@ -194,6 +207,8 @@ class _Model:
         self.weight = float(settings.weight)
         self.held = 0
         self.queue: OrderedDict[Ticket, _Waiter] = OrderedDict()
+        """Growths first (in arrival order), then the other requests (in arrival order)."""
+        self.n_growth = 0  # growths at the front of the queue
         self.waiting_bytes = 0
 
     def head(self) -> _Waiter:
@@ -266,6 +281,7 @@ class BudgetLedger:
         self._reserved = reserved
         self._protected = reserved  # nothing is held yet: every reserve is unused
         self._waiters: dict[Ticket, _Waiter] = {}
+        self._growth_keys: dict[Hashable, _Waiter] = {}  # the one waiting growth of each party
         self._queued_models: dict[_Model, None] = {}  # the models with waiting requests
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._pending: list[Ticket] = []
@@ -351,11 +367,13 @@ class BudgetLedger:
 
     # -- requests -------------------------------------------------------------------------
 
-    def try_grant(self, model: str, n_bytes: int) -> Verdict:
+    def try_grant(self, model: str, n_bytes: int, *, growth: bool = False) -> Verdict:
         """Grant ``n_bytes`` to ``model`` now (charged) or say why not; never queues.
 
         Waiting requests that the policy serves first are not overtaken (WAIT with
-        BEHIND_WAITERS). O(1) while nobody waits.
+        BEHIND_WAITERS); a ``growth`` (of memory the model holds, see :meth:`request`) goes
+        ahead of its own model's waiting requests that are not growths. O(1) while nobody
+        waits.
 
         Raises:
             ValueError: ``n_bytes`` is not an int >= 0.
@@ -364,9 +382,9 @@ class BudgetLedger:
             _refuse_request_size(n_bytes)
         rec = self._models.get(model)
         if rec is None:
-            return self._as_new_model(model, lambda: self.try_grant(model, n_bytes))
+            return self._as_new_model(model, lambda: self.try_grant(model, n_bytes, growth=growth))
         if self._waiters:
-            return self._decide(rec, n_bytes, _CANDIDATE, math.inf, 0.0, queue=False)
+            return self._decide(rec, n_bytes, _CANDIDATE, math.inf, 0.0, queue=False, growth=growth)
         # The hot path: the three rules of the class docstring, inlined.
         held = rec.held
         if held + n_bytes <= rec.limit:
@@ -384,10 +402,31 @@ class BudgetLedger:
         return self._refusal(rec, n_bytes, self._shortage(rec, n_bytes), queued=False)
 
     def request(
-        self, model: str, n_bytes: int, ticket: Ticket, deadline: float, now: float
+        self,
+        model: str,
+        n_bytes: int,
+        ticket: Ticket,
+        deadline: float,
+        now: float,
+        *,
+        growth: Hashable | None = None,
     ) -> Verdict:
         """Grant ``n_bytes`` to ``model`` now (charged), or queue it under ``ticket`` until
         ``deadline``, or refuse it (NEVER, QUEUE_FULL: not queued).
+
+        A *growth* (``growth`` names the growing party, e.g. a worker session: a running
+        request needs another block) differs in three ways, so that the weights govern growth
+        as they govern admissions without a growth waiting behind its own model's admissions
+        (which wait for the bytes its running requests hold):
+
+        - it queues ahead of its model's requests that are not growths (behind earlier
+          growths), so the policy order sees it as its model's head;
+        - it waits only while its model is owed it: when its model's holdings with it would
+          exceed the model's entitlement (:meth:`snapshot`), it is answered at once (WAIT,
+          ABOVE_SHARE, not queued): nothing would be taken back for it, and the worker had
+          better preempt one of its own requests now;
+        - at most one growth of each party waits: another one is answered at once
+          (GROWTH_WAITING, not queued).
 
         A queued request is granted by a later :meth:`grants` call (which names its ticket,
         already charged), leaves by :meth:`cancel`, or by :meth:`expire` once ``deadline`` has
@@ -407,6 +446,7 @@ class BudgetLedger:
         Raises:
             ValueError: ``n_bytes`` is not an int >= 0, or ``ticket`` already waits.
         """
+        is_growth = growth is not None
         if ticket in self._waiters:
             raise ValueError(f"ticket {ticket!r} already waits for memory")
         if deadline != deadline or now != now:  # NaN would corrupt the deadline heap's order
@@ -415,15 +455,24 @@ class BudgetLedger:
             _refuse_request_size(n_bytes)
         if model not in self._models:
             return self._as_new_model(
-                model, lambda: self.request(model, n_bytes, ticket, deadline, now)
+                model,
+                lambda: self.request(model, n_bytes, ticket, deadline, now, growth=growth),
             )
         if deadline <= now:
-            return self.try_grant(model, n_bytes)
+            return self.try_grant(model, n_bytes, growth=is_growth)
         if not self._waiters:
-            verdict = self.try_grant(model, n_bytes)
+            verdict = self.try_grant(model, n_bytes, growth=is_growth)
             if verdict.outcome is not Outcome.WAIT:
                 return verdict
-        return self._decide(self._models[model], n_bytes, ticket, deadline, now, queue=True)
+        rec = self._models[model]
+        if is_growth and growth in self._growth_keys:
+            verdict = self.try_grant(model, n_bytes, growth=True)
+            if verdict.outcome is Outcome.WAIT:
+                return self._refusal(rec, n_bytes, Reason.GROWTH_WAITING, queued=False)
+            return verdict
+        return self._decide(
+            rec, n_bytes, ticket, deadline, now, queue=True, growth=is_growth, key=growth
+        )
 
     def _as_new_model(self, model: str, call: Callable[[], Verdict]) -> Verdict:
         """``call()`` for a model seen for the first time, whose record is kept only if the
@@ -438,27 +487,42 @@ class BudgetLedger:
         return verdict
 
     def _decide(
-        self, rec: _Model, n_bytes: int, ticket: Ticket, deadline: float, now: float, queue: bool
+        self,
+        rec: _Model,
+        n_bytes: int,
+        ticket: Ticket,
+        deadline: float,
+        now: float,
+        queue: bool,
+        growth: bool = False,
+        key: Hashable | None = None,
     ) -> Verdict:
         """The slow path: NEVER, or where the policy puts the request among the waiting ones."""
         if n_bytes == 0:
             return GRANTED
         if n_bytes > self._ceiling(rec):
             return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
-        if rec.queue:  # first come first served within a model
-            return self._wait(rec, n_bytes, ticket, deadline, now, queue, Reason.BEHIND_WAITERS)
+        # First come first served within a model; a growth only after earlier growths.
+        if rec.n_growth if growth else rec.queue:
+            return self._wait(
+                rec, n_bytes, ticket, deadline, now, queue, Reason.BEHIND_WAITERS, growth, key
+            )
         # In a settled queue a request that does not fit waits, and joining the queue lets no
         # other request go (it adds demand; it frees nothing). One that fits may be first in
         # the policy order, or within its share past a blocked head: let the policy decide.
+        # A growth goes in front of its model's other waiting requests: with them it may
+        # settle anew.
         if not self._settled or self._fits(rec, n_bytes):
-            waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
+            waiter = self._enqueue(rec, n_bytes, ticket, deadline, now, growth)
             self._settle()
             if ticket not in self._waiters:  # granted by the policy just now
                 if ticket is not _CANDIDATE:
                     self._pending.remove(ticket)
                 return GRANTED
             self._remove(waiter)
-        return self._wait(rec, n_bytes, ticket, deadline, now, queue, self._shortage(rec, n_bytes))
+        return self._wait(
+            rec, n_bytes, ticket, deadline, now, queue, self._shortage(rec, n_bytes), growth, key
+        )
 
     def _wait(
         self,
@@ -469,6 +533,8 @@ class BudgetLedger:
         now: float,
         queue: bool,
         reason: Reason,
+        growth: bool = False,
+        key: Hashable | None = None,
     ) -> Verdict:
         """Queue the request if it may wait and there is room, and say why it waits."""
         if not queue:
@@ -480,7 +546,11 @@ class BudgetLedger:
             full = Reason.ALL_QUEUES_FULL
         if full is not None:
             return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
-        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now)
+        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now, growth, key)
+        if growth and rec.held + n_bytes > self._entitlements().get(rec, 0.0):
+            # Not owed: no reclaim would be planned for it, and others may be owed first.
+            self._remove(waiter)
+            return self._refusal(rec, n_bytes, Reason.ABOVE_SHARE, queued=False)
         heapq.heappush(self._deadlines, (deadline, waiter.seq, waiter))
         return self._refusal(rec, n_bytes, reason, queued=True)
 
@@ -545,13 +615,33 @@ class BudgetLedger:
     # -- the queue ------------------------------------------------------------------------
 
     def _enqueue(
-        self, rec: _Model, n_bytes: int, ticket: Ticket, deadline: float, now: float
+        self,
+        rec: _Model,
+        n_bytes: int,
+        ticket: Ticket,
+        deadline: float,
+        now: float,
+        growth: bool = False,
+        key: Hashable | None = None,
     ) -> _Waiter:
         self._seq += 1
-        waiter = _Waiter(ticket, rec, n_bytes, deadline, self._seq, now)
+        waiter = _Waiter(ticket, rec, n_bytes, deadline, self._seq, now, growth, key)
         if not rec.queue:
             self._queued_models[rec] = None
-        rec.queue[ticket] = waiter
+        queue = rec.queue
+        if growth:
+            # In front of the model's other requests, behind its earlier growths (few: one
+            # per party).
+            earlier = list(itertools.islice(queue, rec.n_growth))
+            queue[ticket] = waiter
+            queue.move_to_end(ticket, last=False)
+            for earlier_ticket in reversed(earlier):
+                queue.move_to_end(earlier_ticket, last=False)
+            rec.n_growth += 1
+            if key is not None:
+                self._growth_keys[key] = waiter
+        else:
+            queue[ticket] = waiter
         rec.waiting_bytes += n_bytes
         self._waiters[ticket] = waiter
         return waiter
@@ -561,6 +651,10 @@ class BudgetLedger:
         del rec.queue[waiter.ticket]
         del self._waiters[waiter.ticket]
         rec.waiting_bytes -= waiter.n_bytes
+        if waiter.growth:
+            rec.n_growth -= 1
+            if waiter.key is not None:
+                del self._growth_keys[waiter.key]
         if not rec.queue:
             del self._queued_models[rec]
 
@@ -617,7 +711,8 @@ class BudgetLedger:
 
         The policy, applied until no waiting request can go:
 
-        1. Within a model, first come first served: only the head of its queue is considered.
+        1. Within a model, first come first served (its growths ahead of its other requests, see
+           :meth:`request`): only the head of its queue is considered.
         2. A head blocked only by its own model's limit is passed over: it waits for its own
            model's bytes and holds up nobody else.
         3. Models below their reserve go first, in the order their heads arrived.
@@ -678,16 +773,17 @@ class BudgetLedger:
         if waiter.ticket is not _CANDIDATE:
             self._pending.append(waiter.ticket)
 
-    def _entitlements(self) -> dict[_Model, float]:
+    def _entitlements(self, wanting_all: _Model | None = None) -> dict[_Model, float]:
         """Each model's water-filling share for demand = held + waiting bytes (see
         :class:`ModelBudgetView`). The capacity shared is the budget less the reserves that sit
         idle (reserve above demand): other models never get those bytes, unless reserves are
-        lent, when the capacity is the whole budget."""
+        lent, when the capacity is the whole budget. ``wanting_all``'s demand is taken as its
+        limit (its full share, for :meth:`reclaim_need`'s margin)."""
         recs = []
         shares = []
         idle_reserves = 0
         for rec in self._models.values():
-            demand = rec.held + rec.waiting_bytes
+            demand = rec.limit if rec is wanting_all else rec.held + rec.waiting_bytes
             if demand < rec.reserve:
                 idle_reserves += rec.reserve - demand
             if demand:
@@ -696,7 +792,7 @@ class BudgetLedger:
         capacity = self._budget if self.lend_reserves else self._budget - idle_reserves
         return dict(zip(recs, water_fill(capacity, shares), strict=True))
 
-    def reclaim_need(self, up_to_share: bool = True) -> ReclaimNeed:
+    def reclaim_need(self, up_to_share: bool = True, margin: float = 0.0) -> ReclaimNeed:
         """What must be taken back now, and from whom (see :class:`ReclaimNeed`).
 
         A waiting model is owed the prefix of its queue that fits within its entitlement
@@ -706,7 +802,19 @@ class BudgetLedger:
         reserves are left to bytes freed as requests end). ``short`` is what of that, plus any
         holdings over a lowered budget, the free bytes do not cover; never more. Pure: the
         caller asks the workers of the ``excess`` models for it and credits what they free.
+
+        ``margin`` (a fraction in [0, 1)) is the hysteresis of fair-share reclaim: a model is
+        owed bytes above its reserve only while it holds less than ``(1 - margin)`` of its
+        *full share*, the entitlement it would have if it wanted all it may hold (its limit),
+        the others' demand unchanged. A preemption frees whole requests, so the victim often
+        lands a little below its own share; without a margin it would ask back at once, and two
+        models that both want more than their share would take bytes from each other in turn.
+        (The full share, not the entitlement, is the yardstick: the entitlement is capped at
+        the model's demand, so a model waiting for one block would never be short of it by
+        more than the block.) Reserves are owed whatever the margin.
         """
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
         over = max(0, self._total_held - self._budget)
         if not self._waiters and not over:
             return ReclaimNeed(0, {}, [])
@@ -714,7 +822,11 @@ class BudgetLedger:
         wanted: dict[str, int] = {}
         unused_of_wanting = 0
         for rec in self._queued_models:
-            target = min(entitlement.get(rec, 0.0), rec.limit if up_to_share else rec.reserve)
+            share = entitlement.get(rec, 0.0)
+            owed_share = up_to_share and rec.held < share
+            if owed_share and margin:
+                owed_share = rec.held < (1.0 - margin) * self._entitlements(rec).get(rec, 0.0)
+            target = min(share, rec.limit if owed_share else rec.reserve)
             want = 0
             for waiter in rec.queue.values():
                 if rec.held + want + waiter.n_bytes > target:
@@ -942,8 +1054,17 @@ class BudgetLedger:
             assert (rec.reserve, rec.weight) == (s.reserve, float(s.weight)), rec.name
             want_limit = self._budget if s.limit is None else min(s.limit, self._budget)
             assert rec.limit == want_limit, f"{rec.name!r}: limit {rec.limit} != {want_limit}"
-            seqs = [w.seq for w in rec.queue.values()]
-            assert seqs == sorted(seqs), f"{rec.name!r}: queue out of arrival order"
+            flags = [w.growth for w in rec.queue.values()]
+            assert flags == sorted(flags, reverse=True), f"{rec.name!r}: a growth behind others"
+            assert rec.n_growth == sum(flags), f"{rec.name!r}: n_growth {rec.n_growth} off"
+            waiters = list(rec.queue.values())
+            for part_waiters in (waiters[: rec.n_growth], waiters[rec.n_growth :]):
+                seqs = [w.seq for w in part_waiters]
+                assert seqs == sorted(seqs), f"{rec.name!r}: queue out of arrival order"
+            for waiter in waiters:
+                if waiter.key is not None:
+                    assert waiter.growth, f"{waiter.ticket!r}: a growth key on a non-growth"
+                    assert self._growth_keys.get(waiter.key) is waiter, "growth key misindexed"
             for ticket, waiter in rec.queue.items():
                 assert waiter.ticket == ticket and waiter.model is rec, f"misfiled {ticket!r}"
                 assert self._waiters.get(ticket) is waiter, f"{ticket!r} missing from the index"
@@ -952,6 +1073,8 @@ class BudgetLedger:
             n_queued += len(rec.queue)
             assert self._models.get(rec.name) is rec
         assert n_queued == len(self._waiters), f"{len(self._waiters)} indexed, {n_queued} queued"
+        keyed = sum(1 for w in self._waiters.values() if w.key is not None)
+        assert keyed == len(self._growth_keys), "growth keys of waiters no longer waiting"
         queued_models = {rec for rec in recs if rec.queue}
         assert set(self._queued_models) == queued_models, "models with waiters misindexed"
         in_heap = {id(w) for _, _, w in self._deadlines}

@@ -43,7 +43,17 @@ class ParkedRequest:
     reply goes (``envelope``: the routing frames of the newest send of this request, set by
     the server loop)."""
 
-    __slots__ = ("deadline", "envelope", "items", "n_bytes", "op", "rid", "session", "wait")
+    __slots__ = (
+        "deadline",
+        "envelope",
+        "growth",
+        "items",
+        "n_bytes",
+        "op",
+        "rid",
+        "session",
+        "wait",
+    )
 
     def __init__(
         self,
@@ -54,6 +64,7 @@ class ParkedRequest:
         n_bytes: int,
         wait: float,
         now: float,
+        growth: bool = False,
     ) -> None:
         self.session = session
         self.op = op
@@ -62,6 +73,7 @@ class ParkedRequest:
         self.n_bytes = n_bytes
         self.wait = wait
         self.deadline = now + wait
+        self.growth = growth
         self.envelope: list[bytes] | None = None
 
 
@@ -157,16 +169,25 @@ class BudgetAccounting:
             return self._perform(session, op, items, 0)
         ledger = self.ledger
         wait = args["wait"]
+        growth = args["growth"]
         if wait > 0:
             ticket = (session.sid, rid)
-            verdict = ledger.request(session.model, n_bytes, ticket, now + wait, now)
+            # A growth's party is its session: one growth of each session waits at a time.
+            verdict = ledger.request(
+                session.model,
+                n_bytes,
+                ticket,
+                now + wait,
+                now,
+                growth=session.sid if growth else None,
+            )
             if verdict.queued:
                 parked = self.parked[ticket] = ParkedRequest(
-                    session, op, items, rid, n_bytes, wait, now
+                    session, op, items, rid, n_bytes, wait, now, growth
                 )
                 return parked
         else:
-            verdict = ledger.try_grant(session.model, n_bytes)
+            verdict = ledger.try_grant(session.model, n_bytes, growth=growth)
         if verdict.outcome is not Outcome.GRANT:
             raise self.refusal(op, verdict)
         return self._perform(session, op, items, n_bytes)
@@ -182,7 +203,7 @@ class BudgetAccounting:
             n_bytes = -(-n_tokens // self._block_size) * self.block_cost(cost, stream)
         ledger = self.ledger
         if n_bytes:
-            verdict = ledger.try_grant(session.model, n_bytes)
+            verdict = ledger.try_grant(session.model, n_bytes, growth=args["growth"])
             if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
                 raise self.refusal(ALLOCATE, verdict)
         try:
@@ -300,23 +321,37 @@ class BudgetAccounting:
 
     def expire(self, now: float) -> None:
         """Answer POOL_EXHAUSTED to the parked requests whose deadline passed."""
-        ledger = self.ledger
-        expired = ledger.expire(now)
+        expired = self.ledger.expire(now)
         for ticket in expired:
             parked = self.parked.pop(ticket, None)
-            if parked is None:
-                continue
-            model = parked.session.model
-            exc = BlockPoolExhaustedError(
-                f"{parked.op}: waited {parked.wait:g}s for {format_bytes(parked.n_bytes)} for "
-                f"model {model!r}, not granted: the budget "
-                f"({self.budget_text()}) has {format_bytes(self.free_bytes())} free "
-                f"({format_bytes(ledger.total_held)} held; the model holds "
-                f"{format_bytes(ledger.held(model))})"
-            )
-            self._answer(parked, error_reply(parked.rid, self._coord.boot_id, exc))
+            if parked is not None:
+                self._answer_exhausted(parked, f"waited {parked.wait:g}s")
         if expired:
             self.hand_out()
+
+    def refuse_growth_of(self, sid: int) -> None:
+        """Answer POOL_EXHAUSTED now to the growth session ``sid`` has parked, if any: it was
+        just asked to give bytes back (a reclaim), which its worker does at its next step
+        boundary, after this growth's answer."""
+        for ticket, parked in self.parked.items():
+            if parked.growth and parked.session.sid == sid:
+                if self.ledger.cancel(ticket):
+                    del self.parked[ticket]
+                    self._answer_exhausted(parked, "asked to give bytes back meanwhile")
+                    self.hand_out()
+                return
+
+    def _answer_exhausted(self, parked: ParkedRequest, why: str) -> None:
+        ledger = self.ledger
+        model = parked.session.model
+        exc = BlockPoolExhaustedError(
+            f"{parked.op}: {why} for {format_bytes(parked.n_bytes)} for "
+            f"model {model!r}, not granted: the budget "
+            f"({self.budget_text()}) has {format_bytes(self.free_bytes())} free "
+            f"({format_bytes(ledger.total_held)} held; the model holds "
+            f"{format_bytes(ledger.held(model))})"
+        )
+        self._answer(parked, error_reply(parked.rid, self._coord.boot_id, exc))
 
     def answer_refused(self, refused: list[tuple[Ticket, Verdict]]) -> int:
         """Answer OVER_BUDGET to parked requests a settings change made impossible; how many."""

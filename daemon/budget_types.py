@@ -108,6 +108,13 @@ class Reason(enum.Enum):
     """(QUEUE_FULL) The model has as many waiting requests as allowed."""
     ALL_QUEUES_FULL = "all_queues_full"
     """(QUEUE_FULL) As many requests wait in all as allowed."""
+    ABOVE_SHARE = "above_share"
+    """A growth that does not fit now and would take its model above its fair share (its
+    entitlement): it is not queued, since nothing would be taken back for it; the worker
+    preempts one of its own requests instead."""
+    GROWTH_WAITING = "growth_waiting"
+    """A growth whose session already has a growth waiting (one at a time per session): it is
+    answered at once, as with ``wait`` 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +186,13 @@ class Verdict:
             return f"{need}: too many of this model's requests already wait for memory; retry later"
         if reason is Reason.ALL_QUEUES_FULL:
             return f"{need}: too many requests already wait for memory; retry later"
+        if reason is Reason.ABOVE_SHARE:
+            return (
+                f"{need}: a growth that would take the model above its fair share while the "
+                f"budget ({fb(self.budget)}, {fb(free)} free) is contended; not queued"
+            )
+        if reason is Reason.GROWTH_WAITING:
+            return f"{need}: this session already has a growth waiting; not queued"
         raise AssertionError(f"no message for {self.outcome} {reason}")
 
 

@@ -9,29 +9,46 @@ never more than is short and not already asked for, and checks each answer again
 the bytes a session's holdings fell since it was asked are what it gave back, whatever it
 claims. An ask not answered by its deadline is *late*: counted and logged by the caller, never
 punished; its session is not asked again until it answers or a cool-down passes, and the bytes
-are asked of others meanwhile. See docs/budget.md, "Reclaim".
+are asked of others meanwhile.
+
+Hysteresis (:func:`plan_reclaim`): a model at or above its reserve is owed bytes for its fair
+share only while it is short of it by more than a margin, and a session that just answered is
+not asked again for fair shares within a cool-down; reserves are restored at once whatever the
+margin and cool-downs say. See docs/budget.md, "Reclaim".
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from vqpool.daemon.budget import BudgetLedger
 from vqpool.daemon.budget_types import ReclaimNeed
 
 __all__ = [
+    "DEFAULT_RECLAIM_COOL_DOWN",
     "DEFAULT_RECLAIM_DEADLINE",
+    "DEFAULT_RECLAIM_MARGIN",
     "LATENCY_SAMPLES",
     "ReclaimAsk",
     "ReclaimBook",
     "ReclaimStats",
+    "plan_reclaim",
 ]
 
 DEFAULT_RECLAIM_DEADLINE = 1.0
 """Seconds a worker has to give bytes back: a few decode steps and a preemption at a step
 boundary take tens of milliseconds; a second leaves room for a long prefill step in flight."""
+
+DEFAULT_RECLAIM_MARGIN = 0.1
+"""Fair-share hysteresis: a model above its reserve is owed bytes for its share only while it
+holds less than 90% of it (:meth:`BudgetLedger.reclaim_need`)."""
+
+DEFAULT_RECLAIM_COOL_DOWN = 0.5
+"""Seconds after answering an ask during which a session is not asked again for fair shares
+(reserves do not wait for it): at most two such asks a second per session."""
 
 LATENCY_SAMPLES = 1024
 """Answer latencies kept for the p50/p99 (the most recent ones)."""
@@ -85,16 +102,26 @@ class ReclaimBook:
 
     Args:
         deadline: Seconds a session has to answer an ask.
+        cool_down: Seconds after an answer during which :meth:`plan` with ``cool`` True does
+            not ask that session again.
     """
 
-    def __init__(self, deadline: float = DEFAULT_RECLAIM_DEADLINE) -> None:
+    def __init__(
+        self,
+        deadline: float = DEFAULT_RECLAIM_DEADLINE,
+        cool_down: float = DEFAULT_RECLAIM_COOL_DOWN,
+    ) -> None:
         if not 0 < deadline <= 60:
             raise ValueError(f"reclaim deadline must be in (0, 60] seconds, got {deadline!r}")
+        if not 0 <= cool_down <= 60:
+            raise ValueError(f"reclaim cool-down must be in [0, 60] seconds, got {cool_down!r}")
         self.deadline = deadline
+        self.cool_down = cool_down
         self.stats = ReclaimStats()
         self._ids = itertools.count(1)
         self._by_session: dict[int, ReclaimAsk] = {}
         self._open_bytes = 0  # bytes of the asks not answered and not late
+        self._answered_at: dict[int, float] = {}  # sessions in their cool-down: when they answered
 
     def open_ask(self, sid: int) -> ReclaimAsk | None:
         """The ask ``sid`` has not answered (late or not), if any."""
@@ -110,8 +137,18 @@ class ReclaimBook:
         """Bytes asked and still expected (not answered, not late)."""
         return self._open_bytes
 
+    def cooling(self, sid: int, now: float) -> bool:
+        """Whether ``sid`` answered an ask less than :attr:`cool_down` seconds ago."""
+        answered = self._answered_at.get(sid)
+        return answered is not None and now < answered + self.cool_down
+
     def plan(
-        self, need: ReclaimNeed, holders: Mapping[str, Iterable[tuple[int, int]]], now: float
+        self,
+        need: ReclaimNeed,
+        holders: Mapping[str, Iterable[tuple[int, int]]],
+        now: float,
+        *,
+        cool: bool = False,
     ) -> list[ReclaimAsk]:
         """New asks for what ``need`` says is short beyond what is already asked.
 
@@ -120,11 +157,17 @@ class ReclaimBook:
             holders: Per model, ``(session id, bytes it holds)`` of its sessions that can be
                 asked (they poll for asks).
             now: Monotonic time.
+            cool: Skip the sessions in their cool-down (:meth:`cooling`): for fair shares,
+                not for reserves.
 
         Returns:
             The new asks, largest weighted excess first; within a model, the sessions holding
             most first. A session with an open ask is not asked again.
         """
+        if self._answered_at:  # forget cool-downs that are over (bounded by the sessions)
+            self._answered_at = {
+                sid: t for sid, t in self._answered_at.items() if now < t + self.cool_down
+            }
         remaining = need.short - self._open_bytes
         if remaining <= 0:
             return []
@@ -140,7 +183,7 @@ class ReclaimBook:
             for sid, held in sorted(holders.get(model, ()), key=lambda h: (-h[1], h[0])):
                 if take <= 0:
                     break
-                if sid in self._by_session or held <= 0:
+                if sid in self._by_session or held <= 0 or (cool and self.cooling(sid, now)):
                     continue
                 n = min(take, held)
                 ask = ReclaimAsk(next(self._ids), sid, model, n, now, now + self.deadline, held)
@@ -170,6 +213,7 @@ class ReclaimBook:
             self.stats.stale_answers += 1
             return None, 0
         self._close(ask)
+        self._answered_at[sid] = now
         freed = max(0, ask.held_at_ask - held_now)
         stats = self.stats
         stats.answered += 1
@@ -204,6 +248,7 @@ class ReclaimBook:
 
     def session_ended(self, sid: int) -> None:
         """Forget ``sid``'s ask: its blocks were freed with it."""
+        self._answered_at.pop(sid, None)
         ask = self._by_session.get(sid)
         if ask is not None:
             self._close(ask)
@@ -217,3 +262,38 @@ class ReclaimBook:
         del self._by_session[ask.sid]
         if not ask.late:
             self._open_bytes -= ask.n_bytes
+
+
+def plan_reclaim(
+    ledger: BudgetLedger,
+    book: ReclaimBook,
+    holders: Callable[[Collection[str]], Mapping[str, Iterable[tuple[int, int]]]],
+    now: float,
+    *,
+    up_to_share: bool = True,
+    margin: float = DEFAULT_RECLAIM_MARGIN,
+) -> tuple[ReclaimNeed, list[ReclaimAsk]]:
+    """The asks to make now: first for the reserves (any session above its share, cool-downs
+    ignored: a reserve is a guarantee), then, with ``up_to_share``, for fair shares past the
+    ``margin`` (sessions in their cool-down skipped). The daemon and the simulator of
+    ``scripts/bench_elastic.py`` both plan through here.
+
+    Args:
+        holders: Given the names of the models above their share, per model the
+            ``(session id, bytes held)`` of its sessions that can be asked.
+
+    Returns:
+        The larger need (for the log line) and the new asks.
+    """
+    need = ledger.reclaim_need(up_to_share=False)
+    asks: list[ReclaimAsk] = []
+    if need.short > book.outstanding:
+        asks += book.plan(need, holders([name for name, _ in need.excess]), now)
+    if up_to_share:
+        share_need = ledger.reclaim_need(margin=margin)
+        if share_need.short > book.outstanding:
+            found = holders([name for name, _ in share_need.excess])
+            asks += book.plan(share_need, found, now, cool=True)
+        if share_need.short > need.short:
+            need = share_need
+    return need, asks

@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from vqpool.daemon.reclaim import DEFAULT_RECLAIM_DEADLINE, ReclaimAsk, ReclaimBook
+from vqpool.daemon.reclaim import (
+    DEFAULT_RECLAIM_DEADLINE,
+    ReclaimAsk,
+    ReclaimBook,
+    plan_reclaim,
+)
 from vqpool.daemon.sessions import Session
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.protocol import encode_result
@@ -177,16 +183,20 @@ class ReclaimService:
         ledger = self._budget.ledger
         if not ledger.n_waiting and ledger.total_held <= ledger.budget:
             return
-        need = ledger.reclaim_need()
-        if need.short <= self.book.outstanding:
-            return
-        models = {name for name, _ in need.excess}
-        holders: dict[str, list[tuple[int, int]]] = {}
-        for session in self._coord.sessions:
-            if session.reclaimable and session.model in models:
-                held = self._budget.bytes_of_session(session)
-                holders.setdefault(session.model, []).append((session.sid, held))
-        for ask in self.book.plan(need, holders, now):
+
+        def holders(models: Collection[str]) -> dict[str, list[tuple[int, int]]]:
+            found: dict[str, list[tuple[int, int]]] = {}
+            for session in self._coord.sessions:
+                if session.reclaimable and session.model in models:
+                    held = self._budget.bytes_of_session(session)
+                    found.setdefault(session.model, []).append((session.sid, held))
+            return found
+
+        need, asks = plan_reclaim(ledger, self.book, holders, now)
+        for ask in asks:
+            # A session asked to give bytes back does not wait for more: its parked growth
+            # is answered now, so its worker's generation thread reaches the ask at once.
+            self._budget.refuse_growth_of(ask.sid)
             log.info(
                 "reclaim: asking session %s (model %r) for %s by %gs (short %s for %s)",
                 ask.sid,

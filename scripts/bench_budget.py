@@ -80,9 +80,6 @@ DEMANDS = {
 WORKER_ARGS = [
     *("--max-concurrent", "8", "--queue-timeout", "120", "--max-queue", "64"),
     *("--prompt-cache-bytes", "0"),
-    # Whole requests through the daemon's fair queue, as the figures in docs/serving.md were
-    # measured: on-demand growth does not queue at the daemon (docs/elastic.md).
-    *("--reserve", "full"),
 ]
 SAMPLE_SECONDS = 0.05
 
@@ -163,8 +160,11 @@ def client_loop(url: str, model: str, until: float, tally: Tally) -> None:
                 tally.duration.setdefault(model, []).append(time.monotonic() - started)
 
 
-def run_phase(base: Path, with_budget: bool, seconds: float, clients: dict[str, int]) -> Tally:
-    """One phase on a fresh daemon and fresh workers, ``clients[model]`` client threads each."""
+def run_phase(
+    base: Path, with_budget: bool, seconds: float, clients: dict[str, int], reserve: str
+) -> Tally:
+    """One phase on a fresh daemon and fresh workers (``--reserve reserve``),
+    ``clients[model]`` client threads each."""
     name = "budget" if with_budget else "today"
     base = Path(tempfile.mkdtemp(prefix=name[0], dir=base))  # fresh logs: workers read theirs
     run_dir = base / "run"
@@ -180,9 +180,9 @@ def run_phase(base: Path, with_budget: bool, seconds: float, clients: dict[str, 
     daemon = DaemonProcess(run_dir, ["--config", str(config)], base / f"{name}.vqpoold.log")
     daemon.start()
     workers = [
-        WorkerProcess(m, base / f"{name}-{i}.log", run_dir=run_dir, args=WORKER_ARGS).start(
-            wait=False
-        )
+        WorkerProcess(
+            m, base / f"{name}-{i}.log", run_dir=run_dir, args=[*WORKER_ARGS, "--reserve", reserve]
+        ).start(wait=False)
         for i, m in enumerate(MODELS)
     ]
     tally = Tally()
@@ -300,6 +300,14 @@ def main() -> int:
         default="proportional",
         help="clients per model: in proportion to the weights (default), equal, or both in turn",
     )
+    parser.add_argument(
+        "--reserve",
+        choices=["on-demand", "full"],
+        default="on-demand",
+        help="the workers' --reserve: on-demand (default, the worker's: requests grow block by "
+        "block and their growths queue at the daemon's fair queue too) or full (whole requests "
+        "at admission, as the figures in docs/serving.md were measured)",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (4.0 if args.quick else 20.0)
@@ -310,8 +318,12 @@ def main() -> int:
         for demand in demands:
             phases: dict[str, list[Tally]] = {"today": [], "with budget": []}
             for _ in range(rounds):
-                phases["today"].append(run_phase(base, False, seconds, DEMANDS[demand]))
-                phases["with budget"].append(run_phase(base, True, seconds, DEMANDS[demand]))
+                phases["today"].append(
+                    run_phase(base, False, seconds, DEMANDS[demand], args.reserve)
+                )
+                phases["with budget"].append(
+                    run_phase(base, True, seconds, DEMANDS[demand], args.reserve)
+                )
             failures += report(demand, phases, seconds, rounds)
         medians = round_trips(
             base, rounds * 2 if args.quick else rounds * 5, 300 if args.quick else 2000

@@ -64,7 +64,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
-from vqpool.daemon.reclaim import ReclaimAsk, ReclaimBook
+from vqpool.daemon.reclaim import ReclaimAsk, ReclaimBook, plan_reclaim
 
 STEP_BASE = 1.29e-3
 DECODE_PER_SEQ = 0.092e-3
@@ -79,6 +79,10 @@ PREFILL_CHUNK = 2048
 """Most prompt tokens one step prefills (chunked prefill: a long prompt does not stall the
 decodes of the batch for seconds); an admission beyond it waits for the next step."""
 RECLAIM_DEADLINE = 0.5
+GROWTH_WAIT = 0.1
+"""Seconds a worker's step may wait for its growths at the ledger (``--growth-wait``, the
+worker's default): a growth its model is owed waits ahead of the model's admissions while
+reclaim takes bytes back for it; one still refused then preempts."""
 TTFT_OBJECTIVE = 1.0
 """Seconds to first token that 99% of requests must meet."""
 ATTAINMENT = 0.99
@@ -214,6 +218,10 @@ class Worker:
     ask: ReclaimAsk | None = None
     held_at_ask: int = 0
     preemptions: int = 0
+    growth: tuple[Request, int] | None = None  # a growth waiting at the ledger, and its ticket
+    grow_deadline: float = 0.0  # until when this step's growths may wait
+    step_preempted: bool = False  # this step preempted (it admits nothing)
+    event: int = -1  # the seq of the worker's live event (a step end or a growth's deadline)
 
     @property
     def block_bytes(self) -> int:
@@ -254,7 +262,13 @@ class Simulation:
     """The trace played against one policy. ``check`` runs the ledger's recount and the
     simulator's own invariants after every event (slow; for tests)."""
 
-    def __init__(self, policy: Policy, trace: list[Request], check: bool = False) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        trace: list[Request],
+        check: bool = False,
+        growth_wait: float = GROWTH_WAIT,
+    ) -> None:
         self.policy = policy
         self.ledger = BudgetLedger(
             BUDGET,
@@ -264,12 +278,14 @@ class Simulation:
             max_waiting=16,
         )
         self.book = ReclaimBook(RECLAIM_DEADLINE)
+        self.growth_wait = growth_wait
         self.workers = [Worker(i, spec) for i, spec in enumerate(MODELS)]
         self.trace = [Request(r.rid, r.model, r.arrival, r.prompt, r.output) for r in trace]
         self.check = check
         self.now = 0.0
         self._tickets = itertools.count(1)
         self._ticket_owner: dict[int, tuple[Worker, Request]] = {}
+        self._growth_owner: dict[int, Worker] = {}
         self._admissions = itertools.count(1)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, worker) step ends
         self._seq = itertools.count()
@@ -296,8 +312,13 @@ class Simulation:
                 if worker.busy_until is None:
                     self._start_step(worker)
             else:
-                _, _, index = heapq.heappop(self._events)
-                self._end_step(self.workers[index])
+                _, seq, index = heapq.heappop(self._events)
+                worker = self.workers[index]
+                if seq == worker.event:  # else a growth's deadline after its grant: stale
+                    if worker.growth is not None:
+                        self._growth_timed_out(worker)
+                    else:
+                        self._end_step(worker)
             self._after_change()
             if self.check:
                 self._check()
@@ -324,7 +345,8 @@ class Simulation:
                 below = (
                     settings is not None and self.ledger.held(worker.spec.name) < settings.reserve
                 )
-                if worker.waiting is not None and below:
+                waiting = worker.waiting is not None or worker.growth is not None
+                if waiting and below:
                     self._below[worker.spec.name] += dt
         self.now = t
 
@@ -336,12 +358,22 @@ class Simulation:
             self._give_back(worker)
         # Running requests grow first; a step that had to preempt admits nothing (vLLM's
         # rule: admitting then would take the bytes the preempted request just gave back).
-        # A parked admission is withdrawn meanwhile: the ledger serves a model's requests in
-        # order, so it would make every growth of the same model wait behind it.
+        # A parked admission is withdrawn meanwhile and asked again after the growths (the
+        # simulator's model of admission since tier 1 began; the real worker keeps it parked,
+        # and its growths go ahead of it at the ledger: docs/elastic.md, "Known limits").
         # A worker left with nothing running asks anyway: its parked admission is the demand
         # the ledger sees (and reclaims for).
         self._withdraw(worker)
-        if not self._grow(worker) or not worker.running:
+        worker.step_preempted = False
+        worker.grow_deadline = self.now + self.growth_wait
+        self._continue_step(worker)
+
+    def _continue_step(self, worker: Worker) -> None:
+        """Grow, admit and schedule the step; or pause while a growth waits at the ledger."""
+        self._grow(worker)
+        if worker.growth is not None:
+            return  # resumed by its grant (_after_change) or its deadline (_growth_timed_out)
+        if not worker.step_preempted or not worker.running:
             self._admit(worker)
         decoding = len(worker.running)
         prefill = sum(r.context for r in worker.prefilling)
@@ -349,8 +381,12 @@ class Simulation:
             worker.busy_until = None
             return
         cost = STEP_BASE + DECODE_PER_SEQ * decoding + PREFILL_PER_TOKEN * prefill
-        worker.busy_until = self.now + cost
-        heapq.heappush(self._events, (worker.busy_until, next(self._seq), worker.index))
+        self._schedule(worker, self.now + cost)
+
+    def _schedule(self, worker: Worker, at: float) -> None:
+        worker.busy_until = at
+        worker.event = next(self._seq)
+        heapq.heappush(self._events, (at, worker.event, worker.index))
 
     def _end_step(self, worker: Worker) -> None:
         for request in worker.running:
@@ -427,25 +463,63 @@ class Simulation:
             worker.prefilling.append(head)
             prefill += head.context
 
-    def _grow(self, worker: Worker) -> bool:
-        """Each decoding request whose next token needs a new block gets one, or the worker
-        preempts its newest request (itself, if it is the newest) and tries again. Whether it
-        preempted."""
-        preempted = False
+    def _grow(self, worker: Worker) -> None:
+        """Each decoding request whose next token needs a new block gets one, as the worker
+        does: a growth asks the ledger ahead of its model's admissions and, while its model is
+        owed it, waits until the step's growth deadline (the worker pauses: :attr:`Worker.
+        growth`); a growth refused (or timed out: :meth:`_growth_timed_out`) preempts the
+        newest request (itself, if it is the newest) and is tried again."""
         for request in sorted(worker.running, key=lambda r: r.admitted_seq):
             if request not in worker.running:
                 continue  # preempted meanwhile
             while request.context + 1 > request.held_blocks * BLOCK_TOKENS:
-                verdict = self.ledger.try_grant(worker.spec.name, worker.block_bytes)
+                ticket = next(self._tickets)
+                verdict = self.ledger.request(
+                    worker.spec.name,
+                    worker.block_bytes,
+                    ticket,
+                    worker.grow_deadline,
+                    self.now,
+                    growth=worker.index,
+                )
                 if verdict.outcome is Outcome.GRANT:
                     request.held_blocks += 1
                     continue
-                victim = max(worker.running, key=lambda r: r.admitted_seq)
-                self._preempt(worker, victim)
-                preempted = True
-                if victim is request:
+                if verdict.queued:
+                    worker.growth = (request, ticket)
+                    self._growth_owner[ticket] = worker
+                    self._schedule(worker, worker.grow_deadline)
+                    return
+                if self._preempt_newest(worker) is request:
                     break
-        return preempted
+
+    def _preempt_newest(self, worker: Worker) -> Request:
+        victim = max(worker.running, key=lambda r: r.admitted_seq)
+        self._preempt(worker, victim)
+        worker.step_preempted = True
+        return victim
+
+    def _growth_granted(self, worker: Worker) -> None:
+        assert worker.growth is not None
+        request, ticket = worker.growth
+        worker.growth = None
+        del self._growth_owner[ticket]
+        request.held_blocks += 1
+        worker.event = -1  # its deadline event is stale now
+        self._continue_step(worker)
+
+    def _growth_timed_out(self, worker: Worker) -> None:
+        """The waiting growth's deadline passed (or its worker was asked to give bytes back,
+        when the daemon answers the growth at once): the newest request gives way."""
+        assert worker.growth is not None
+        _, ticket = worker.growth
+        if not self.ledger.cancel(ticket):
+            return  # granted just now, not handed out yet: _after_change resumes the step
+        worker.growth = None
+        del self._growth_owner[ticket]
+        self._preempt_newest(worker)
+        worker.event = -1  # its deadline event is spent or stale
+        self._continue_step(worker)
 
     def _preempt(self, worker: Worker, request: Request) -> None:
         worker.running.remove(request)
@@ -483,9 +557,36 @@ class Simulation:
     # -- the daemon's side --------------------------------------------------------------------
 
     def _after_change(self) -> None:
-        """What the daemon loop does after every change: hand out, then plan reclaims."""
+        """What the daemon loop does after every change: hand out, then plan reclaims (and
+        hand out what answering them let go)."""
+        self._hand_out()
+        if not self.policy.reclaim:
+            return
+        self.book.expire(self.now)
+        holders = {w.spec.name: [(w.index, self.ledger.held(w.spec.name))] for w in self.workers}
+        _, asks = plan_reclaim(
+            self.ledger,
+            self.book,
+            lambda _models: holders,
+            self.now,
+            up_to_share=self.policy.reclaim_up_to_share,
+        )
+        for ask in asks:
+            worker = self.workers[ask.sid]
+            worker.ask = ask
+            if worker.growth is not None:  # the daemon answers its waiting growth at once
+                self._growth_timed_out(worker)
+            elif worker.busy_until is None:  # idle: its next step boundary is now
+                self._start_step(worker)
+        self._hand_out()
+
+    def _hand_out(self) -> None:
         while granted := self.ledger.grants():
             for ticket in granted:
+                grower = self._growth_owner.get(ticket)
+                if grower is not None:
+                    self._growth_granted(grower)
+                    continue
                 owner = self._ticket_owner.pop(ticket, None)
                 if owner is None:  # withdrawn after its grant: _withdraw took it as granted
                     continue
@@ -494,18 +595,6 @@ class Simulation:
                 worker.granted = request
                 if worker.busy_until is None:
                     self._start_step(worker)
-        if not self.policy.reclaim:
-            return
-        self.book.expire(self.now)
-        need = self.ledger.reclaim_need(self.policy.reclaim_up_to_share)
-        if need.short <= self.book.outstanding:
-            return
-        holders = {w.spec.name: [(w.index, self.ledger.held(w.spec.name))] for w in self.workers}
-        for ask in self.book.plan(need, holders, self.now):
-            worker = self.workers[ask.sid]
-            worker.ask = ask
-            if worker.busy_until is None:  # idle: its next step boundary is now
-                self._start_step(worker)
 
     def _check(self) -> None:
         ledger = self.ledger
@@ -527,8 +616,10 @@ class Simulation:
                 assert request.held_blocks == 0, "a queued request holds blocks"
 
 
-def simulate(policy: Policy, trace: list[Request], check: bool = False) -> Result:
-    return Simulation(policy, trace, check).run()
+def simulate(
+    policy: Policy, trace: list[Request], check: bool = False, growth_wait: float = GROWTH_WAIT
+) -> Result:
+    return Simulation(policy, trace, check, growth_wait).run()
 
 
 def capacity(policy: Policy, seed: int, duration: float, iterations: int) -> float:

@@ -82,11 +82,7 @@ REAL_MODEL_BUDGET = ("1GiB", "128MiB")
 
 BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
 CLIENTS_PER_MODEL = 4
-# --reserve full: each request takes its whole KV need through the daemon's weighted fair queue
-# at admission, so the summary's bytes shares show the budget's weights. With on-demand growth
-# (the worker's default) growth steps do not queue at the daemon and shares follow who grows
-# first (docs/elastic.md, "Known limits").
-WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60", "--reserve", "full"]
+WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60"]
 TOPICS = [
     "the unified memory of a laptop",
     "two models sharing one pool of blocks",
@@ -107,6 +103,13 @@ def parse_args() -> argparse.Namespace:
         help="serve this model (give two; default: two built-in tiny models)",
     )
     parser.add_argument("--duration", type=float, help="seconds of load (default 25, short 6)")
+    parser.add_argument(
+        "--reserve",
+        choices=["on-demand", "full"],
+        default="on-demand",
+        help="the workers' --reserve (default on-demand, the worker's own default: requests "
+        "grow block by block and their growth waits in the budget's fair queue)",
+    )
     args = parser.parse_args()
     if args.model is not None and len(args.model) != 2:
         parser.error("give --model exactly twice (two models share the pool)")
@@ -291,6 +294,7 @@ def summary(
         "peak blocks",
         "peak bytes",
         "waits",
+        "preempted",
         "exhaustions",
         "503s",
     ]
@@ -312,6 +316,7 @@ def summary(
                 stats["peak_blocks"],
                 human_bytes(stats["peak_bytes"]),
                 stats["waits"],
+                stats["preemptions"],
                 stats["exhaustions"],
                 tallies[model].refused,
             ]
@@ -319,7 +324,8 @@ def summary(
     print("\nPer model (bytes share: of the bytes held while both models wanted memory, mean")
     print(f"over {shares.samples} samples; decode share: of the workers' decode time;")
     print("tokens/s: generated tokens per busy second of the worker; blocks count K and V")
-    print("blocks apart; waits: requests that queued for memory):\n")
+    print("blocks apart; waits: requests that queued for memory; preempted: requests that gave")
+    print("way, to their own model's growth or to a reclaim, and were resumed):\n")
     print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(
@@ -391,7 +397,10 @@ def run(args: argparse.Namespace, base: Path) -> bool:
         workers: dict[str, WorkerProcess] = {}
         for i, model in enumerate(models):
             worker = WorkerProcess(
-                model, base / f"worker{i}.log", run_dir=run_dir, args=WORKER_ARGS
+                model,
+                base / f"worker{i}.log",
+                run_dir=run_dir,
+                args=[*WORKER_ARGS, "--reserve", args.reserve],
             )
             workers[model] = worker.start(wait=False)
             processes.append(worker)
@@ -427,6 +436,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                 return snap
 
             view = threading.Thread(target=live_view, args=(sample, stop_view, duration))
+            reclaim_before = admin.call("budget")["reclaim"]
+            started = time.monotonic()
             view.start()
             for client in clients:
                 client.start()
@@ -434,6 +445,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                 client.join()
             stop_view.set()
             view.join()
+            reclaim = admin.call("budget")["reclaim"]
+            loaded = time.monotonic() - started
 
             failures = [f"{m}: {f}" for m, t in tallies.items() for f in t.failed]
             # Ended requests' KV stays in the workers' prompt caches until memory is wanted:
@@ -445,6 +458,13 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             shrink = shrink_pool(run_dir, admin)
             views = {v["model"]: v for v in admin.call("model_list")["models"]}
             summary(workers, tallies, shrink, shares, views)
+            preempted = reclaim["preemptions"] - reclaim_before["preemptions"]
+            asked = reclaim["asked"] - reclaim_before["asked"]
+            print(
+                f"\nPreemptions under load: {preempted} ({preempted / loaded:.1f}/s over "
+                f"{loaded:.1f}s); reclaim asks: {asked} ({asked / loaded:.1f}/s); workers' "
+                f"--reserve {args.reserve}"
+            )
             print(
                 f"\nprompt caches dropped (vqpoolctl cache drop): {human_bytes(cached)}; blocks "
                 f"in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"

@@ -442,6 +442,16 @@ WAIT_FIELD = Field(
     help="seconds the request may wait at the daemon for memory of the budget (0: answer now)",
 )
 
+GROWTH_FIELD = Field(
+    "growth",
+    check_bool,
+    required=False,
+    default=False,
+    help="a growth of memory the session's running requests hold: it goes ahead of the "
+    "model's waiting admissions, waits only while the model is below its fair share, and at "
+    "most one per session waits",
+)
+
 WORKER_ARGS: dict[str, tuple[Field, ...]] = {
     HELLO: (
         Field("pid", lambda v, n: check_int(v, n, 1, 1 << 31), help="the worker's process id"),
@@ -500,8 +510,9 @@ WORKER_ARGS: dict[str, tuple[Field, ...]] = {
         Field("owner", check_owner),
         Field("format", check_tag, required=False, default="fp16"),
         WAIT_FIELD,
+        GROWTH_FIELD,
     ),
-    ALLOCATE_MANY: (Field("items", check_allocations), WAIT_FIELD),
+    ALLOCATE_MANY: (Field("items", check_allocations), WAIT_FIELD, GROWTH_FIELD),
     FREE: (Field("block_ids", check_block_ids),),
     FREE_ALL: (Field("owner", check_owner),),
     REGISTER_OWNER: (Field("owner", check_owner),),

@@ -491,3 +491,53 @@ def test_a_budget_without_n_blocks_sizes_the_id_space(start_daemon) -> None:
     config = daemon.admin("stats")["config"]
     assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 64
     assert "budget: 64 KiB" in daemon.log()
+
+
+@pytest.mark.parametrize("growth", [1, "true", None])
+def test_a_bad_growth_flag_is_a_bad_request(start_daemon, clients, growth: Any) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "5000")
+    a = clients(daemon, "a", 1000)
+    args = {"stream": "k", "n_tokens": BLOCK, "owner": "a", "growth": growth}
+    assert error_code(a.call("allocate", args)) == ErrorCode.BAD_REQUEST
+    assert daemon.admin("budget")["total_held"] == 0
+
+
+def send_growth(client: ModelClient, owner: str, wait: float) -> int:
+    rid = client.next_id
+    client.next_id += 1
+    args = {"stream": "k", "n_tokens": BLOCK, "owner": owner, "wait": wait, "growth": True}
+    client.send(client.encode("allocate", args, rid))
+    return rid
+
+
+def test_growths_go_ahead_of_admissions_while_owed(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "10000")
+    daemon.admin("model_set", model="a", weight=2.0)  # a's share: 2/3 of the budget
+    running, admitting = clients(daemon, "a", 1000), clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    assert running.allocate("r", 5)["ok"]
+    assert b.allocate("b1", 4)["ok"] and b.allocate("b2", 1)["ok"]  # the budget is full
+    admitting.send_allocate("adm", 1, wait=10)  # a's admission parks
+    assert admitting.no_reply()
+    # b is above its share: its growth is refused at once, not parked.
+    refused = b.call(
+        "allocate", {"stream": "k", "n_tokens": BLOCK, "owner": "b1", "wait": 5, "growth": True}
+    )
+    assert error_code(refused) == ErrorCode.POOL_EXHAUSTED
+    assert "fair share" in refused["error"]["message"]
+    # a is below its share: its growth parks, ahead of its admission; a second growth of the
+    # same session is answered at once.
+    rid = send_growth(running, "r", wait=5)
+    assert running.no_reply()
+    second = running.call(
+        "allocate", {"stream": "k", "n_tokens": BLOCK, "owner": "r", "wait": 5, "growth": True}
+    )
+    assert error_code(second) == ErrorCode.POOL_EXHAUSTED
+    assert "already has a growth waiting" in second["error"]["message"]
+    assert daemon.admin("budget")["waiting"] == 2
+    assert b.call("free_all", {"owner": "b2"})["ok"]  # one block's bytes come free
+    granted = running.recv()
+    assert granted["id"] == rid and granted["ok"] and len(granted["result"]) == 1
+    assert admitting.no_reply()  # the admission still waits
+    assert daemon.admin("budget")["total_held"] == 10000
+    daemon.audit()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
 from vqpool.daemon.budget_types import ReclaimNeed
-from vqpool.daemon.reclaim import ReclaimBook
+from vqpool.daemon.reclaim import ReclaimBook, plan_reclaim
 
 
 def test_plan_asks_at_most_what_is_short_largest_excess_first() -> None:
@@ -70,3 +70,84 @@ def test_a_bad_deadline_is_refused() -> None:
     for bad in (0, -1, 61):
         with pytest.raises(ValueError):
             ReclaimBook(bad)
+
+
+# -- hysteresis: the margin below a share, and the cool-down after an answer -------------------
+
+
+def contended(a_held: int) -> BudgetLedger:
+    """Budget 100, weights 1:1, lent reserves of 20 each; a holds ``a_held``, b the rest, and
+    a waits with a request of 4."""
+    settings = {"a": ModelSettings(reserve=20), "b": ModelSettings(reserve=20)}
+    ledger = BudgetLedger(100, settings, lend_reserves=True)
+    assert ledger.try_grant("a", a_held).outcome is Outcome.GRANT
+    assert ledger.try_grant("b", 100 - a_held).outcome is Outcome.GRANT
+    assert ledger.request("a", 4, "t", 5.0, 0.0).queued
+    return ledger
+
+
+def test_a_model_just_below_its_share_is_not_owed_past_the_margin() -> None:
+    ledger = contended(46)  # full share 50: 4 short, within a 10% margin (5)
+    assert ledger.reclaim_need(margin=0.0).short == 4
+    assert ledger.reclaim_need(margin=0.1).short == 0
+    # 10 short of its full share (its entitlement, capped at its demand, is 44): owed.
+    ledger = contended(40)
+    assert ledger.reclaim_need(margin=0.1).short == 4
+
+
+def test_a_reserve_is_owed_whatever_the_margin() -> None:
+    settings = {"a": ModelSettings(reserve=60), "b": ModelSettings()}
+    ledger = BudgetLedger(100, settings, lend_reserves=True)
+    assert ledger.try_grant("a", 56).outcome is Outcome.GRANT
+    assert ledger.try_grant("b", 44).outcome is Outcome.GRANT
+    assert ledger.request("a", 4, "t", 5.0, 0.0).queued  # 56 + 4 = its reserve
+    assert ledger.reclaim_need(margin=0.5).short == 4
+
+
+def test_a_bad_margin_is_refused() -> None:
+    ledger = contended(40)
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(ValueError, match="margin"):
+            ledger.reclaim_need(margin=bad)
+
+
+def test_a_session_that_answered_is_not_asked_for_shares_within_its_cool_down() -> None:
+    book = ReclaimBook(deadline=1.0, cool_down=0.5)
+    need = ReclaimNeed(10, {"a": 10}, [("b", 10)])
+    (ask,) = book.plan(need, {"b": [(7, 50)]}, now=0.0, cool=True)
+    book.answer(7, ask.ask_id, 10, held_now=40, now=0.1)
+    assert book.cooling(7, 0.2) and not book.cooling(7, 0.6)
+    assert book.plan(need, {"b": [(7, 40)]}, now=0.2, cool=True) == []
+    # Another session of the model is asked meanwhile; a reserve's plan ignores the cool-down.
+    (other,) = book.plan(need, {"b": [(7, 40), (8, 5)]}, now=0.2, cool=True)
+    assert (other.sid, other.n_bytes) == (8, 5)
+    (again,) = book.plan(need, {"b": [(7, 40)]}, now=0.3, cool=False)
+    assert again.sid == 7
+    book.session_ended(7)
+    assert not book.cooling(7, 0.3)
+
+
+def test_plan_reclaim_restores_reserves_at_once_and_shares_only_past_the_cool_down() -> None:
+    settings = {"a": ModelSettings(reserve=30), "b": ModelSettings()}
+    ledger = BudgetLedger(100, settings, lend_reserves=True)
+    assert ledger.try_grant("a", 10).outcome is Outcome.GRANT
+    assert ledger.try_grant("b", 90).outcome is Outcome.GRANT
+    book = ReclaimBook(deadline=1.0, cool_down=0.5)
+
+    def holders(models: object) -> dict[str, list[tuple[int, int]]]:
+        return {"b": [(2, ledger.held("b"))]}
+
+    # a waits for 30 more: 20 of it restores its reserve, 10 is its fair share above it.
+    assert ledger.request("a", 20, "r", 5.0, 0.0).queued
+    assert ledger.request("a", 10, "s", 5.0, 0.0).queued
+    need, asks = plan_reclaim(ledger, book, holders, now=0.0)
+    # One open ask per session: the reserve's 20 now, the share's 10 after it is answered.
+    assert need.short == 30 and [(a.sid, a.n_bytes) for a in asks] == [(2, 20)]
+    # b answers with 20 (its only session had one ask open); a's reserve is back.
+    ledger.credit("b", 20)
+    book.answer(2, asks[0].ask_id, 20, held_now=ledger.held("b"), now=0.01)
+    assert ledger.grants() == ["r"]
+    # The rest is a fair share: b is cooling, so nothing is asked until its cool-down ends.
+    assert plan_reclaim(ledger, book, holders, now=0.02)[1] == []
+    (later,) = plan_reclaim(ledger, book, holders, now=0.6)[1]
+    assert (later.sid, later.n_bytes) == (2, 10)

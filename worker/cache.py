@@ -61,15 +61,23 @@ def blocks_to_hold(n_tokens: int, block_size: int) -> int:
 
 
 def allocate_kv_blocks(
-    pool: BlockPool, owner: Owner, layout: KVLayout, n_blocks: int, wait: float = 0.0
+    pool: BlockPool,
+    owner: Owner,
+    layout: KVLayout,
+    n_blocks: int,
+    wait: float = 0.0,
+    growth: bool = False,
 ) -> tuple[list[Block], list[Block]]:
     """Take ``n_blocks`` blocks per stream for ``owner`` in one pool call, all or nothing:
     (K blocks, V blocks), or the same "kv" list twice in a pool without separate streams.
-    ``wait`` > 0 may wait that long at a daemon."""
+    ``wait`` > 0 may wait that long at a daemon; ``growth`` tells a daemon it grows memory
+    the owner's running request holds (docs/budget.md, "Growth")."""
     n_tokens = n_blocks * layout.block_size
     fmt = layout.format
-    # Only a pool whose allocations can wait is given the argument.
-    waiting = {"wait": wait} if wait > 0 else {}
+    # Only a pool whose allocations can wait (a daemon) is given the arguments.
+    waiting: dict[str, Any] = {"wait": wait} if wait > 0 else {}
+    if growth:
+        waiting["growth"] = True
     any_pool: Any = pool
     if not pool.config.separate_kv:
         blocks = list(any_pool.allocate("kv", n_tokens, owner, fmt, **waiting))

@@ -10,9 +10,11 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 * ``reserve(cache, n_tokens)``: make sure the request's first ``n_tokens`` slots are backed
   before its prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it
   has too few, nothing changed; stock: nothing to do).
-* ``grow(batch_cache, n_slots)``: before a batched step, make the batch's buffers cover
-  ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
+* ``grow(batch_cache, n_slots, deadline)``: before a batched step, make the batch's buffers
+  cover ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
   ``worker/batch_cache.py``; stock: ``BatchKVCache`` grows inside the step, nothing to do).
+  With a ``deadline`` (monotonic) a growth may wait at the daemon until then; ``growth_wait``
+  is the seconds a step may spend so (0 without a daemon).
 * ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
   is released when the batch drops it.
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
@@ -46,6 +48,8 @@ from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.batch_cache import (
+    DEFAULT_GROWTH_WAIT,
+    MAX_GROWTH_WAIT,
     PooledBatch,
     PooledRowCache,
     RowBlocks,
@@ -68,7 +72,12 @@ class CacheSource(Protocol):
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None: ...
 
-    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]: ...
+    @property
+    def growth_wait(self) -> float: ...
+
+    def grow(
+        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+    ) -> list[int]: ...
 
     def release(self, cache: list[Any]) -> None: ...
 
@@ -100,12 +109,20 @@ class PooledCacheSource:
 
     pooled = True
 
-    def __init__(self, model: nn.Module, pool: BlockPool) -> None:
+    def __init__(
+        self, model: nn.Module, pool: BlockPool, growth_wait: float = DEFAULT_GROWTH_WAIT
+    ) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
-        rather than at each request)."""
+        rather than at each request), or a ``growth_wait`` (seconds a step's growths may wait
+        at a daemon) outside 0..MAX_GROWTH_WAIT."""
         reason = unpoolable_reason(make_prompt_cache(model))
         if reason is not None:
             raise ValueError(reason)
+        if not 0.0 <= growth_wait <= MAX_GROWTH_WAIT:
+            raise ValueError(
+                f"growth wait must be in 0..{MAX_GROWTH_WAIT:g} seconds, got {growth_wait!r}"
+            )
+        self._growth_wait = growth_wait
         self.model = model
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
@@ -144,17 +161,25 @@ class PooledCacheSource:
         the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
         row = RowBlocks(self.pool, owner, self.layout)
         row.reclaim = self.reclaim
+        row.flag_growth = self.waits
         self._rows[owner] = row
         return make_row_cache(row)
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
         _row(cache).reserve(n_tokens)
 
-    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]:
+    @property
+    def growth_wait(self) -> float:
+        """Seconds a step's growths may wait at the daemon (0 for an in-process pool)."""
+        return self._growth_wait if self.waits else 0.0
+
+    def grow(
+        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+    ) -> list[int]:
         batch = batch_of(batch_cache)
         assert batch is not None, "a pooled source's batch is a PooledBatchKVCache"
         self._batches.add(batch)
-        return batch.ensure(n_slots)
+        return batch.ensure(n_slots, deadline)
 
     def release(self, cache: list[Any]) -> None:
         row = _row(cache)
@@ -248,7 +273,11 @@ class StockCacheSource:
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
         return None  # stock caches grow on demand, bounded only by memory
 
-    def grow(self, batch_cache: list[Any], n_slots: int) -> list[int]:
+    growth_wait = 0.0  # no daemon to wait at
+
+    def grow(
+        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+    ) -> list[int]:
         self._batch_layers.update(batch_cache)
         return []  # BatchKVCache grows inside the step
 

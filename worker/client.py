@@ -765,13 +765,22 @@ class PoolClient:
         return text
 
     def allocate(
-        self, stream: str, n_tokens: int, owner: Owner, format: str = "fp16", wait: float = 0.0
+        self,
+        stream: str,
+        n_tokens: int,
+        owner: Owner,
+        format: str = "fp16",
+        wait: float = 0.0,
+        growth: bool = False,
     ) -> list[Block]:
         """Allocate ceil(n_tokens / block_size) blocks to ``owner``, all or nothing.
 
         With ``wait`` > 0 (seconds, at most MAX_ALLOCATE_WAIT) a request the daemon's budget
         cannot grant now waits there, in its model's fair queue, until it is granted or the
         wait runs out; other threads' calls go on meanwhile (see :meth:`_call_waiting`).
+        ``growth`` says the blocks grow a running request: the budget serves it ahead of the
+        model's waiting admissions, and lets it wait only while the model is below its fair
+        share (docs/protocol.md, "Memory budget").
 
         Raises:
             ValueError: ``n_tokens`` <= 0, a stream this pool does not have, or ``wait``
@@ -782,7 +791,14 @@ class PoolClient:
             OwnerAlreadyActiveError: Another worker session holds ``owner``.
             ClaimConflictError: ``owner`` was lost in a daemon restart.
         """
-        args = {"stream": stream, "n_tokens": n_tokens, "owner": owner, "format": format}
+        args: dict[str, Any] = {
+            "stream": stream,
+            "n_tokens": n_tokens,
+            "owner": owner,
+            "format": format,
+        }
+        if growth:
+            args["growth"] = True
 
         def adopt(block_ids: list[int]) -> list[Block]:
             return self._blocks_from_ids(block_ids, stream, n_tokens, owner, format)
@@ -795,11 +811,12 @@ class PoolClient:
             return adopt(self._call("allocate", args))
 
     def allocate_many(
-        self, requests: Sequence[AllocationRequest], wait: float = 0.0
+        self, requests: Sequence[AllocationRequest], wait: float = 0.0, growth: bool = False
     ) -> list[AllocationResult]:
         """Several allocate() calls in one message; per item, its blocks or its exception.
 
-        ``wait`` as for :meth:`allocate`: the items' bytes are one request to the budget.
+        ``wait`` and ``growth`` as for :meth:`allocate`: the items' bytes are one request to
+        the budget.
         """
         items = [AllocationRequest(*request) for request in requests]
         _check_wait(wait)
@@ -829,10 +846,13 @@ class PoolClient:
         if not wire:
             with self._lock:
                 return adopt([])
+        args: dict[str, Any] = {"items": wire}
+        if growth:
+            args["growth"] = True
         if wait > 0:
-            return self._call_waiting("allocate_many", {"items": wire}, wait, adopt)
+            return self._call_waiting("allocate_many", args, wait, adopt)
         with self._lock:
-            return adopt(self._call("allocate_many", {"items": wire}))
+            return adopt(self._call("allocate_many", args))
 
     def fit(self, context: int, concurrency: int = 1) -> dict[str, Any]:
         """Whether ``concurrency`` sequences of ``context`` tokens fit this worker's model in

@@ -32,6 +32,7 @@ the jobs. Generation-thread only.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ class ContinuousBatch:
         self._prefilling: deque[_Prefill] = deque()
         self._by_uid: dict[int, Any] = {}  # the jobs of the batch's rows
         self._next_uid = 0
+        self._grow_deadline: float | None = None  # until when this step's growths may wait
 
     def start(self, job: Any) -> None:
         """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
@@ -187,6 +189,10 @@ class ContinuousBatch:
     def step(self) -> StepOutcome:
         """One decode step of the batch, then one prefill chunk (module docstring)."""
         outcome = StepOutcome()
+        # The step's growths share one deadline: the step blocks at most this long waiting
+        # for bytes at the daemon (plus round trips), however many rows and calls grow.
+        wait = self.source.growth_wait
+        self._grow_deadline = time.monotonic() + wait if wait > 0 else None
         self._decode(outcome)
         self._prefill_chunk(outcome)
         return outcome
@@ -308,7 +314,12 @@ class ContinuousBatch:
         ``n_slots()`` slots. While the pool cannot grow a row, the most recently admitted
         started job gives way (``outcome.preempted``; both are asked again after, as the batch
         may have shrunk); a row whose job is the only one started is evicted. False when the
-        cache has no row left (``prefilling`` or ``joining`` gave way, or the batch is empty)."""
+        cache has no row left (``prefilling`` or ``joining`` gave way, or the batch is empty).
+
+        On a daemon a growth may first wait there until the step's deadline (the source's
+        ``growth_wait``): while its model is below its fair share the budget queues it ahead
+        of the model's admissions and reclaim may take bytes back from a model above its
+        share for it; only a growth still refused then makes a job give way."""
         while True:
             if prefilling is not None:
                 rows = [prefilling]
@@ -317,7 +328,7 @@ class ContinuousBatch:
             if not rows:
                 return False
             try:
-                failed = self.source.grow(cache(), n_slots())
+                failed = self.source.grow(cache(), n_slots(), self._grow_deadline)
             except Exception as exc:
                 log.exception("growing the batch's cache failed")
                 for job in {*rows, *([joining] if joining is not None else [])}:

@@ -40,6 +40,7 @@ from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
+from vqpool.worker.batch_cache import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
 from vqpool.worker.batch_probe import batching_problem
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
@@ -118,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
         "later with its tokens recomputed, never ended (default: %(default)s)",
     )
     parser.add_argument(
+        "--growth-wait",
+        type=_growth_wait,
+        default=DEFAULT_GROWTH_WAIT,
+        metavar="S",
+        help="seconds a step's growths may wait at the daemon while the model is below its fair "
+        "share of the budget (reclaim may take bytes back for them meanwhile) before the newest "
+        "request is preempted; the generation thread blocks at most this long per step "
+        f"(0..{MAX_GROWTH_WAIT:g}; default: %(default)g)",
+    )
+    parser.add_argument(
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
     )
     parser.add_argument(
@@ -163,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _growth_wait(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= value <= MAX_GROWTH_WAIT:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_GROWTH_WAIT:g} seconds")
+    return value
+
+
 def _cache_bytes(text: str) -> int:
     try:
         return parse_bytes(text, what="--prompt-cache-bytes", allow_zero=True)
@@ -175,7 +196,11 @@ def _bytes_per_block(layout: KVLayout) -> dict[str, int]:
 
 
 def open_pool(
-    run_dir: str | None, name: str, model: nn.Module, timeout: float
+    run_dir: str | None,
+    name: str,
+    model: nn.Module,
+    timeout: float,
+    growth_wait: float = DEFAULT_GROWTH_WAIT,
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block, and its cache source."""
     layout = KVLayout.from_model(model)  # ValueError for a model of another shape
@@ -188,7 +213,7 @@ def open_pool(
             run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout
         )
     try:
-        return pool, PooledCacheSource(model, pool)
+        return pool, PooledCacheSource(model, pool, growth_wait)
     except BaseException:
         pool.close()
         raise
@@ -283,7 +308,9 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
             return {"pool": "off"}
     else:
         try:
-            pool, source = open_pool(args.run_dir, served_name, loaded.model, args.pool_timeout)
+            pool, source = open_pool(
+                args.run_dir, served_name, loaded.model, args.pool_timeout, args.growth_wait
+            )
         except ValueError as exc:
             log.error("%s", exc)
             return 2
