@@ -140,7 +140,8 @@ def test_concurrent_requests_compute_a_shared_prefix_once(
             assert isinstance(event, ScoredToken)
             got.append((event.token, event.logprob))
         results.append(got)
-    # The first computes the system prompt; the others find it stored once its prefill ended.
+    # The first computes the system prompt; its prompt is stored when the second begins its
+    # prefill (it shares the system prompt), and the third finds it stored.
     assert [job.cached_tokens for job in jobs] == [0, 200, 200]
     for prompt, got in zip(prompts, results, strict=True):
         assert got == scored(plain.run(prompt, 8)[0])
