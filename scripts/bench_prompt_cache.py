@@ -167,16 +167,17 @@ def chat_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> tupl
 
 def run_chats(
     servers: dict[str, str], round_number: int, args: argparse.Namespace
-) -> dict[str, list[list[float]]]:
+) -> tuple[dict[str, list[list[float]]], int]:
     """Trace (a), one round: ``args.chats`` chats per server, every chat with a system prompt
-    of its own; the servers' chats advance turn by turn, alternately. TTFT per chat per turn,
-    per server."""
+    of its own, the same on both servers (greedy answers are the same too, so both prefill the
+    same prompts); the servers' chats advance turn by turn, alternately. TTFT per chat per
+    turn, per server, and how many turns got the same answer from both."""
     names = list(servers)
     histories = {
         (name, chat): [
             {
                 "role": "system",
-                "content": system_prompt(f"chat-{round_number}-{chat}-{name}", args.system_words),
+                "content": system_prompt(f"chat-{round_number}-{chat}", args.system_words),
             }
         ]
         for name in names
@@ -195,7 +196,12 @@ def run_chats(
                 ttft, answer = chat_turn(servers[name], messages, args.max_tokens)
                 ttfts[name][chat].append(ttft)
                 messages.append({"role": "assistant", "content": answer})
-    return ttfts
+    same = sum(
+        len({str(histories[name, chat][1 + 2 * turn + 1]) for name in names}) == 1
+        for chat in range(args.chats)
+        for turn in range(args.turns)
+    )
+    return ttfts, same
 
 
 def run_shared(url: str, round_id: str, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -316,9 +322,12 @@ def main() -> int:
             chat_turn(url, [{"role": "user", "content": "warm up"}], 4)
         before = cache_counters(worker.url)
         chats: dict[str, list[list[float]]] = {name: [] for name in servers}
+        same_answers = 0
         for r in range(args.rounds):
-            for name, got in run_chats(servers, r, args).items():
-                chats[name].extend(got)
+            got, same = run_chats(servers, r, args)
+            same_answers += same
+            for name, ttfts in got.items():
+                chats[name].extend(ttfts)
         after_chat = cache_counters(worker.url)
         n_chats = args.rounds * args.chats
         print(f"\n(a) chat: TTFT per turn (s), medians over {n_chats} chats per server")
@@ -333,6 +342,7 @@ def main() -> int:
                 f"| {turn + 1} | {stock_m:.3f} | {pool_m:.3f} | {pool_m / stock_m:.2f} | "
                 f"{ratio:.2f} |"
             )
+        print(f"answers the same on both servers: {same_answers} of {n_chats * args.turns} turns")
         hits = after_chat["hits"] - before["hits"]
         possible = n_chats * (args.turns - 1)
         print(
