@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,28 +151,47 @@ def system_prompt(round_id: str, n_words: int) -> str:
     return f"Round {round_id}. You are a helpful assistant. " + " ".join(words)
 
 
-def chat_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str]:
-    """One streamed chat completion: (seconds to the first event, the answer's text)."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+@dataclass
+class Turn:
+    """One streamed chat completion as the client saw it."""
+
+    ttft: float  # seconds from sending to the first event
+    answer: str
+    prefilled: int  # prompt tokens the server computed (prompt - cached, from its usage)
+
+
+def chat_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     ttft = None
     parts: list[str] = []
+    prefilled = -1
     for event in stream_events(url, "/v1/chat/completions", body):
         if ttft is None:
             ttft = time.perf_counter() - started
         for choice in event.get("choices", []):
             parts.append((choice.get("delta") or {}).get("content") or "")
+        usage = event.get("usage")
+        if usage:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            prefilled = usage["prompt_tokens"] - cached
     assert ttft is not None
-    return ttft, "".join(parts)
+    return Turn(ttft, "".join(parts), prefilled)
 
 
 def run_chats(
     servers: dict[str, str], round_number: int, args: argparse.Namespace
-) -> tuple[dict[str, list[list[float]]], int]:
+) -> tuple[dict[str, list[list[Turn]]], int]:
     """Trace (a), one round: ``args.chats`` chats per server, every chat with a system prompt
     of its own, the same on both servers (greedy answers are the same too, so both prefill the
     same prompts); the servers' chats advance turn by turn, alternately. TTFT per chat per
-    turn, per server, and how many turns got the same answer from both."""
+    turn, per server, and how many turns got the same answer from both (a greedy answer may
+    still differ: the servers split a prefill differently, and fp32 sums round differently)."""
     names = list(servers)
     histories = {
         (name, chat): [
@@ -183,7 +203,7 @@ def run_chats(
         for name in names
         for chat in range(args.chats)
     }
-    ttfts: dict[str, list[list[float]]] = {name: [[] for _ in range(args.chats)] for name in names}
+    turns: dict[str, list[list[Turn]]] = {name: [[] for _ in range(args.chats)] for name in names}
     flip = round_number
     for turn in range(args.turns):
         for chat in range(args.chats):
@@ -193,15 +213,15 @@ def run_chats(
                 messages.append(
                     {"role": "user", "content": f"Question {turn + 1}: why share a pool?"}
                 )
-                ttft, answer = chat_turn(servers[name], messages, args.max_tokens)
-                ttfts[name][chat].append(ttft)
-                messages.append({"role": "assistant", "content": answer})
+                got = chat_turn(servers[name], messages, args.max_tokens)
+                turns[name][chat].append(got)
+                messages.append({"role": "assistant", "content": got.answer})
     same = sum(
         len({str(histories[name, chat][1 + 2 * turn + 1]) for name in names}) == 1
         for chat in range(args.chats)
         for turn in range(args.turns)
     )
-    return ttfts, same
+    return turns, same
 
 
 def run_shared(url: str, round_id: str, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -321,26 +341,31 @@ def main() -> int:
         for url in servers.values():  # one uncounted request each: loading, first compiles
             chat_turn(url, [{"role": "user", "content": "warm up"}], 4)
         before = cache_counters(worker.url)
-        chats: dict[str, list[list[float]]] = {name: [] for name in servers}
+        chats: dict[str, list[list[Turn]]] = {name: [] for name in servers}
         same_answers = 0
         for r in range(args.rounds):
             got, same = run_chats(servers, r, args)
             same_answers += same
-            for name, ttfts in got.items():
-                chats[name].extend(ttfts)
+            for name, turns in got.items():
+                chats[name].extend(turns)
         after_chat = cache_counters(worker.url)
         n_chats = args.rounds * args.chats
         print(f"\n(a) chat: TTFT per turn (s), medians over {n_chats} chats per server")
-        print("| turn | mlx_lm.server | vqpool-worker | ratio (medians) | median of pair ratios |")
-        print("|---|---|---|---|---|")
+        print(
+            "| turn | mlx_lm.server | vqpool-worker | ratio (medians) | median of pair ratios "
+            "| tokens prefilled (medians) |"
+        )
+        print("|---|---|---|---|---|---|")
         for turn in range(args.turns):
-            stock_t = [c[turn] for c in chats["stock"]]
-            pool_t = [c[turn] for c in chats["vqpool"]]
+            stock_t = [c[turn].ttft for c in chats["stock"]]
+            pool_t = [c[turn].ttft for c in chats["vqpool"]]
             ratio = statistics.median(p / s for p, s in zip(pool_t, stock_t, strict=True))
             stock_m, pool_m = statistics.median(stock_t), statistics.median(pool_t)
+            stock_n = statistics.median(c[turn].prefilled for c in chats["stock"])
+            pool_n = statistics.median(c[turn].prefilled for c in chats["vqpool"])
             print(
                 f"| {turn + 1} | {stock_m:.3f} | {pool_m:.3f} | {pool_m / stock_m:.2f} | "
-                f"{ratio:.2f} |"
+                f"{ratio:.2f} | {stock_n:g} / {pool_n:g} |"
             )
         print(f"answers the same on both servers: {same_answers} of {n_chats * args.turns} turns")
         hits = after_chat["hits"] - before["hits"]
