@@ -188,10 +188,10 @@ def run_chats(
     servers: dict[str, str], round_number: int, args: argparse.Namespace
 ) -> tuple[dict[str, list[list[Turn]]], int]:
     """Trace (a), one round: ``args.chats`` chats per server, every chat with a system prompt
-    of its own, the same on both servers (greedy answers are the same too, so both prefill the
-    same prompts); the servers' chats advance turn by turn, alternately. TTFT per chat per
-    turn, per server, and how many turns got the same answer from both (a greedy answer may
-    still differ: the servers split a prefill differently, and fp32 sums round differently)."""
+    of its own, the same on both servers (both start from the same prompt); the servers' chats
+    advance turn by turn, alternately. Each chat's turns per server, and how many turns got the
+    same answer from both (greedy answers may differ: the servers split a prefill differently,
+    fp32 sums round differently, and a later turn's prompt holds the earlier answers)."""
     names = list(servers)
     histories = {
         (name, chat): [
