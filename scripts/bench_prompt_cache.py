@@ -14,7 +14,9 @@ always cold:
     turn on one server is measured next to the same turn on the other: the machine's load
     (other processes) weighs on both alike. TTFT (seconds from sending to the first streamed
     event) per turn: the median over all chats per server, and the median of the ratios
-    vqpool / stock of the pairs measured side by side.
+    vqpool / stock of the pairs measured side by side; the tokens each server prefilled
+    (``usage``: prompt tokens minus ``prompt_tokens_details.cached_tokens``), and how many
+    answers were the same on both (a pair shares its system prompt; see :func:`run_chats`).
 (b) shared system prompt: ``--users`` users send one question each at once, all with the same
     system prompt. TTFT p50 and p90 over users and rounds, aggregate generated tok/s (all
     tokens over the wall time of the batch): medians over rounds, and ratios.
