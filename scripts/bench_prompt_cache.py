@@ -3,15 +3,20 @@
 
 Both serve the same model directory, built here: a random-weight llama (hidden 256 x 4 layers by
 default, fp32, the byte-level BPE tokenizer and chat template of ``worker/model_dirs.py``). Two
-traces, each run in alternating rounds (the order of the two servers flips every round), every
-round with a system prompt of its own (its first words name the round), so no round reuses
-another's cache and turn 1 is always cold:
+traces, each run in rounds that alternate the two servers, every chat or round with a system
+prompt of its own (its first words name it), so none reuses another's cache and turn 1 is
+always cold:
 
-(a) chat: one user, a system prompt of ``--system-words`` words, ``--turns`` turns of
-    ``--max-tokens`` tokens each, streaming; each turn sends the whole history (the previous
-    answers as the server streamed them). TTFT (seconds from sending to the first streamed
-    event) per turn: median over rounds per server, and the median of the per-round ratios
-    vqpool / stock.
+(a) chat: ``--chats`` chats per round on each server, each one user with a system prompt of
+    ``--system-words`` words, ``--turns`` turns of ``--max-tokens`` tokens each, streaming;
+    each turn sends the whole history (the previous answers as the server streamed them). The
+    two servers' chats advance turn by turn, alternately (the order flips every turn), so each
+    turn on one server is measured next to the same turn on the other: the machine's load
+    (other processes) weighs on both alike. TTFT (seconds from sending to the first streamed
+    event) per turn: the median over all chats per server, and the median of the ratios
+    vqpool / stock of the pairs measured side by side; the tokens each server prefilled
+    (``usage``: prompt tokens minus ``prompt_tokens_details.cached_tokens``), and how many
+    answers were the same on both (a pair shares its system prompt; see :func:`run_chats`).
 (b) shared system prompt: ``--users`` users send one question each at once, all with the same
     system prompt. TTFT p50 and p90 over users and rounds, aggregate generated tok/s (all
     tokens over the wall time of the batch): medians over rounds, and ratios.
@@ -39,6 +44,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per trace")
     parser.add_argument("--system-words", type=int, default=300, help="system prompt words")
     parser.add_argument("--turns", type=int, default=4, help="turns of the chat trace")
+    parser.add_argument("--chats", type=int, default=2, help="chats per round per server")
     parser.add_argument("--users", type=int, default=8, help="users of the shared trace")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the model")
@@ -74,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.system_words, args.turns, args.users = 1, 40, 2, 2
+        args.rounds, args.system_words, args.turns, args.users, args.chats = 1, 40, 2, 2, 1
         args.max_tokens, args.hidden, args.layers = 4, 64, 2
     return args
 
@@ -146,31 +153,77 @@ def system_prompt(round_id: str, n_words: int) -> str:
     return f"Round {round_id}. You are a helpful assistant. " + " ".join(words)
 
 
-def chat_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str]:
-    """One streamed chat completion: (seconds to the first event, the answer's text)."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+@dataclass
+class Turn:
+    """One streamed chat completion as the client saw it."""
+
+    ttft: float  # seconds from sending to the first event
+    answer: str
+    prefilled: int  # prompt tokens the server computed (prompt - cached, from its usage)
+
+
+def chat_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     ttft = None
     parts: list[str] = []
+    prefilled = -1
     for event in stream_events(url, "/v1/chat/completions", body):
         if ttft is None:
             ttft = time.perf_counter() - started
         for choice in event.get("choices", []):
             parts.append((choice.get("delta") or {}).get("content") or "")
+        usage = event.get("usage")
+        if usage:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            prefilled = usage["prompt_tokens"] - cached
     assert ttft is not None
-    return ttft, "".join(parts)
+    return Turn(ttft, "".join(parts), prefilled)
 
 
-def run_chat(url: str, round_id: str, args: argparse.Namespace) -> list[float]:
-    """Trace (a) once: TTFT per turn."""
-    messages = [{"role": "system", "content": system_prompt(round_id, args.system_words)}]
-    ttfts = []
+def run_chats(
+    servers: dict[str, str], round_number: int, args: argparse.Namespace
+) -> tuple[dict[str, list[list[Turn]]], int]:
+    """Trace (a), one round: ``args.chats`` chats per server, every chat with a system prompt
+    of its own, the same on both servers (both start from the same prompt); the servers' chats
+    advance turn by turn, alternately. Each chat's turns per server, and how many turns got the
+    same answer from both (greedy answers may differ: the servers split a prefill differently,
+    fp32 sums round differently, and a later turn's prompt holds the earlier answers)."""
+    names = list(servers)
+    histories = {
+        (name, chat): [
+            {
+                "role": "system",
+                "content": system_prompt(f"chat-{round_number}-{chat}", args.system_words),
+            }
+        ]
+        for name in names
+        for chat in range(args.chats)
+    }
+    turns: dict[str, list[list[Turn]]] = {name: [[] for _ in range(args.chats)] for name in names}
+    flip = round_number
     for turn in range(args.turns):
-        messages.append({"role": "user", "content": f"Question {turn + 1}: why share a pool?"})
-        ttft, answer = chat_turn(url, messages, args.max_tokens)
-        ttfts.append(ttft)
-        messages.append({"role": "assistant", "content": answer})
-    return ttfts
+        for chat in range(args.chats):
+            flip += 1
+            for name in names if flip % 2 == 0 else names[::-1]:
+                messages = histories[name, chat]
+                messages.append(
+                    {"role": "user", "content": f"Question {turn + 1}: why share a pool?"}
+                )
+                got = chat_turn(servers[name], messages, args.max_tokens)
+                turns[name][chat].append(got)
+                messages.append({"role": "assistant", "content": got.answer})
+    same = sum(
+        len({str(histories[name, chat][1 + 2 * turn + 1]) for name in names}) == 1
+        for chat in range(args.chats)
+        for turn in range(args.turns)
+    )
+    return turns, same
 
 
 def run_shared(url: str, round_id: str, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -290,21 +343,35 @@ def main() -> int:
         for url in servers.values():  # one uncounted request each: loading, first compiles
             chat_turn(url, [{"role": "user", "content": "warm up"}], 4)
         before = cache_counters(worker.url)
-        chats = alternate(servers, "chat", args.rounds, lambda url, r: run_chat(url, r, args))
+        chats: dict[str, list[list[Turn]]] = {name: [] for name in servers}
+        same_answers = 0
+        for r in range(args.rounds):
+            got, same = run_chats(servers, r, args)
+            same_answers += same
+            for name, turns in got.items():
+                chats[name].extend(turns)
         after_chat = cache_counters(worker.url)
-        print("\n(a) chat: TTFT per turn (s), medians over rounds")
-        print("| turn | mlx_lm.server | vqpool-worker | ratio (median of rounds) |")
-        print("|---|---|---|---|")
+        n_chats = args.rounds * args.chats
+        print(f"\n(a) chat: TTFT per turn (s), medians over {n_chats} chats per server")
+        print(
+            "| turn | mlx_lm.server | vqpool-worker | ratio (medians) | median of pair ratios "
+            "| tokens prefilled (medians) |"
+        )
+        print("|---|---|---|---|---|---|")
         for turn in range(args.turns):
-            stock_t = [c[turn] for c in chats["stock"]]
-            pool_t = [c[turn] for c in chats["vqpool"]]
+            stock_t = [c[turn].ttft for c in chats["stock"]]
+            pool_t = [c[turn].ttft for c in chats["vqpool"]]
             ratio = statistics.median(p / s for p, s in zip(pool_t, stock_t, strict=True))
+            stock_m, pool_m = statistics.median(stock_t), statistics.median(pool_t)
+            stock_n = statistics.median(c[turn].prefilled for c in chats["stock"])
+            pool_n = statistics.median(c[turn].prefilled for c in chats["vqpool"])
             print(
-                f"| {turn + 1} | {statistics.median(stock_t):.3f} | "
-                f"{statistics.median(pool_t):.3f} | {ratio:.2f} |"
+                f"| {turn + 1} | {stock_m:.3f} | {pool_m:.3f} | {pool_m / stock_m:.2f} | "
+                f"{ratio:.2f} | {stock_n:g} / {pool_n:g} |"
             )
+        print(f"answers the same on both servers: {same_answers} of {n_chats * args.turns} turns")
         hits = after_chat["hits"] - before["hits"]
-        possible = args.rounds * (args.turns - 1)
+        possible = n_chats * (args.turns - 1)
         print(
             f"vqpool-worker cache: {hits} hits of {possible} possible, "
             f"{after_chat['tokens_reused'] - before['tokens_reused']} tokens reused, "

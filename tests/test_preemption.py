@@ -211,7 +211,9 @@ def impatient_stack() -> Iterator[ServingStack]:
     stack = ServingStack(
         [LLAMA],
         daemon_args=("--n-blocks", "64", "--lease", "1"),
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "1"],
+        # No prompt cache: its entries (the reference run's KV) would be given back when the
+        # growth is refused, and the request would complete without giving way.
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "1", "--prompt-cache-bytes", "0"],
     ).start()
     yield stack
     stack.stop()

@@ -140,10 +140,29 @@ def test_concurrent_requests_compute_a_shared_prefix_once(
             assert isinstance(event, ScoredToken)
             got.append((event.token, event.logprob))
         results.append(got)
-    # The first computes the system prompt; the others find it stored once its prefill ended.
+    # The first computes the system prompt; its prompt is stored when the second begins its
+    # prefill (it shares the system prompt), and the third finds it stored.
     assert [job.cached_tokens for job in jobs] == [0, 200, 200]
     for prompt, got in zip(prompts, results, strict=True):
         assert got == scored(plain.run(prompt, 8)[0])
+
+
+def test_a_lone_request_stores_its_kv_when_it_ends_not_before_its_first_token(
+    workers: tuple[Worker, Worker], loaded: LoadedModel
+) -> None:
+    cached, _ = workers
+    assert cached.cache is not None
+    rng = random.Random(13)
+    job = GenerationJob(random_tokens(rng, 200, loaded.vocab_size), max_tokens=300)
+    cached.scheduler.submit(job)
+    first = job.events.get(timeout=60)
+    assert isinstance(first, int)
+    # Nobody shares its prompt: storing it would have delayed the first token for nothing.
+    assert cached.cache.snapshot()["stores"] == 0
+    while not isinstance(job.events.get(timeout=60), JobEnd):
+        pass
+    snap = cached.cache.snapshot()
+    assert (snap["stores"], snap["entries"]) == (1, 1)
 
 
 def test_cached_bytes_are_the_cache_blocks_times_bytes_per_block(

@@ -105,9 +105,8 @@ class ContinuousBatch:
         prefill_step_size: Prompt tokens per prefill chunk.
         on_prefill_start: Called with a job and the tokens its cache is to hold when its
             prefill begins, before its cache is read: a prompt cache copies a cached prefix of
-            them into the job's cache there.
-        on_joined: Called with a job once its prompt is prefilled and its row joined the batch
-            (before the next job's prefill begins): a prompt cache stores the prompt there.
+            them into the job's cache there (and may first store the prompts of rows in the
+            batch that share a prefix with them, :meth:`row_kv`).
     """
 
     def __init__(
@@ -118,11 +117,9 @@ class ContinuousBatch:
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
         on_prefill_start: Callable[[Any, list[int]], None] | None = None,
-        on_joined: Callable[[Any], None] | None = None,
     ) -> None:
         self.model = model
         self.on_prefill_start = on_prefill_start
-        self.on_joined = on_joined
         self.source = source
         self.prefill_step_size = prefill_step_size
         self._stop_tokens = StopSequences([[t] for t in sorted(eos_token_ids)] or None)
@@ -294,8 +291,6 @@ class ContinuousBatch:
                 return
         self._by_uid[uid] = job
         batch.extend(newcomer)
-        if self.on_joined is not None:
-            self.on_joined(job)
 
     def _started(self) -> list[Any]:
         """Every started job: the batch's rows and the jobs waiting for or in their prefill."""

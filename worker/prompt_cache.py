@@ -20,10 +20,11 @@ keys and values a request computed already. :class:`PromptCache` keeps them and 
   the next token from at least one prefilled token), is **copied** into the request's own
   cache through mlx-lm's cache protocol (``update_and_fetch`` per layer); the request prefills
   only the rest. The request keeps its own blocks and the entry stays (docs/cache.md: why).
-* **Store** (:meth:`PromptCache.store`, when a request ended, and once its prompt is prefilled):
-  its token ids with their KV are copied into a new entry, unless an entry holds
-  them all already; entries whose tokens are a prefix of the new one are then given back (the
-  new entry answers every lookup they answered: a chat keeps one entry, its latest turn).
+* **Store** (:meth:`PromptCache.store`, when a request ended, and while it runs when a request
+  sharing more of its prompt than the cache holds begins its prefill): its token ids with their
+  KV are copied into a new entry, unless an entry holds them all already; entries whose tokens
+  are a prefix of the new one are then given back (the new entry answers every lookup they
+  answered: a chat keeps one entry, its latest turn).
 * **Memory.** At most ``max_bytes`` (LRU eviction makes room; an entry larger than that is not
   kept). An entry is allocated without waiting: when the pool or the budget is short, nothing is
   stored. :meth:`release_bytes` gives entries back, least recently used first; the storage
@@ -185,6 +186,13 @@ class PromptCache:
         if best.tokens[:n_tokens] != tuple(tokens[:n_tokens]):
             return None, 0  # a hash collision: a miss, never a wrong hit
         return best, n_tokens
+
+    def cached_prefix_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` (at most all but the last) :meth:`reuse` would
+        give now; no counter changes."""
+        with self._lock:
+            self._drop_lost()
+            return self._match(tokens, len(tokens) - 1)[1]
 
     def reuse(self, prompt: Sequence[int], cache: Sequence[Any]) -> int:
         """Copy the longest cached prefix of ``prompt`` into ``cache`` (a fresh per-layer mlx-lm

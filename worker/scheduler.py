@@ -60,10 +60,12 @@ cannot cover that padding, a request is preempted rather than ended.
 * **Prompt cache** (``prompt_cache``, ``worker/prompt_cache.py``). When a job's prefill begins
   (not at admission: a job admitted together with another of the same prefix finds it stored
   by then), the longest cached prefix of its tokens is copied into its cache and only the rest
-  is prefilled (``job.cached_tokens``). Once its prompt is prefilled (its row joins the batch)
-  the prompt is stored, and when it ends (stop, length, cancelled) its prompt and generated
-  tokens. Cached memory goes before any request is preempted: a refused growth takes it first
-  (``RowBlocks.reclaim``), and a reclaim ask is answered from it first.
+  is prefilled (``job.cached_tokens``). Just before that lookup, the prompt of a job decoding in
+  the batch is stored if it shares more whole blocks with the new job's tokens than the cache
+  holds (concurrent requests compute a shared prefix once; a lone chat turn stores nothing
+  before its first token). When a job ends (stop, length, cancelled) its prompt and generated
+  tokens are stored. Cached memory goes before any request is preempted: a refused growth takes
+  it first (``RowBlocks.reclaim``), and a reclaim ask is answered from it first.
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ class GenerationJob:
     cache: list[Any] | None = None
     cached_tokens: int = 0
     """Prompt tokens the prompt cache gave (known once its prefill began)."""
+    prompt_stored: bool = False
+    """Whether its prompt was stored in the prompt cache for a later job sharing a prefix."""
 
 
 class Scheduler:
@@ -226,7 +230,8 @@ class Scheduler:
         prefill_step_size: Prompt tokens per prefill chunk: the most a newcomer's prefill
             delays the running jobs' next tokens.
         prompt_cache: Reuses the KV of earlier requests (``worker/prompt_cache.py``): looked up
-            when a job's prefill starts, stored when its prompt is prefilled and when it ends.
+            when a job's prefill starts (the prompts of running jobs sharing a prefix with it
+            are stored then), stored when a job ends.
     """
 
     def __init__(
@@ -284,7 +289,6 @@ class Scheduler:
             eos_token_ids=eos_token_ids,
             prefill_step_size=prefill_step_size,
             on_prefill_start=self._reuse_cached_prefix,
-            on_joined=self._store_prompt,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
@@ -576,17 +580,38 @@ class Scheduler:
         ``tokens`` (its prompt, and what it generated if it was preempted) into its cache
         (backed for them already), so only the rest is prefilled."""
         if self.prompt_cache is not None and job.cache is not None:
+            self._store_prompts_sharing(job, tokens)
             reused = self.prompt_cache.reuse(tokens, job.cache)
             if not job.generated:  # usage reports the prompt tokens of its first start
                 job.cached_tokens = reused
 
-    def _store_prompt(self, job: GenerationJob) -> None:
-        """Called by the batch when ``job``'s prompt is prefilled and its row joined: store
-        the prompt, so jobs with the same prefix whose prefill begins next reuse it."""
-        if self.prompt_cache is not None:
-            row = self._batch.row_kv(job)
-            if row is not None:
-                self._store_in_prompt_cache(job.prompt, row[0])
+    def _store_prompts_sharing(self, job: GenerationJob, tokens: Sequence[int]) -> None:
+        """Store the prompt of each job in the batch (not stored yet) that shares more whole
+        blocks with ``tokens`` than the cache gives them, so ``job`` reuses it: a prefix that
+        concurrent requests share is computed once. Done here, when a job that can use it
+        begins, rather than when every prompt is prefilled: a store copies the whole prompt
+        (and asks the pool for blocks), and a job with no such follower (a chat's next turn)
+        would pay that before its first token for nothing."""
+        assert self.prompt_cache is not None
+        block_size = self.prompt_cache.block_size
+        usable = len(tokens) - 1  # a prefix of at most all but the last token is reused
+        cached: int | None = None
+        for other in self._active:
+            if other is job or other.prompt_stored:
+                continue
+            shared = common_prefix_length(other.prompt, tokens, usable)
+            if shared < block_size:
+                continue
+            if cached is None:
+                cached = self.prompt_cache.cached_prefix_length(tokens)
+            if shared // block_size <= cached // block_size:
+                continue
+            row = self._batch.row_kv(other)
+            if row is None:  # not in the batch (waiting for its prefill)
+                continue
+            self._store_in_prompt_cache(other.prompt, row[0])
+            other.prompt_stored = True
+            cached = shared
 
     def _store_in_prompt_cache(self, tokens: Sequence[int], kv: Sequence[Any]) -> None:
         """Keep the KV of ``tokens`` (``kv``: one stock cache per layer holding them from
@@ -642,9 +667,11 @@ class Scheduler:
         self, job: GenerationJob, reason: str, response: GenerationBatch.Response
     ) -> None:
         """``job`` reached EOS ("stop") or ``max_tokens`` ("length"); the batch already took
-        its row out (its blocks are back). The seam for a prompt cache:
-        ``response.prompt_cache`` holds the row's KV (stock ``KVCache`` copies, no blocks) and
-        ``response.all_tokens`` the token ids it covers, kept in the prompt cache."""
+        its row out. The seam for a prompt cache: ``response.prompt_cache`` holds the row's KV
+        (stock ``KVCache`` copies, no blocks) and ``response.all_tokens`` the token ids it
+        covers, kept in the prompt cache once the job's blocks are back (mlx-lm's batch drops
+        its last row without releasing it): the new entry may take them."""
+        self._release(job)
         if response.prompt_cache and response.all_tokens is not None:
             self._store_in_prompt_cache(response.all_tokens, response.prompt_cache)
         self._end(job, reason)
@@ -738,17 +765,17 @@ class Scheduler:
         retry_after: int | None = None,
     ) -> None:
         """End ``job``: take it out of the batch, release its cache, send its JobEnd."""
-        if reason in ("stop", "cancelled"):
-            # Ended by a stop string or its client while in the batch: keep what it computed.
-            row = self._batch.row_kv(job)
-            if row is not None:
-                self._store_in_prompt_cache(row[1], row[0])
+        # Ended by a stop string or its client while in the batch: keep what it computed (a
+        # copy of its row, stored once its blocks are back).
+        row = self._batch.row_kv(job) if reason in ("stop", "cancelled") else None
         try:
             self._batch.leave(job)
         except Exception:
             # Its blocks still go back below; the batch it was in failed (its jobs end too).
             log.exception("taking request %s out of the batch failed", job.owner)
         self._release(job)
+        if row is not None:
+            self._store_in_prompt_cache(row[1], row[0])
         if job in self._active:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
@@ -771,6 +798,16 @@ class Scheduler:
             with self._cond:
                 if self._waiting:
                     self._waiting[0].retry_at = 0.0  # blocks may be free now: retry at once
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int], most: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``most``."""
+    n = 0
+    for mine, theirs in zip(a[:most], b[:most], strict=False):
+        if mine != theirs:
+            break
+        n += 1
+    return n
 
 
 def _scored(token: int, logprobs: mx.array, n_top: int) -> ScoredToken:
