@@ -31,7 +31,7 @@ under steady overload (bursts replaced by their mean rate).
 
 Cost model (seconds): a step costs ``STEP_BASE + DECODE_PER_SEQ * decoding + PREFILL_PER_TOKEN *
 prefill tokens``; a preempted request's resume prefills its prompt and generated tokens again.
-The constants are llama-tiny's on this machine kind (/work/shared/MEMORY.md, "Costs measured",
+The constants are llama-tiny's on this machine kind (the team's shared MEMORY.md, "Costs measured",
 a quiet 2-vCPU Linux box): re-prefilling 1,024 tokens 0.22 s; decode batch 1 725 tok/s, batch 16
 5,800 tok/s, i.e. a step of 1.38 ms at batch 1 and 2.76 ms at batch 16. ``--calibrate``
 re-measures them with the built-in tiny llama (``scripts/bench_elastic.py --calibrate``); on the
