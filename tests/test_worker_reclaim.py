@@ -35,7 +35,7 @@ def stack() -> Iterator[ServingStack]:
             "--lease",
             "1",
         ),
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "30", "--prompt-cache-bytes", "0"],
     ).start()
     serving.daemon.admin("model_set", model="a", reserve=RESERVE_BLOCKS * BLOCK_BYTES)
     yield serving
