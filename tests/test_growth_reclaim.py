@@ -111,9 +111,10 @@ def test_a_growth_below_its_share_is_granted_by_reclaim(stack: ServingStack) -> 
 def test_a_session_asked_to_give_back_has_its_waiting_growth_answered_at_once(
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
-    # Budget 100 blocks, equal weights. b waits with a growth while below its share of two;
-    # then c asks for 30: b is above its share of three, and the daemon asks a and b to give
-    # back. b's growth is answered at once (its worker would reach the ask at its next step).
+    # Budget 100 blocks, equal weights. b waits with a growth while below its share of two (no
+    # session polls for asks yet, so nothing can be reclaimed for it: it surely waits); then c
+    # waits for 30: b is above its share of three, and once b and a poll the daemon asks them to
+    # give back. b's growth is answered at once (its worker would reach the ask at its next step).
     daemon = start_daemon(
         "--n-blocks", "512", "--budget", str(100 * BLOCK_BYTES), "--lend-reserves"
     )
@@ -138,8 +139,6 @@ def test_a_session_asked_to_give_back_has_its_waiting_growth_answered_at_once(
 
             return give_back
 
-        a.set_reclaim_handler(handler(a))
-        b.set_reclaim_handler(handler(b))
         outcome: dict[str, object] = {}
 
         def grow() -> None:
@@ -150,12 +149,21 @@ def test_a_session_asked_to_give_back_has_its_waiting_growth_answered_at_once(
                 outcome["error"] = str(exc)
             outcome["seconds"] = time.monotonic() - started
 
+        granted: list[int] = []
         grower = threading.Thread(target=grow)
         grower.start()
         wait_until(lambda: daemon.admin("budget")["waiting"] == 1, 5.0)
         assert "error" not in outcome  # b is below its share of two: its growth waits
-        assert len(c.allocate("k", 30 * BLOCK, "c-0", wait=10.0)) == 30
+        newcomer = threading.Thread(
+            target=lambda: granted.append(len(c.allocate("k", 30 * BLOCK, "c-0", wait=10.0)))
+        )
+        newcomer.start()
+        wait_until(lambda: daemon.admin("budget")["waiting"] == 2, 5.0)
+        b.set_reclaim_handler(handler(b))
+        a.set_reclaim_handler(handler(a))
+        newcomer.join(12)
         grower.join(10)
+        assert granted == [30]
         assert b in asked and a in asked
         assert "asked to give bytes back" in str(outcome.get("error")), outcome
         assert outcome["seconds"] < 10, outcome
