@@ -8,9 +8,9 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
 ``generate_step``. :class:`ContinuousBatch` adds what a server around them needs:
 
 * **Chunked prefill, one job at a time.** :meth:`ContinuousBatch.step` decodes the batch once,
-  then prefills one chunk (at most ``prefill_step_size`` tokens) of the oldest started job; after
-  its last chunk its last prompt token makes its first token and it joins the batch. A newcomer
-  delays the running jobs by at most one chunk.
+  then prefills one chunk (at most ``prefill_step_size`` tokens) of the oldest started job; its
+  last chunk goes with its last prompt token, which makes its first token, and it joins the
+  batch in that step. A newcomer delays the running jobs by at most one chunk.
 * **Blocks before every forward pass.** Before each pass ``source.grow`` makes the cache it
   writes cover the slots it writes (the pool's blocks for every row, padding included). When
   the pool cannot grow a row, the most recently admitted started job (in the batch or in its
@@ -252,15 +252,19 @@ class ContinuousBatch:
             prompt_batch = pending.batch
             used = prompt_batch.prompt_cache[0].size()
             cache = prompt_batch.prompt_cache
-            if pending.to_prefill:
+            if len(pending.to_prefill) > self.prefill_step_size:
                 chunk = pending.to_prefill[: self.prefill_step_size]
                 if self._grow(lambda: cache, lambda: used + len(chunk), outcome, job):
                     prompt_batch.prompt([chunk])
                     del pending.to_prefill[: len(chunk)]
                 return
-            if not self._grow(lambda: cache, lambda: used + 1, outcome, job):
+            # The last chunk and the last prompt token in one go: the job joins in this step
+            # rather than after one more decode step of the batch (a burst of n newcomers
+            # would cost the running rows n extra steps at small batch sizes).
+            rest = [*pending.to_prefill, _tokens_of(job)[-1]]
+            if not self._grow(lambda: cache, lambda: used + len(rest), outcome, job):
                 return
-            newcomer = prompt_batch.generate([[_tokens_of(job)[-1]]])
+            newcomer = prompt_batch.generate([rest])
         except Exception as exc:
             log.exception("request %s failed in its prefill", job.owner)
             self.leave(job)
