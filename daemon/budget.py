@@ -156,8 +156,9 @@ def water_fill(capacity: float, shares: Sequence[tuple[float, float, float]]) ->
 
 
 class _Waiter:
-    """One queued request. ``growth`` marks a growth of held memory, queued ahead of its
-    model's other requests; ``key`` is its growing party (None for a try_grant candidate)."""
+    """One request the ledger decides on, and keeps while it waits. ``growth`` marks a growth
+    of held memory, queued ahead of its model's other requests; ``key`` is its growing party
+    (None for a try_grant candidate); ``seq`` its place in arrival order, set when queued."""
 
     __slots__ = ("deadline", "enqueued_at", "growth", "key", "model", "n_bytes", "seq", "ticket")
 
@@ -167,7 +168,6 @@ class _Waiter:
         model: _Model,
         n_bytes: int,
         deadline: float,
-        seq: int,
         now: float,
         growth: bool = False,
         key: Hashable | None = None,
@@ -176,7 +176,7 @@ class _Waiter:
         self.model = model
         self.n_bytes = n_bytes
         self.deadline = deadline
-        self.seq = seq
+        self.seq = 0
         self.enqueued_at = now
         self.growth = growth
         self.key = key
@@ -384,7 +384,8 @@ class BudgetLedger:
         if rec is None:
             return self._as_new_model(model, lambda: self.try_grant(model, n_bytes, growth=growth))
         if self._waiters:
-            return self._decide(rec, n_bytes, _CANDIDATE, math.inf, 0.0, queue=False, growth=growth)
+            candidate = _Waiter(_CANDIDATE, rec, n_bytes, math.inf, 0.0, growth)
+            return self._decide(candidate, queue=False)
         # The hot path: the three rules of the class docstring, inlined.
         held = rec.held
         if held + n_bytes <= rec.limit:
@@ -470,9 +471,8 @@ class BudgetLedger:
             if verdict.outcome is Outcome.WAIT:
                 return self._refusal(rec, n_bytes, Reason.GROWTH_WAITING, queued=False)
             return verdict
-        return self._decide(
-            rec, n_bytes, ticket, deadline, now, queue=True, growth=is_growth, key=growth
-        )
+        request = _Waiter(ticket, rec, n_bytes, deadline, now, is_growth, growth)
+        return self._decide(request, queue=True)
 
     def _as_new_model(self, model: str, call: Callable[[], Verdict]) -> Verdict:
         """``call()`` for a model seen for the first time, whose record is kept only if the
@@ -486,57 +486,35 @@ class BudgetLedger:
                 del self._models[model]
         return verdict
 
-    def _decide(
-        self,
-        rec: _Model,
-        n_bytes: int,
-        ticket: Ticket,
-        deadline: float,
-        now: float,
-        queue: bool,
-        growth: bool = False,
-        key: Hashable | None = None,
-    ) -> Verdict:
-        """The slow path: NEVER, or where the policy puts the request among the waiting ones."""
+    def _decide(self, request: _Waiter, queue: bool) -> Verdict:
+        """The slow path: NEVER, or where the policy puts ``request`` (not queued yet) among
+        the waiting ones; ``queue``: whether it may wait."""
+        rec, n_bytes = request.model, request.n_bytes
         if n_bytes == 0:
             return GRANTED
         if n_bytes > self._ceiling(rec):
             return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
         # First come first served within a model; a growth only after earlier growths.
-        if rec.n_growth if growth else rec.queue:
-            return self._wait(
-                rec, n_bytes, ticket, deadline, now, queue, Reason.BEHIND_WAITERS, growth, key
-            )
+        if rec.n_growth if request.growth else rec.queue:
+            return self._wait(request, queue, Reason.BEHIND_WAITERS)
         # In a settled queue a request that does not fit waits, and joining the queue lets no
         # other request go (it adds demand; it frees nothing). One that fits may be first in
         # the policy order, or within its share past a blocked head: let the policy decide.
         # A growth goes in front of its model's other waiting requests: with them it may
         # settle anew.
         if not self._settled or self._fits(rec, n_bytes):
-            waiter = self._enqueue(rec, n_bytes, ticket, deadline, now, growth)
+            self._enqueue(request)
             self._settle()
-            if ticket not in self._waiters:  # granted by the policy just now
-                if ticket is not _CANDIDATE:
-                    self._pending.remove(ticket)
+            if request.ticket not in self._waiters:  # granted by the policy just now
+                if request.ticket is not _CANDIDATE:
+                    self._pending.remove(request.ticket)
                 return GRANTED
-            self._remove(waiter)
-        return self._wait(
-            rec, n_bytes, ticket, deadline, now, queue, self._shortage(rec, n_bytes), growth, key
-        )
+            self._remove(request)
+        return self._wait(request, queue, self._shortage(rec, n_bytes))
 
-    def _wait(
-        self,
-        rec: _Model,
-        n_bytes: int,
-        ticket: Ticket,
-        deadline: float,
-        now: float,
-        queue: bool,
-        reason: Reason,
-        growth: bool = False,
-        key: Hashable | None = None,
-    ) -> Verdict:
-        """Queue the request if it may wait and there is room, and say why it waits."""
+    def _wait(self, request: _Waiter, queue: bool, reason: Reason) -> Verdict:
+        """Queue ``request`` if it may wait and there is room, and say why it waits."""
+        rec, n_bytes = request.model, request.n_bytes
         if not queue:
             return self._refusal(rec, n_bytes, reason, queued=False)
         full = None
@@ -546,12 +524,12 @@ class BudgetLedger:
             full = Reason.ALL_QUEUES_FULL
         if full is not None:
             return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
-        waiter = self._enqueue(rec, n_bytes, ticket, deadline, now, growth, key)
-        if growth and rec.held + n_bytes > self._entitlements().get(rec, 0.0):
+        self._enqueue(request)
+        if request.growth and rec.held + n_bytes > self._entitlements().get(rec, 0.0):
             # Not owed: no reclaim would be planned for it, and others may be owed first.
-            self._remove(waiter)
+            self._remove(request)
             return self._refusal(rec, n_bytes, Reason.ABOVE_SHARE, queued=False)
-        heapq.heappush(self._deadlines, (deadline, waiter.seq, waiter))
+        heapq.heappush(self._deadlines, (request.deadline, request.seq, request))
         return self._refusal(rec, n_bytes, reason, queued=True)
 
     def _shortage(self, rec: _Model, n_bytes: int) -> Reason:
@@ -614,22 +592,15 @@ class BudgetLedger:
 
     # -- the queue ------------------------------------------------------------------------
 
-    def _enqueue(
-        self,
-        rec: _Model,
-        n_bytes: int,
-        ticket: Ticket,
-        deadline: float,
-        now: float,
-        growth: bool = False,
-        key: Hashable | None = None,
-    ) -> _Waiter:
+    def _enqueue(self, waiter: _Waiter) -> None:
+        """Queue ``waiter`` (numbered here: its place in arrival order)."""
         self._seq += 1
-        waiter = _Waiter(ticket, rec, n_bytes, deadline, self._seq, now, growth, key)
+        waiter.seq = self._seq
+        rec, ticket = waiter.model, waiter.ticket
         if not rec.queue:
             self._queued_models[rec] = None
         queue = rec.queue
-        if growth:
+        if waiter.growth:
             # In front of the model's other requests, behind its earlier growths (few: one
             # per party).
             earlier = list(itertools.islice(queue, rec.n_growth))
@@ -638,13 +609,12 @@ class BudgetLedger:
             for earlier_ticket in reversed(earlier):
                 queue.move_to_end(earlier_ticket, last=False)
             rec.n_growth += 1
-            if key is not None:
-                self._growth_keys[key] = waiter
+            if waiter.key is not None:
+                self._growth_keys[waiter.key] = waiter
         else:
             queue[ticket] = waiter
-        rec.waiting_bytes += n_bytes
+        rec.waiting_bytes += waiter.n_bytes
         self._waiters[ticket] = waiter
-        return waiter
 
     def _remove(self, waiter: _Waiter) -> None:
         rec = waiter.model
