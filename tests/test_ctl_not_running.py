@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ctl_harness import run_ctl
+from ctl_harness import run_ctl, run_ctl_each
 from daemon_harness import DaemonProcess
 
 COMMANDS = [
@@ -52,7 +52,7 @@ def test_stale_socket_of_a_killed_daemon(
 
 
 def test_bad_arguments_exit_2(run_dir: Path) -> None:
-    for args in (
+    commands = [
         ["frobnicate"],
         [],
         ["status", "--timeout", "0"],
@@ -64,8 +64,8 @@ def test_bad_arguments_exit_2(run_dir: Path) -> None:
         ["model", "set", "x", "--reserve", "-1GiB"],
         ["fit", "--model", "x", "--context", "0"],
         ["fit", "--context", "16"],
-    ):
-        result = run_ctl(run_dir, *args)
+    ]
+    for args, result in zip(commands, run_ctl_each(run_dir, commands), strict=True):
         assert result.returncode == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr
     too_long = run_ctl(Path("/tmp") / ("x" * 120), "status")
