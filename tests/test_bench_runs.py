@@ -73,14 +73,21 @@ QUICK_OPTIONS = {"bench_budget.py": ("--seconds", "2")}
 
 
 @pytest.fixture(scope="module")
-def quick_runs() -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
-    """Every quick run started at once (each is mostly process start-ups and waits, and only
-    its output is checked here), with its stdout going to a file; each test waits for its own.
-    """
+def quick_runs(
+    request: pytest.FixtureRequest,
+) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], Path]]]:
+    """The quick runs of the selected tests, started at once (each is mostly process start-ups
+    and waits, and only its output is checked here), with stdout going to a file; each test
+    waits for its own."""
+    selected = {
+        item.callspec.params["script"]
+        for item in request.session.items
+        if item.path == request.path and hasattr(item, "callspec")
+    }
     base = Path(tempfile.mkdtemp(prefix="vqbench", dir="/tmp"))
     runs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     try:
-        for script in sorted(QUICK_RUNS):
+        for script in sorted(selected):
             argv = [
                 sys.executable,
                 str(SCRIPTS / script),
