@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,15 @@ def run_ctl(
         text=True,
         timeout=timeout,
     )
+
+
+def run_ctl_each(
+    run_dir: Path, commands: list[list[str]]
+) -> list[subprocess.CompletedProcess[str]]:
+    """``run_ctl`` of each command, run side by side (for commands that change nothing: each
+    is a third of a second of imports); the results in the order given."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(lambda args: run_ctl(run_dir, *args), commands))
 
 
 def ctl_json(run_dir: Path, *args: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from ctl_harness import VQPOOLCTL, LivePool, ctl_json, run_ctl
+from ctl_harness import VQPOOLCTL, LivePool, ctl_json, run_ctl, run_ctl_each
 from daemon_harness import RawClient, wait_until
 
 KIB = 1024
@@ -164,7 +164,7 @@ def test_model_set_refusals_change_nothing(pool: LivePool) -> None:
     assert run_ctl(pool.run_dir, "budget", "1MiB").returncode == 0
     assert run_ctl(pool.run_dir, "model", "set", "alpha", "--reserve", "64KiB").returncode == 0
     before = _models(pool)
-    for args, status in [
+    refusals = [
         (["--weight", "0"], 4),
         (["--weight", "-1"], 4),
         (["--reserve", "2MiB"], 4),  # reserves over the budget
@@ -173,8 +173,9 @@ def test_model_set_refusals_change_nothing(pool: LivePool) -> None:
         (["--limit", "0"], 4),  # under the reserve
         (["--weight", "heavy"], 2),
         ([], 2),
-    ]:
-        result = run_ctl(pool.run_dir, "model", "set", "alpha", *args)
+    ]
+    results = run_ctl_each(pool.run_dir, [["model", "set", "alpha", *a] for a, _ in refusals])
+    for (args, status), result in zip(refusals, results, strict=True):
         assert result.returncode == status, (args, result.stdout, result.stderr)
         errors = result.stderr.strip().splitlines()
         assert errors[-1].startswith("vqpoolctl"), result.stderr  # after argparse's usage

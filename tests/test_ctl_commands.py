@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ctl_harness import LivePool, ctl_json, run_ctl, session_hex
+from ctl_harness import LivePool, ctl_json, run_ctl, run_ctl_each, session_hex
 
 
 @pytest.fixture(scope="module")
@@ -216,18 +216,18 @@ def test_metrics_help_describes_the_metrics_in_the_users_terms(pool: LivePool) -
 def test_help_comes_from_the_command_modules(pool: LivePool) -> None:
     from vqpool.daemon.ctl.commands import COMMANDS
 
-    for name, module in COMMANDS.items():
-        result = run_ctl(pool.run_dir, "help", name)
-        assert result.returncode == 0, result.stderr
+    results = run_ctl_each(pool.run_dir, [["help", name] for name in COMMANDS] + [["help"]])
+    for (name, module), result in zip(COMMANDS.items(), results, strict=False):
+        assert result.returncode == 0, (name, result.stderr)
         first_line = (module.__doc__ or "").strip().splitlines()[0]
         assert first_line in result.stdout
         assert "exit codes:" in result.stdout
-    listing = run_ctl(pool.run_dir, "help").stdout
+    listing = results[-1].stdout
     assert all(name in listing for name in COMMANDS)
 
 
 def test_json_output_is_valid_for_every_read_command(pool: LivePool) -> None:
-    for command in (["status"], ["sessions"], ["owners"], ["history"], ["metrics"], ["budget"]):
-        result = run_ctl(pool.run_dir, *command, "--json")
+    commands = [["status"], ["sessions"], ["owners"], ["history"], ["metrics"], ["budget"]]
+    for result in run_ctl_each(pool.run_dir, [[*command, "--json"] for command in commands]):
         assert result.returncode == 0, result.stderr
         json.loads(result.stdout)

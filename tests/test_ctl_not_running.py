@@ -4,12 +4,13 @@ traceback; likewise for bad arguments."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ctl_harness import run_ctl
-from daemon_harness import DaemonProcess
+from ctl_harness import run_ctl, run_ctl_each
+from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
 
 COMMANDS = [
     ["status"],
@@ -29,9 +30,21 @@ COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
-def test_no_daemon(run_dir: Path, command: list[str]) -> None:
-    result = run_ctl(run_dir, *command)
+@pytest.fixture(scope="module")
+def no_daemon_runs() -> Iterator[tuple[Path, list[subprocess.CompletedProcess[str]]]]:
+    """Every command of COMMANDS on a run directory with no daemon, run four at a time."""
+    base = short_tmpdir()
+    run_dir = base / "run"
+    yield run_dir, run_ctl_each(run_dir, COMMANDS)
+    remove_tree(base)
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[c[0] for c in COMMANDS])
+def test_no_daemon(
+    no_daemon_runs: tuple[Path, list[subprocess.CompletedProcess[str]]], index: int
+) -> None:
+    run_dir, results = no_daemon_runs
+    result = results[index]
     assert result.returncode == 3
     assert result.stdout == ""
     assert result.stderr == f"vqpoolctl: vqpoold is not running: no admin.sock in {run_dir}\n"
@@ -52,7 +65,7 @@ def test_stale_socket_of_a_killed_daemon(
 
 
 def test_bad_arguments_exit_2(run_dir: Path) -> None:
-    for args in (
+    commands = [
         ["frobnicate"],
         [],
         ["status", "--timeout", "0"],
@@ -64,8 +77,8 @@ def test_bad_arguments_exit_2(run_dir: Path) -> None:
         ["model", "set", "x", "--reserve", "-1GiB"],
         ["fit", "--model", "x", "--context", "0"],
         ["fit", "--context", "16"],
-    ):
-        result = run_ctl(run_dir, *args)
+    ]
+    for args, result in zip(commands, run_ctl_each(run_dir, commands), strict=True):
         assert result.returncode == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr
     too_long = run_ctl(Path("/tmp") / ("x" * 120), "status")
@@ -74,8 +87,6 @@ def test_bad_arguments_exit_2(run_dir: Path) -> None:
 
 
 def test_run_dir_from_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import subprocess
-
     from ctl_harness import VQPOOLCTL
 
     monkeypatch.setenv("VQPOOL_RUN_DIR", str(run_dir))
@@ -84,7 +95,6 @@ def test_run_dir_from_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_vqpoolctl_imports_neither_mlx_nor_the_worker_package() -> None:
-    import subprocess
     import sys
 
     code = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from ctl_harness import LivePool, ctl_json, run_ctl, session_hex
+from ctl_harness import LivePool, ctl_json, run_ctl, run_ctl_each, session_hex
 from daemon_harness import WorkerError
 
 
@@ -90,15 +90,16 @@ def test_shrink_one_stream_of_a_split_pool_shrinks_k_and_v_together(pool: LivePo
 
 def test_shrink_bad_arguments_change_nothing(pool: LivePool) -> None:
     before = pool.daemon.admin("stats")["streams"]
-    for args in (
+    commands = [
         ["--stream", "x", "--target-free", "1"],
         ["--stream", "k", "--target-free", "-1"],
         ["--stream", "k", "--target-free", "many"],
         ["--stream", "k"],
         ["--stream", "k", "--only-stream", "k", "--target-free", "1"],
         ["--only-stream", "kv", "--target-free", "1"],
-    ):
-        result = run_ctl(pool.run_dir, "shrink", *args)
+    ]
+    results = run_ctl_each(pool.run_dir, [["shrink", *args] for args in commands])
+    for args, result in zip(commands, results, strict=True):
         assert result.returncode == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr
     assert pool.daemon.admin("stats")["streams"] == before

@@ -1,4 +1,4 @@
-"""The chaos soak (scripts/soak.py) in its short form: about half a minute of churn by three
+"""The chaos soak (scripts/soak.py) in its short form: about twenty seconds of churn by three
 worker processes with at least one worker SIGKILL, one daemon SIGKILL + restart and one admin
 shrink; every audit must pass and nothing may leak."""
 
@@ -19,11 +19,11 @@ def test_short_soak_leaks_nothing_and_passes_every_audit(tmp_path: Path) -> None
             sys.executable,
             str(SOAK),
             "--minutes",
-            "0.4",
+            "0.33",
             "--workers",
             "3",
             "--fault-interval",
-            "3",
+            "2",
             "--json",
             str(report_path),
         ],
