@@ -7,8 +7,8 @@ with three servers: stock ``python -m mlx_lm.server``, ``vqpool-worker`` drawing
 from a live ``vqpoold`` (private run directory), and ``vqpool-worker --no-pool``. In each round
 the three are started and warmed up with one short request, then, for each concurrency ``c``,
 each server in turn is sent a batch of ``c`` simultaneous streaming completions (the same
-prompts, ~64 tokens each, for every server of a round; different between batches so
-mlx_lm.server's prompt cache has nothing to reuse), and the three are stopped. Only one server
+prompts, ~64 tokens each, for the three; different for each concurrency and round, so that no
+server's prompt cache has anything to reuse), and the three are stopped. Only one server
 has work at a time (the others sit idle), and the order of the three rotates from batch to
 batch: on a shared machine whose load drifts over minutes, the three batches of one
 concurrency run within a minute or two of each other, not a whole server's run apart. Requests
@@ -22,7 +22,8 @@ and pooled / --no-pool (medians of the per-round ratios). Every server must see 
 of prompt tokens for each request (checked from usage).
 
 ``--mode side-by-side`` sends each batch to two servers at the same moment instead, in two pairs
-per concurrency (pooled with --no-pool, then pooled with mlx_lm.server, the order alternating):
+per concurrency (pooled with --no-pool, then pooled with mlx_lm.server, the order alternating;
+each pair its own prompts):
 on a machine whose speed swings by 10-20% from one minute to the next (this 2-vCPU VM), two
 batches run one after the other are compared across a swing, while two running at once see
 the same machine. Each server runs MLX's CPU build on one core at a time, so on 2 cores each
@@ -194,6 +195,15 @@ def make_prompts(model_dir: Path, n: int, n_tokens: int, seed: int) -> list[str]
 
 
 # -- servers --------------------------------------------------------------------------------------
+
+
+def batch_prompts(
+    model_dir: Path, args: argparse.Namespace, round_no: int, c: int, batch_set: int
+) -> list[str]:
+    """The prompts of one round's batches of ``c``: one set for the three servers one at a
+    time, and one per pair side by side, so that no server sees a prompt twice (the worker's
+    prompt cache would skip its prefill)."""
+    return make_prompts(model_dir, c, args.prompt_tokens, 1000 * round_no + 10 * c + batch_set)
 
 
 def free_port() -> int:
@@ -379,10 +389,6 @@ def bench_model(
     ``side_by_side_key``."""
     results: dict[tuple[str, int], list[Batch]] = {}
     for round_no in range(args.rounds):
-        prompts = {
-            c: make_prompts(model_dir, c, args.prompt_tokens, seed=1000 * round_no + c)
-            for c in args.concurrency
-        }
         warm_up = make_prompts(model_dir, 1, 8, seed=-1 - round_no)
         urls: dict[str, str] = {}
         stops: list[Callable[[], object]] = []
@@ -394,17 +400,30 @@ def bench_model(
                 stops.append(stop)
                 run_batch(urls[kind], warm_up, 4)
             for i, c in enumerate(args.concurrency):
-                runs: list[tuple[str, Batch]] = []
+                # Batches sent the same prompts: the three one at a time, each pair side by side.
+                groups: list[list[tuple[str, Batch]]] = []
                 if args.mode != "side-by-side":
                     shift = (round_no + i) % 3
-                    for kind in SERVERS[shift:] + SERVERS[:shift]:
-                        runs.append((kind, run_batch(urls[kind], prompts[c], args.max_tokens)))
+                    same = batch_prompts(model_dir, args, round_no, c, 0)
+                    kinds = SERVERS[shift:] + SERVERS[:shift]
+                    groups.append([(k, run_batch(urls[k], same, args.max_tokens)) for k in kinds])
                 if args.mode != "one-at-a-time":
                     for pair in PAIRS if (round_no + i) % 2 == 0 else PAIRS[::-1]:
-                        batches = run_side_by_side(urls, pair, prompts[c], args.max_tokens)
+                        batches = run_side_by_side(
+                            urls,
+                            pair,
+                            batch_prompts(model_dir, args, round_no, c, 1 + PAIRS.index(pair)),
+                            args.max_tokens,
+                        )
                         labels = [side_by_side_key(kind, pair) for kind in pair]
-                        runs += list(zip(labels, batches, strict=True))
-                for label, batch in runs:
+                        groups.append(list(zip(labels, batches, strict=True)))
+                for group in groups:
+                    seen = {label: batch.prompt_tokens for label, batch in group}
+                    if len({tuple(tokens) for tokens in seen.values()}) != 1:
+                        raise RuntimeError(
+                            f"{name} c={c}: servers saw different prompt lengths: {seen}"
+                        )
+                for label, batch in (run for group in groups for run in group):
                     results.setdefault((label, c), []).append(batch)
                     print(
                         f"  {name} round {round_no + 1} {label:16} c={c:<3} "
@@ -416,10 +435,6 @@ def bench_model(
         finally:
             for stop in stops:
                 stop()
-        for c in args.concurrency:
-            seen = {kind: b[-1].prompt_tokens for (kind, n), b in results.items() if n == c}
-            if len({tuple(tokens) for tokens in seen.values()}) != 1:
-                raise RuntimeError(f"{name} c={c}: servers saw different prompt lengths: {seen}")
     return results
 
 
