@@ -7,8 +7,8 @@ with three servers: stock ``python -m mlx_lm.server``, ``vqpool-worker`` drawing
 from a live ``vqpoold`` (private run directory), and ``vqpool-worker --no-pool``. In each round
 the three are started and warmed up with one short request, then, for each concurrency ``c``,
 each server in turn is sent a batch of ``c`` simultaneous streaming completions (the same
-prompts, ~64 tokens each, for the three; different for each concurrency and round, so that no
-server's prompt cache has anything to reuse), and the three are stopped. Only one server
+prompts, ~64 tokens each, for every server of a round; different between batches so
+mlx_lm.server's prompt cache has nothing to reuse), and the three are stopped. Only one server
 has work at a time (the others sit idle), and the order of the three rotates from batch to
 batch: on a shared machine whose load drifts over minutes, the three batches of one
 concurrency run within a minute or two of each other, not a whole server's run apart. Requests
@@ -21,19 +21,8 @@ markdown tables: medians over rounds per server, and the ratios vqpool pooled / 
 and pooled / --no-pool (medians of the per-round ratios). Every server must see the same number
 of prompt tokens for each request (checked from usage).
 
-``--mode side-by-side`` sends each batch to two servers at the same moment instead, in two pairs
-per concurrency (pooled with --no-pool, then pooled with mlx_lm.server, the order alternating;
-each pair its own prompts):
-on a machine whose speed swings by 10-20% from one minute to the next (this 2-vCPU VM), two
-batches run one after the other are compared across a swing, while two running at once see
-the same machine. Each server runs MLX's CPU build on one core at a time, so on 2 cores each
-of the pair has one; the one that finishes first leaves the other alone for its last tokens,
-which narrows the ratio slightly toward 1. Reported: the medians of the per-pair ratios.
-``--mode both`` runs both in each round (``--quick`` does, on the tiny model).
-
     .venv/bin/python scripts/bench_vs_mlx_server.py                       # both models, 3 rounds
     .venv/bin/python scripts/bench_vs_mlx_server.py --models small --rounds 2
-    .venv/bin/python scripts/bench_vs_mlx_server.py --models medium --mode side-by-side
     .venv/bin/python scripts/bench_vs_mlx_server.py --quick               # a tiny smoke run
 """
 
@@ -109,8 +98,6 @@ MODELS: dict[str, tuple[dict[str, Any], mx.Dtype]] = {
 }
 
 SERVERS = ("mlx_lm.server", "vqpool pooled", "vqpool --no-pool")
-PAIRS = (("vqpool pooled", "vqpool --no-pool"), ("vqpool pooled", "mlx_lm.server"))
-MODES = ("one-at-a-time", "side-by-side", "both")
 
 READY_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 900.0
@@ -142,18 +129,12 @@ def parse_args() -> argparse.Namespace:
         "--prompt-tokens", type=int, default=64, help="prompt length, about (default: 64)"
     )
     parser.add_argument(
-        "--mode", choices=MODES, default="one-at-a-time",
-        help="one server busy at a time, or pairs of servers sent the same batch at once "
-        "(module docstring; default: one-at-a-time)",
-    )  # fmt: skip
-    parser.add_argument(
         "--quick", action="store_true",
-        help="a smoke run: the tiny model, concurrency 1 2, 1 round, 8 tokens, both modes",
+        help="a smoke run: the tiny model, concurrency 1 2, 1 round, 8 tokens",
     )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.models, args.concurrency, args.rounds, args.max_tokens = ["tiny"], [1, 2], 1, 8
-        args.mode = "both"
     if args.rounds < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --max-tokens and --concurrency must be >= 1")
     return args
@@ -195,15 +176,6 @@ def make_prompts(model_dir: Path, n: int, n_tokens: int, seed: int) -> list[str]
 
 
 # -- servers --------------------------------------------------------------------------------------
-
-
-def batch_prompts(
-    model_dir: Path, args: argparse.Namespace, round_no: int, c: int, batch_set: int
-) -> list[str]:
-    """The prompts of one round's batches of ``c``: one set for the three servers one at a
-    time, and one per pair side by side, so that no server sees a prompt twice (the worker's
-    prompt cache would skip its prefill)."""
-    return make_prompts(model_dir, c, args.prompt_tokens, 1000 * round_no + 10 * c + batch_set)
 
 
 def free_port() -> int:
@@ -349,19 +321,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def run_side_by_side(
-    urls: dict[str, str], pair: tuple[str, str], prompts: list[str], max_tokens: int
-) -> list[Batch]:
-    """The same batch sent to both servers of ``pair`` at the same moment."""
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda kind: run_batch(urls[kind], prompts, max_tokens), pair))
-
-
-def side_by_side_key(kind: str, pair: tuple[str, str]) -> str:
-    """How the results of ``kind`` run beside the other server of ``pair`` are filed."""
-    return f"{kind} beside {pair[1] if kind == pair[0] else pair[0]}"
-
-
 def run_batch(url: str, prompts: list[str], max_tokens: int) -> Batch:
     with ThreadPoolExecutor(len(prompts)) as pool:
         started = time.perf_counter()
@@ -385,10 +344,15 @@ def run_batch(url: str, prompts: list[str], max_tokens: int) -> Batch:
 def bench_model(
     name: str, model_dir: Path, args: argparse.Namespace, base: Path, run_dir: Path
 ) -> dict[tuple[str, int], list[Batch]]:
-    """(server, concurrency) -> one Batch per round; side by side, the server is filed as
-    ``side_by_side_key``."""
-    results: dict[tuple[str, int], list[Batch]] = {}
+    """(server, concurrency) -> one Batch per round."""
+    results: dict[tuple[str, int], list[Batch]] = {
+        (kind, c): [] for kind in SERVERS for c in args.concurrency
+    }
     for round_no in range(args.rounds):
+        prompts = {
+            c: make_prompts(model_dir, c, args.prompt_tokens, seed=1000 * round_no + c)
+            for c in args.concurrency
+        }
         warm_up = make_prompts(model_dir, 1, 8, seed=-1 - round_no)
         urls: dict[str, str] = {}
         stops: list[Callable[[], object]] = []
@@ -400,33 +364,12 @@ def bench_model(
                 stops.append(stop)
                 run_batch(urls[kind], warm_up, 4)
             for i, c in enumerate(args.concurrency):
-                # Batches sent the same prompts: the three one at a time, each pair side by side.
-                groups: list[list[tuple[str, Batch]]] = []
-                if args.mode != "side-by-side":
-                    shift = (round_no + i) % 3
-                    same = batch_prompts(model_dir, args, round_no, c, 0)
-                    kinds = SERVERS[shift:] + SERVERS[:shift]
-                    groups.append([(k, run_batch(urls[k], same, args.max_tokens)) for k in kinds])
-                if args.mode != "one-at-a-time":
-                    for pair in PAIRS if (round_no + i) % 2 == 0 else PAIRS[::-1]:
-                        batches = run_side_by_side(
-                            urls,
-                            pair,
-                            batch_prompts(model_dir, args, round_no, c, 1 + PAIRS.index(pair)),
-                            args.max_tokens,
-                        )
-                        labels = [side_by_side_key(kind, pair) for kind in pair]
-                        groups.append(list(zip(labels, batches, strict=True)))
-                for group in groups:
-                    seen = {label: batch.prompt_tokens for label, batch in group}
-                    if len({tuple(tokens) for tokens in seen.values()}) != 1:
-                        raise RuntimeError(
-                            f"{name} c={c}: servers saw different prompt lengths: {seen}"
-                        )
-                for label, batch in (run for group in groups for run in group):
-                    results.setdefault((label, c), []).append(batch)
+                shift = (round_no + i) % 3
+                for kind in SERVERS[shift:] + SERVERS[:shift]:
+                    batch = run_batch(urls[kind], prompts[c], args.max_tokens)
+                    results[(kind, c)].append(batch)
                     print(
-                        f"  {name} round {round_no + 1} {label:16} c={c:<3} "
+                        f"  {name} round {round_no + 1} {kind:16} c={c:<3} "
                         f"{batch.tokens_per_s:7.1f} tok/s  TTFT p50 {batch.ttft_p50:6.2f} s  "
                         f"({batch.completion_tokens} tokens)",
                         file=sys.stderr,
@@ -435,6 +378,10 @@ def bench_model(
         finally:
             for stop in stops:
                 stop()
+        for c in args.concurrency:
+            seen = {kind: results[(kind, c)][-1].prompt_tokens for kind in SERVERS}
+            if len({tuple(tokens) for tokens in seen.values()}) != 1:
+                raise RuntimeError(f"{name} c={c}: servers saw different prompt lengths: {seen}")
     return results
 
 
@@ -455,43 +402,10 @@ def median_ratio(top: list[Batch], bottom: list[Batch], field: str) -> float:
 def report(
     name: str, results: dict[tuple[str, int], list[Batch]], args: argparse.Namespace
 ) -> None:
+    mlx, pooled, stock = SERVERS
     config, dtype = MODELS[name]
     layers = config["num_hidden_layers"]
-    print(f"\n### {name}: {config['hidden_size']} hidden x {layers} layers, {_dtype_name(dtype)}")
-    if args.mode != "side-by-side":
-        report_one_at_a_time(results, args)
-    if args.mode != "one-at-a-time":
-        report_side_by_side(results, args)
-
-
-def report_side_by_side(
-    results: dict[tuple[str, int], list[Batch]], args: argparse.Namespace
-) -> None:
-    print("\nSide by side (two servers sent the same batch at once; medians of per-pair ratios):\n")
-    print(
-        "| concurrency | pooled / --no-pool tok/s | TTFT p50 | pooled / mlx_lm.server tok/s "
-        "| TTFT p50 | tok/s: pooled, --no-pool; pooled, mlx_lm.server |"
-    )
-    print("|---|---|---|---|---|---|")
-    for c in args.concurrency:
-        cells, rates = [], []
-        for pair in PAIRS:
-            ours, theirs = (results[(side_by_side_key(k, pair), c)] for k in pair)
-            cells.append(
-                f"{median_ratio(ours, theirs, 'tokens_per_s'):.2f}x "
-                f"| {median_ratio(ours, theirs, 'ttft_p50'):.2f}x"
-            )
-            rates.append(
-                f"{median_of(ours, 'tokens_per_s'):.1f}, {median_of(theirs, 'tokens_per_s'):.1f}"
-            )
-        print(f"| {c} | {' | '.join(cells)} | {'; '.join(rates)} |")
-
-
-def report_one_at_a_time(
-    results: dict[tuple[str, int], list[Batch]], args: argparse.Namespace
-) -> None:
-    mlx, pooled, stock = SERVERS
-    print("\nOne server busy at a time:\n")
+    print(f"\n### {name}: {config['hidden_size']} hidden x {layers} layers, {_dtype_name(dtype)}\n")
     print(
         "| concurrency | mlx_lm.server tok/s | vqpool pooled tok/s | vqpool --no-pool tok/s "
         "| pooled / mlx_lm.server | pooled / --no-pool | TTFT p50 pooled / mlx_lm.server |"
@@ -538,7 +452,7 @@ def main() -> int:
         print(
             f"streaming completions, ~{args.prompt_tokens}-token prompts, {args.max_tokens} "
             f"tokens generated, temperature 0; concurrency {args.concurrency}; {args.rounds} "
-            f"round(s), mode {args.mode}; medians over rounds "
+            "round(s), one server busy at a time, order rotating per batch; medians over rounds "
             f"(ratios: medians of per-round ratios); load average {_load()} at start",
             flush=True,
         )

@@ -54,7 +54,6 @@ QUICK_RUNS = {
             "| 2 | vqpool pooled |",
             "| 2 | vqpool --no-pool |",
             "| 2 | mlx_lm.server |",
-            "| concurrency | pooled / --no-pool tok/s | TTFT p50 | pooled / mlx_lm.server tok/s",
         ),
     ),
     "bench_budget.py": (
