@@ -19,8 +19,8 @@ from vqpool.worker.batch_cache import PooledRowCache
 from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.models import load_model
+from vqpool.worker.run_worker import open_pool
 from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler
-from vqpool.worker.serve import open_pool
 
 MODEL = load_model("builtin:llama").model
 # Different lengths, so rows are left-padded; one prompt of a single token.

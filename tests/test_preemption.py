@@ -18,8 +18,8 @@ from vqpool.worker.cache_source import PooledCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_client import stream_events
 from vqpool.worker.models import load_model
+from vqpool.worker.run_worker import open_pool
 from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
-from vqpool.worker.serve import open_pool
 
 LLAMA = "builtin:llama"
 MODEL = load_model(LLAMA).model

@@ -54,16 +54,6 @@ from vqpool.worker.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
 
-DEFAULT_GROWTH_WAIT = 0.1
-"""Seconds a step's growths may wait at the daemon for bytes (a few decode steps): long enough
-for the budget's fair queue to count the demand and for fair-share reclaim to take bytes back
-from a model above its share (an ask is answered at the victim's next step boundary, a few ms),
-short enough that a refused growth still preempts promptly: the whole batch waits with it (the
-tier-1 simulator's steady overload made 1,586 tok/s with 0.1 s, 1,512 with 0.15 s)."""
-
-MAX_GROWTH_WAIT = 5.0
-"""The longest ``--growth-wait`` accepted: the generation thread blocks up to this per step."""
-
 
 class RowBlocks:
     """The blocks of one request (one pool owner) while it waits for, or sits in, a batch.

@@ -48,8 +48,6 @@ from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.batch_cache import (
-    DEFAULT_GROWTH_WAIT,
-    MAX_GROWTH_WAIT,
     PooledBatch,
     PooledRowCache,
     RowBlocks,
@@ -57,6 +55,7 @@ from vqpool.worker.batch_cache import (
     make_row_cache,
 )
 from vqpool.worker.client import PoolClient
+from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
 from vqpool.worker.kv_probe import unpoolable_reason
 from vqpool.worker.prompt_cache import PromptCache
 from vqpool.worker.storage import KVLayout, MLXBlockStorage

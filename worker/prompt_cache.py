@@ -51,12 +51,10 @@ from typing import Any
 import mlx.core as mx
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.cache import PooledSequence
+from vqpool.worker.defaults import DEFAULT_PROMPT_CACHE_BYTES
 from vqpool.worker.storage import MLXBlockStorage
 
 log = logging.getLogger("vqpool.worker")
-
-DEFAULT_MAX_BYTES = 1 << 30
-"""``--prompt-cache-bytes`` when not given: 1 GiB per worker."""
 
 _REPORTED = (
     "bytes",
@@ -113,7 +111,7 @@ class PromptCache:
         storage: MLXBlockStorage,
         *,
         owner_prefix: str,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         report: Callable[[dict[str, int]], None] | None = None,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
     ) -> None:

@@ -94,6 +94,7 @@ from vqpool.worker.admission import Admission, AdmissionWaiter
 from vqpool.worker.cache_source import CacheSource
 from vqpool.worker.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.continuous_batch import ContinuousBatch
+from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.preemption import (
     AdmissionHold,
     ReclaimDesk,
@@ -110,12 +111,6 @@ DEFAULT_RETRY_INTERVAL = 0.025
 
 CLEAR_CACHE_EVERY = 256
 """Steps between ``mx.clear_cache()`` calls (as ``generate_step`` does every 256 tokens)."""
-
-DEFAULT_PREFILL_STEP_SIZE = 2048
-"""Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
-
-RESERVE_MODES = ("on-demand", "prompt", "full")
-"""What a job reserves at admission (see the module docstring)."""
 
 
 class QueueFullError(Exception):

@@ -1,0 +1,28 @@
+"""Defaults and limits of the worker's options, shared by the command line and the modules that
+use them.
+
+A module of constants that imports nothing: ``vqpool-worker`` builds its parser and checks its
+options from here before it imports mlx-lm (seconds), so ``--help`` and a bad option answer at
+once.
+"""
+
+from __future__ import annotations
+
+DEFAULT_GROWTH_WAIT = 0.1
+"""Seconds a step's growths may wait at the daemon for bytes (a few decode steps): long enough
+for the budget's fair queue to count the demand and for fair-share reclaim to take bytes back
+from a model above its share (an ask is answered at the victim's next step boundary, a few ms),
+short enough that a refused growth still preempts promptly: the whole batch waits with it (the
+tier-1 simulator's steady overload made 1,586 tok/s with 0.1 s, 1,512 with 0.15 s)."""
+
+MAX_GROWTH_WAIT = 5.0
+"""The longest ``--growth-wait`` accepted: the generation thread blocks up to this per step."""
+
+DEFAULT_PROMPT_CACHE_BYTES = 1 << 30
+"""``--prompt-cache-bytes`` when not given: 1 GiB per worker."""
+
+DEFAULT_PREFILL_STEP_SIZE = 2048
+"""Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
+
+RESERVE_MODES = ("on-demand", "prompt", "full")
+"""What a job reserves at admission (see :mod:`vqpool.worker.scheduler`)."""

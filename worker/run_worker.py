@@ -1,0 +1,187 @@
+"""Run one ``vqpool-worker`` whose options :mod:`vqpool.worker.serve` has checked: bind the port,
+load the model, open the pool session, wire the parts (cache source, prompt cache, scheduler,
+HTTP app) and serve until the stop event is set; then stop them in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.protocol import session_label
+from vqpool.worker.batch_probe import batching_problem
+from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.client import PoolClient
+from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
+from vqpool.worker.http_api import ServingApp, ServingServer, make_server
+from vqpool.worker.models import load_model
+from vqpool.worker.prompt_cache import PromptCache
+from vqpool.worker.scheduler import Scheduler
+from vqpool.worker.storage import KVLayout
+
+log = logging.getLogger("vqpool.worker")
+
+MAX_OWNER_PREFIX_CHARS = 96
+"""Owner ids are ``{model}-{pid}-{n}`` and the daemon takes ids of up to 128 characters."""
+
+
+def run_worker(args: argparse.Namespace, stop: threading.Event) -> int:
+    """Serve as ``args`` say until ``stop`` is set; the exit status (1: the port is taken or the
+    daemon does not answer, 2: a model that does not load or that the pooled cache cannot
+    serve)."""
+    try:
+        server = make_server(args.host, args.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
+    try:
+        return _serve(args, server, stop)
+    finally:
+        server.server_close()
+        mx.clear_streams()  # the main thread's too (mlx-lm made its stream here at import)
+
+
+def _bytes_per_block(layout: KVLayout) -> dict[str, int]:
+    return {s: layout.bytes_per_block(s) for s in ("k", "v", "kv")}
+
+
+def open_pool(
+    run_dir: str | None,
+    name: str,
+    model: nn.Module,
+    timeout: float,
+    growth_wait: float = DEFAULT_GROWTH_WAIT,
+) -> tuple[PoolClient, PooledCacheSource]:
+    """A daemon session reporting this model's bytes per block, and its cache source."""
+    layout = KVLayout.from_model(model)  # ValueError for a model of another shape
+    pool = PoolClient(run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout)
+    if pool.config.block_size != layout.block_size:
+        # Bytes per block depend on the daemon's block size, known only after hello.
+        pool.close()
+        layout = KVLayout.from_model(model, block_size=pool.config.block_size)
+        pool = PoolClient(
+            run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout
+        )
+    try:
+        return pool, PooledCacheSource(model, pool, growth_wait)
+    except BaseException:
+        pool.close()
+        raise
+
+
+def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Event) -> int:
+    """Load the model, open the pool, serve on ``server`` until ``stop``; the exit status."""
+    try:
+        loaded = load_model(args.model, seed=args.seed)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    served_name = args.served_model_name or loaded.name
+    max_concurrent = args.max_concurrent
+    batching = batching_problem(loaded.model)
+    if batching is not None and max_concurrent > 1:
+        log.warning("%s: decoding one request at a time (--max-concurrent 1)", batching)
+        max_concurrent = 1
+    pool: PoolClient | None = None
+    source: CacheSource
+    describe_pool: Callable[[], dict[str, Any]]
+    if args.no_pool:
+        source = StockCacheSource(loaded.model)
+
+        def describe_pool() -> dict[str, Any]:
+            return {"pool": "off"}
+    else:
+        try:
+            pool, source = open_pool(
+                args.run_dir, served_name, loaded.model, args.pool_timeout, args.growth_wait
+            )
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        except DaemonUnavailableError as exc:
+            log.error("%s", exc)
+            return 1
+        session = pool
+
+        def describe_pool() -> dict[str, Any]:
+            sid = session.session_id
+            described: dict[str, Any] = {
+                "pool": "vqpoold",
+                "run_dir": str(session.run_dir),
+                "session": None if sid is None else session_label(sid),
+                "block_size": session.config.block_size,
+            }
+            problem = session.session_problem()
+            if problem is not None:
+                described["pool_error"] = problem
+            return described
+
+    owner_prefix = f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}"
+    prompt_cache: PromptCache | None = None
+    if pool is not None and isinstance(source, PooledCacheSource) and args.prompt_cache_bytes:
+        pooled, client = source, pool
+
+        def report_cache(counters: dict[str, int]) -> None:
+            client.report_prompt_cache(counters)
+            # Entries may go on another thread (the daemon's advice): /v1/stats follows.
+            scheduler.stats.set_memory(pooled.n_blocks(), pooled.nbytes())
+
+        prompt_cache = source.attach_prompt_cache(
+            owner_prefix=owner_prefix,
+            max_bytes=args.prompt_cache_bytes,
+            report=report_cache,
+            lost_owners=pool.lost_owners,
+        )
+        pool.on_advice = prompt_cache.follow_advice
+    scheduler = Scheduler(
+        loaded.model,
+        source,
+        owner_prefix=owner_prefix,
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+        max_concurrent=max_concurrent,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
+        reserve=args.reserve,
+        headroom_slots=1 if pool is None else pool.config.block_size,
+        lost_owners=None if pool is None else pool.lost_owners,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache=prompt_cache,
+    )
+    if prompt_cache is not None:
+        prompt_cache.report()
+    if pool is not None:
+        # Reclaim asks from the daemon: the prompt cache, then requests preempted at the next
+        # step boundary, give the bytes back.
+        pool.set_reclaim_handler(scheduler.give_back)
+    app = ServingApp(
+        loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
+    )
+    server.serve(app)
+    scheduler.start()
+    serving = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="vqpool-http"
+    )
+    serving.start()
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    mode = "stock mlx-lm caches (--no-pool)" if pool is None else f"pool at {pool.run_dir}"
+    # The ready line, on stdout whatever --log-level says: scripts wait for it (and learn the
+    # port it chose with --port 0).
+    print(f"vqpool-worker: serving {served_name} on http://{host}:{port} ({mode})", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        log.info("stopping")
+        server.shutdown()
+        serving.join()
+        scheduler.stop()
+        if pool is not None:  # its goodbye frees the prompt cache's blocks too
+            pool.close()
+    return 0
