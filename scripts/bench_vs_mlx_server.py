@@ -18,8 +18,9 @@ Measured client side, per batch: aggregate generated tokens per second (usage's 
 tokens of all requests / wall time from the first request sent to the last [DONE]), time to
 first token (to the first event carrying text) p50 and p90, and request latency p50. Reported as
 markdown tables: medians over rounds per server, and the ratios vqpool pooled / mlx_lm.server
-and pooled / --no-pool (medians of the per-round ratios). Every server must see the same number
-of prompt tokens for each request (checked from usage).
+and pooled / --no-pool (medians of the per-round ratios, with their quartiles from 4 rounds on,
+e.g. ``0.97x (0.90-1.05)``). Every server must see the same number of prompt tokens for each
+request (checked from usage).
 
     .venv/bin/python scripts/bench_vs_mlx_server.py                       # both models, 3 rounds
     .venv/bin/python scripts/bench_vs_mlx_server.py --models small --rounds 2
@@ -393,10 +394,16 @@ def median_of(batches: list[Batch], field: str) -> float:
     return statistics.median(getattr(b, field) for b in batches)
 
 
-def median_ratio(top: list[Batch], bottom: list[Batch], field: str) -> float:
-    return statistics.median(
-        getattr(t, field) / getattr(b, field) for t, b in zip(top, bottom, strict=True)
-    )
+def ratio_text(top: list[Batch], bottom: list[Batch], field: str) -> str:
+    """The median of the per-round ratios ``top / bottom``, and from 4 rounds their first and
+    third quartiles: on a shared machine adjacent batches differ by 10-30%, and the spread says
+    how far a median can be trusted."""
+    ratios = [getattr(t, field) / getattr(b, field) for t, b in zip(top, bottom, strict=True)]
+    text = f"{statistics.median(ratios):.2f}x"
+    if len(ratios) >= 4:
+        first, _, third = statistics.quantiles(ratios, n=4)
+        text += f" ({first:.2f}-{third:.2f})"
+    return text
 
 
 def report(
@@ -417,9 +424,9 @@ def report(
             f"| {c} | {median_of(r[mlx], 'tokens_per_s'):.1f} "
             f"| {median_of(r[pooled], 'tokens_per_s'):.1f} "
             f"| {median_of(r[stock], 'tokens_per_s'):.1f} "
-            f"| {median_ratio(r[pooled], r[mlx], 'tokens_per_s'):.2f}x "
-            f"| {median_ratio(r[pooled], r[stock], 'tokens_per_s'):.2f}x "
-            f"| {median_ratio(r[pooled], r[mlx], 'ttft_p50'):.2f}x |"
+            f"| {ratio_text(r[pooled], r[mlx], 'tokens_per_s')} "
+            f"| {ratio_text(r[pooled], r[stock], 'tokens_per_s')} "
+            f"| {ratio_text(r[pooled], r[mlx], 'ttft_p50')} |"
         )
     print(
         "\n| concurrency | server | TTFT p50 (s) | TTFT p90 (s) | latency p50 (s) "
@@ -453,7 +460,8 @@ def main() -> int:
             f"streaming completions, ~{args.prompt_tokens}-token prompts, {args.max_tokens} "
             f"tokens generated, temperature 0; concurrency {args.concurrency}; {args.rounds} "
             "round(s), one server busy at a time, order rotating per batch; medians over rounds "
-            f"(ratios: medians of per-round ratios); load average {_load()} at start",
+            "(ratios: medians of per-round ratios, quartiles in brackets); load average "
+            f"{_load()} at start",
             flush=True,
         )
         for name in args.models:
