@@ -8,6 +8,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -33,6 +34,9 @@ def _own_terminal() -> None:
     # Ctrl-C typed into it reaches the child as SIGINT, as in a real terminal.
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # A shell gives its foreground job the default SIGINT; a suite started in the background
+    # (`pytest &`) would pass on its ignored one, and Python keeps an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class PtyProcess:
