@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from daemon_harness import DaemonProcess
 from serving_harness import ServingStack
+from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.cache_source import PooledCacheSource
 from vqpool.worker.client import PoolClient
 from vqpool.worker.http_client import stream_events
@@ -206,6 +207,18 @@ def _set_when_running(stack: ServingStack, started: threading.Event) -> None:
     started.set()
 
 
+def _take_every_free_block(client: PoolClient, stream: str, owner: str) -> None:
+    # The running request may take a block between the count and the allocation (refused
+    # whole, nothing taken): count again. It converges: the request cannot grow once all is held.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.allocate(stream, client.n_free(stream) * client.config.block_size, owner)
+            return
+        except BlockPoolExhaustedError:
+            assert time.monotonic() < deadline, f"the free {stream} blocks kept changing"
+
+
 @pytest.fixture(scope="module")
 def impatient_stack() -> Iterator[ServingStack]:
     stack = ServingStack(
@@ -237,7 +250,7 @@ def test_a_request_refused_alone_waits_past_its_queue_timeout_and_completes(
         assert started.wait(30)
         with PoolClient(stack.run_dir, name="hog") as hog:
             for stream in ("k", "v"):
-                hog.allocate(stream, hog.n_free(stream) * hog.config.block_size, "hog-request")
+                _take_every_free_block(hog, stream, "hog-request")
             deadline = time.monotonic() + 20
             while stack.worker_stats(LLAMA)["preemptions"] < 1:
                 assert not pending.done(), pending.result()
