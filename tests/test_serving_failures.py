@@ -33,6 +33,9 @@ def test_client_disconnecting_mid_stream_frees_its_blocks(stack: ServingStack) -
         next(events)
     assert stack.blocks_by_model().get(LLAMA, 0) > 0
     events.close()  # closes the connection mid-stream
+    # The worker stores the ended row in its prompt cache before it counts the end: wait for
+    # the count, so that the cache drop below cannot come before the store.
+    wait_until(lambda: stack.worker_stats(LLAMA)["ended_cancelled"] == 1, timeout=5)
     stack.wait_for_no_blocks(timeout=5)
     stats = stack.worker_stats(LLAMA)
     assert stats["ended_cancelled"] == 1 and stats["blocks"] == 0 and stats["active"] == 0
