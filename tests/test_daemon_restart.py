@@ -226,9 +226,11 @@ def test_two_clients_in_one_process_both_keep_their_blocks_through_a_restart(
     # (heartbeat every 2.5 s): the second client re-syncs well after the first one.
     options = ("--n-blocks", "16", "--lease", "30", "--claim-grace", "10")
     daemon = start_daemon(*options)
+    # The other worker's process starts first: a slow start after the clients could outlast the
+    # second client's first heartbeat, which would then re-sync it on its own.
+    other = start_worker(daemon.run_dir, "other")
     first = PoolClient(daemon.run_dir, name="model-a", timeout=15.0)
     second = PoolClient(daemon.run_dir, name="model-b", timeout=15.0)
-    other = start_worker(daemon.run_dir, "other")
     try:
         first.allocate("k", 16, "a")
         held = [b.block_id for b in second.allocate("k", 32, "b")]
