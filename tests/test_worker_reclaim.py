@@ -54,28 +54,32 @@ def complete(stack: ServingStack, prompt: list[int]) -> list[int]:
 
 def test_a_lent_reserve_comes_back_from_a_serving_worker(stack: ServingStack) -> None:
     reference = [complete(stack, prompt) for prompt in PROMPTS]
-    with ThreadPoolExecutor(2) as pool:
+    # a's session is open before the requests start: they run for a fraction of a second,
+    # and a session opened only once they run could come after their end.
+    with (
+        PoolClient(stack.run_dir, name="a", bytes_per_block=BLOCK_BYTES) as owner_a,
+        ThreadPoolExecutor(2) as pool,
+    ):
         running = [pool.submit(complete, stack, prompt) for prompt in PROMPTS]
         deadline = time.monotonic() + 20
         while stack.daemon.admin("budget")["lent"] == 0:
             assert time.monotonic() < deadline, (stack.worker_stats(LLAMA), stack.logs())
             time.sleep(0.002)
-        with PoolClient(stack.run_dir, name="a", bytes_per_block=BLOCK_BYTES) as owner_a:
-            # a's whole reserve; most of it is on loan: the daemon asks llama's worker for it.
-            for stream in ("k", "v"):
-                blocks = owner_a.allocate(stream, RESERVE_BLOCKS // 2 * BLOCK, "a-0", wait=5.0)
-                assert len(blocks) == RESERVE_BLOCKS // 2
-            # a is granted as llama's worker frees; its answer to the ask follows the frees.
-            deadline = time.monotonic() + 5
-            while (view := stack.daemon.admin("budget")["reclaim"])["answered"] < 1:
-                assert time.monotonic() < deadline, view
-                time.sleep(0.01)
-            assert view["asked"] >= 1 and view["late"] == 0, view
-            assert view["latency_p99_s"] is not None
-            assert view["latency_p99_s"] <= view["deadline_s"], view
-            stack.daemon.audit()  # no block held by two owners
-            # Llama's requests go on within its own share meanwhile, one at a time.
-            results = [future.result(60) for future in running]
+        # a's whole reserve; most of it is on loan: the daemon asks llama's worker for it.
+        for stream in ("k", "v"):
+            blocks = owner_a.allocate(stream, RESERVE_BLOCKS // 2 * BLOCK, "a-0", wait=5.0)
+            assert len(blocks) == RESERVE_BLOCKS // 2
+        # a is granted as llama's worker frees; its answer to the ask follows the frees.
+        deadline = time.monotonic() + 5
+        while (view := stack.daemon.admin("budget")["reclaim"])["answered"] < 1:
+            assert time.monotonic() < deadline, view
+            time.sleep(0.01)
+        assert view["asked"] >= 1 and view["late"] == 0, view
+        assert view["latency_p99_s"] is not None
+        assert view["latency_p99_s"] <= view["deadline_s"], view
+        stack.daemon.audit()  # no block held by two owners
+        # Llama's requests go on within its own share meanwhile, one at a time.
+        results = [future.result(60) for future in running]
     assert results == reference
     stats = stack.worker_stats(LLAMA)
     assert stats["preemptions"] >= 1 and stats["exhaustions"] == 0
