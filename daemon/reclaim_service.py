@@ -244,4 +244,5 @@ class ReclaimService:
             "latency_p99_s": stats.latency_quantile(0.99),
             "preemptions": stats.preemptions,
             "deadline_s": self.book.deadline,
+            "listening_sessions": len(self.listeners),
         }

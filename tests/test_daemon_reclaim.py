@@ -51,7 +51,10 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
 ) -> None:
     daemon = lending_daemon(start_daemon, "--metrics-port", "0")
     borrower = start_worker(daemon.run_dir, "b")
+    assert reclaim_view(daemon)["listening_sessions"] == 0
     borrower.call("reclaim_handler", "free")
+    # Its first poll is what tells the daemon it can be asked.
+    wait_until(lambda: reclaim_view(daemon)["listening_sessions"] == 1, 5.0)
     fill_on_loan(borrower, 6, 10)  # 60 of 64 blocks: 28 of a's 32-block reserve on loan
     budget = daemon.admin("budget")
     assert budget["lent"] == 28 * BYTES_PER_BLOCK
@@ -89,6 +92,8 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     assert ("vqpool_reclaim_latency_seconds", (("quantile", "0.99"),)) in samples
     # a holds 20 of its 32; 4 blocks are free: 8 of its unused 12 are still on loan to b.
     assert samples[("vqpool_model_lent_bytes", (("model", "a"),))] == 8 * BYTES_PER_BLOCK
+    borrower.stop()  # its session ends: nobody can be asked any more
+    wait_until(lambda: reclaim_view(daemon)["listening_sessions"] == 0, 5.0)
 
 
 def scrape(daemon: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

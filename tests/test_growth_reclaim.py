@@ -88,10 +88,8 @@ def test_a_growth_below_its_share_is_granted_by_reclaim(stack: ServingStack) -> 
                     freed += 8 * BLOCK_BYTES
 
         small.set_reclaim_handler(give_back)
-        deadline = time.monotonic() + 5
-        while "small" not in {s["model"] for s in stack.daemon.admin("sessions")}:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # Small can be asked once its first poll reached the daemon (big's worker polls too).
+        wait_until(lambda: stack.daemon.admin("budget")["reclaim"]["listening_sessions"] == 2, 5.0)
         with ThreadPoolExecutor(2) as pool:
             results = [f.result(120) for f in [pool.submit(complete, stack, p) for p in PROMPTS]]
         view = stack.daemon.admin("budget")["reclaim"]
