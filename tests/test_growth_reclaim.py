@@ -158,8 +158,8 @@ def test_a_session_asked_to_give_back_has_its_waiting_growth_answered_at_once(
         newcomer.start()
         wait_until(lambda: daemon.admin("budget")["waiting"] == 2, 5.0)
         # b polls first and alone, so it is surely asked (for its excess over its share); a is
-        # asked for the rest once it polls. Both at once would race: whichever poll reached the
-        # daemon first might be asked for all that a alone can give.
+        # asked for the rest once it polls. Set together, a's poll could reach the daemon first:
+        # a alone would be asked for (and free) all that c waits for, and b never be asked.
         b.set_reclaim_handler(handler(b))
         wait_until(lambda: b in asked, 5.0)
         a.set_reclaim_handler(handler(a))
