@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import vqpool.shared.allocator as allocator_module
+import vqpool.shared.allocator.block_pool_allocator as allocator_module
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
 
