@@ -1,14 +1,6 @@
 """What the daemon and the workers both need: the allocator, errors, protocol, config."""
 
-from vqpool.shared.allocator import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_HISTORY_SIZE,
-    AllocationStats,
-    Block,
-    BlockPoolAllocator,
-    Owner,
-    PoolConfig,
-)
+from vqpool.shared.allocator import DEFAULT_HISTORY_SIZE, BlockPoolAllocator
 from vqpool.shared.errors import (
     BadRequestError,
     BlockPoolExhaustedError,
@@ -24,7 +16,16 @@ from vqpool.shared.errors import (
     UnauthorizedError,
     VqpoolError,
 )
-from vqpool.shared.pool import AllocationRequest, AllocationResult, BlockPool
+from vqpool.shared.pool import (
+    DEFAULT_BLOCK_SIZE,
+    AllocationRequest,
+    AllocationResult,
+    Block,
+    BlockPool,
+    Owner,
+    PoolConfig,
+)
+from vqpool.shared.stats import AllocationStats
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

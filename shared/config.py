@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vqpool.shared.allocator import DEFAULT_BLOCK_SIZE, PoolConfig
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE, PoolConfig
 
 RUN_DIR_ENV = "VQPOOL_RUN_DIR"
 WORKER_SOCKET_NAME = "worker.sock"

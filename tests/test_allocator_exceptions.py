@@ -13,8 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import vqpool.shared.allocator.block_list as block_list_module
 import vqpool.shared.allocator.block_pool_allocator as allocator_module
+import vqpool.shared.allocator.claims as claims_module
+import vqpool.shared.allocator.state as state_module
 from vqpool.shared import BlockPoolAllocator, PoolConfig
+
+# The modules that build an allocation's record (allocate(), claim()) and Block objects.
+BUILT_IN = {
+    "BlockList": (allocator_module, claims_module),
+    "Block": (block_list_module, state_module),
+}
 
 
 def armed(kind: type, methods: tuple[str, ...], exc: type[BaseException]) -> type:
@@ -140,7 +149,8 @@ def test_allocate_interrupted_building_its_list_changes_nothing(
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(allocator_module, built, interrupted)
+    for module in BUILT_IN[built]:
+        monkeypatch.setattr(module, built, interrupted)
     with pytest.raises(KeyboardInterrupt):
         pool.allocate("k", 100, "new")
     with pytest.raises(KeyboardInterrupt):
@@ -158,7 +168,8 @@ def test_ids_path_builds_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(allocator_module, "Block", interrupted)
+    for module in BUILT_IN["Block"]:
+        monkeypatch.setattr(module, "Block", interrupted)
     ids = pool.allocate_ids("k", 100, "new")
     claimed = pool.claim_ids("claimer-2", "k", [10, 11], [3, 16])
     pool.free_ids(ids[:2])

@@ -1,15 +1,39 @@
-"""The block pool allocator (see ``block_pool_allocator``)."""
+"""Fixed-size KV-cache block bookkeeping: which block ids are free, and which owner holds which.
 
-from vqpool.shared.allocator.block_pool_allocator import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_HISTORY_SIZE,
-    AllocationStats,
-    Block,
-    BlockList,
-    BlockPoolAllocator,
-    Owner,
-    PoolConfig,
-)
+This is the allocator the daemon serves to every worker, and the one a single process can use
+directly. It holds no array data: a block id is an index that a backing store (see
+``vqpool.worker.MLXBlockStorage``) maps to memory.
+
+Behaviour follows the seed specification (``BlockPoolAllocator`` of VeloxQuant-MLX) call for
+call: the same block ids in the same order, the same counters, the same errors; this package
+exports the names the seed's module did. The representation is different, because the seed's
+costs grew with the pool, with the order of frees, and with every block it handed out:
+
+* No object per free block. Each stream's free list is a stack of recycled ids on top of a
+  never-used id range kept as two ints, so building a pool of a million blocks is O(1)
+  (``free_list``).
+* One record per allocation: a ``BlockList`` (the ids, stream, format and owner they share);
+  the only per-block bookkeeping is one dict write (block id -> its BlockList), done in C.
+  ``allocate()`` returns that BlockList filled with its ``Block`` objects, a real ``list`` as
+  the seed returns; what the caller does to the list never changes the allocator's record
+  (``block_ids``). ``allocate_ids()`` (the daemon's path) builds no Block at all
+  (``block_list``).
+* Frees in any order are O(1) per block: a block is found through that dict, never searched for.
+  ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
+  entry counts only while its allocation is not dead, and a new allocation overwrites it.
+* History keeps a tuple of counters per mutating call; ``AllocationStats`` objects are built
+  only when someone reads ``history`` (``state``).
+
+The class is built in layers, one job each: ``state.AllocatorState`` (the bookkeeping, its
+reads, the owner registry, the audit), ``claims.RestartClaims`` (claim by id after a daemon
+restart) and ``block_pool_allocator.BlockPoolAllocator`` (allocate, free, shrink, fill).
+"""
+
+from vqpool.shared.allocator.block_list import BlockList
+from vqpool.shared.allocator.block_pool_allocator import BlockPoolAllocator
+from vqpool.shared.allocator.state import DEFAULT_HISTORY_SIZE
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE, Block, Owner, PoolConfig
+from vqpool.shared.stats import AllocationStats
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

@@ -1,0 +1,267 @@
+"""AllocatorState: what a BlockPoolAllocator knows, its reads, its owner registry, its audit.
+
+The allocator's paths (allocate and free in ``block_pool_allocator``, the restart claims in
+``claims``) update this state in place under its one lock. Here: the state itself, the counters
+and their history, the owner registry, the reads, and the audit that recounts it all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from vqpool.shared.allocator.block_list import BlockList
+from vqpool.shared.allocator.free_list import FreeList
+from vqpool.shared.errors import OwnerAlreadyActiveError
+from vqpool.shared.pool import Block, Owner, PoolConfig
+from vqpool.shared.stats import AllocationStats
+
+# Stats snapshots kept in ``history``. Bounded so a long-running daemon does not grow on its own
+# bookkeeping; recent pressure is what tells exhaustion coming, not the lifetime record.
+DEFAULT_HISTORY_SIZE: int = 256
+
+# Positions of the counters in AllocatorState._counts: AllocationStats' field order, so a
+# snapshot is AllocationStats(*counts) and a history row is tuple(counts).
+(
+    N_BLOCKS,
+    N_ALLOCATIONS,
+    N_FREES,
+    N_REUSED,
+    N_EXHAUSTED,
+    N_GROWN,
+    N_RETIRED,
+    PEAK_IN_USE,
+    FRAGMENTED,
+) = range(9)
+
+
+class AllocatorState:
+    """The bookkeeping of a :class:`~vqpool.shared.allocator.BlockPoolAllocator`.
+
+    Every method takes the one internal (non-reentrant) lock; ``_locked`` helpers expect it held.
+    """
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        streams = self.config.streams
+        per_stream = self.config.n_blocks // len(streams)
+        self._streams = streams
+        self._separate_kv = self.config.separate_kv
+        self._block_size = self.config.block_size
+        self._lock = threading.Lock()
+        self._free: dict[str, FreeList] = {
+            s: FreeList(i * per_stream, (i + 1) * per_stream) for i, s in enumerate(streams)
+        }
+        # The first id a growth hands out: ids are unique across streams.
+        self._next_block_id = per_stream * len(streams)
+        # Block id -> the allocation (chunk) it came from; an entry is live while
+        # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
+        self._chunk_of: dict[int, BlockList] = {}
+        # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
+        # while it holds a block.
+        self._holdings: dict[Owner, dict[int, BlockList]] = {}
+        self._active_owners: set[Owner] = set()
+        # The AllocationStats counters as a plain list: updates are list stores and a history
+        # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
+        self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
+        self._history: deque[tuple[int, ...]] = deque(maxlen=DEFAULT_HISTORY_SIZE)
+
+    # -- history -------------------------------------------------------------------------------
+
+    def _record_history(self) -> None:
+        self._history.append(tuple(self._counts))
+
+    @property
+    def stats(self) -> AllocationStats:
+        """The counters now, as one consistent snapshot (taken under the lock, so never half
+        way through another thread's update)."""
+        with self._lock:
+            return AllocationStats(*self._counts)
+
+    @property
+    def history(self) -> deque[AllocationStats]:
+        """The last ``DEFAULT_HISTORY_SIZE`` stats snapshots, oldest first, one per mutating call
+        (allocate, including a failed one; free; free_all; a shrink that retired blocks)."""
+        with self._lock:
+            rows = list(self._history)
+        return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
+
+    # -- streams and owners ----------------------------------------------------------------------
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """The streams of this pool: ("k", "v") or ("kv",)."""
+        return self._streams
+
+    def _resolve_stream(self, stream: str) -> str:
+        if not self._separate_kv:
+            return "kv"
+        if stream != "k" and stream != "v":
+            raise ValueError(f"BlockPoolAllocator: stream must be 'k' or 'v', got {stream!r}")
+        return stream
+
+    def register_owner(self, owner: Owner) -> None:
+        """Mark ``owner`` active, so that a second registration of a live id raises.
+
+        allocate() registers unknown owners itself and treats a repeated allocate() for an active
+        owner as that request growing. Call this once before the first allocate() to catch a
+        genuine collision (a wrapped counter, two callers racing on one id).
+
+        Raises:
+            OwnerAlreadyActiveError: ``owner`` holds blocks or was registered and not released.
+        """
+        with self._lock:
+            self._register_owner_locked(owner)
+
+    def _register_owner_locked(self, owner: Owner) -> None:
+        if owner in self._active_owners:
+            raise OwnerAlreadyActiveError(
+                f"BlockPoolAllocator: owner {owner!r} is already active (has checked-out blocks "
+                "or was registered without a matching free_all/release_owner). Use a different "
+                "owner id, or free_all(owner) first if this is intentional reuse."
+            )
+        self._active_owners.add(owner)
+
+    def release_owner(self, owner: Owner) -> None:
+        """Drop ``owner`` from the active set without freeing its blocks (free_all does both)."""
+        with self._lock:
+            self._active_owners.discard(owner)
+
+    def is_active(self, owner: Owner) -> bool:
+        """Whether ``owner`` is registered or holds blocks."""
+        with self._lock:
+            return owner in self._active_owners
+
+    def active_owners(self) -> list[Owner]:
+        """Every active owner, including registered owners that hold no block."""
+        with self._lock:
+            return list(self._active_owners)
+
+    def owners(self) -> list[Owner]:
+        """Every owner that is active or holds blocks (release_owner() can leave an owner that
+        holds blocks but is no longer active, as in the seed)."""
+        with self._lock:
+            return list(self._active_owners.union(self._holdings))
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def _live_chunk(self, block_id: int) -> BlockList | None:
+        chunk = self._chunk_of.get(block_id)
+        if chunk is None or chunk.dead:
+            return None
+        return chunk
+
+    def blocks_for(self, owner: Owner) -> list[Block]:
+        """Records of the blocks ``owner`` holds now, in allocation order."""
+        with self._lock:
+            chunk_of = self._chunk_of
+            size = self._block_size
+            return [
+                Block(
+                    bid, chunk.stream, chunk.format, (chunk.fill or {}).get(bid, size), owner, True
+                )
+                for chunk in self._holdings.get(owner, {}).values()
+                for bid in chunk.block_ids
+                if chunk_of.get(bid) is chunk
+            ]
+
+    def usage(self, owner: Owner) -> dict[str, tuple[int, int]]:
+        """Per stream, how many blocks ``owner`` holds and how many token slots of them are
+        used. O(allocations the owner holds), no Block objects: for admin views and metrics."""
+        with self._lock:
+            size = self._block_size
+            usage: dict[str, tuple[int, int]] = {}
+            for chunk in self._holdings.get(owner, {}).values():
+                n_held = len(chunk.block_ids) - chunk.n_freed
+                unused = sum(size - n for n in chunk.fill.values()) if chunk.fill else 0
+                n_blocks, n_tokens = usage.get(chunk.stream, (0, 0))
+                usage[chunk.stream] = (n_blocks + n_held, n_tokens + n_held * size - unused)
+            return usage
+
+    def n_blocks_for(self, owner: Owner) -> int:
+        """How many blocks ``owner`` holds now."""
+        with self._lock:
+            chunks = self._holdings.get(owner, {})
+            return sum(len(c.block_ids) - c.n_freed for c in chunks.values())
+
+    def stream_of(self, block_id: int) -> str | None:
+        """The stream of ``block_id`` while it is allocated, else None (the daemon's budget
+        prices a freed block by its stream)."""
+        with self._lock:
+            chunk = self._live_chunk(block_id)
+            return None if chunk is None else chunk.stream
+
+    def owner_of(self, block_id: int) -> Owner | None:
+        """The owner holding ``block_id``, or None if it is free, retired or never existed."""
+        with self._lock:
+            chunk = self._live_chunk(block_id)
+            return None if chunk is None else chunk.owner
+
+    def n_free(self, stream: str = "k") -> int:
+        """Free blocks left in ``stream``."""
+        s = self._resolve_stream(stream)
+        with self._lock:
+            return self._free[s].n_free()
+
+    def n_total(self, stream: str = "k") -> int:
+        """Blocks ``stream`` manages now (free plus in use)."""
+        s = self._resolve_stream(stream)
+        with self._lock:
+            return self._free[s].total
+
+    # -- audit -----------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recount everything and raise AssertionError on the first disagreement.
+
+        O(pool size): for tests and admin audits, never for a hot path.
+        """
+        with self._lock:
+            held: dict[int, BlockList] = {}
+            n_partial = 0
+            for owner, chunks in self._holdings.items():
+                assert chunks, f"owner {owner!r} is listed with no blocks"
+                for key, chunk in chunks.items():
+                    assert key == id(chunk), f"owner {owner!r} files a chunk under a wrong key"
+                    assert chunk.owner == owner, f"a chunk of {owner!r} names {chunk.owner!r}"
+                    assert not chunk.dead, f"owner {owner!r} keeps a dead chunk"
+                    live = [i for i in chunk.block_ids if self._chunk_of.get(i) is chunk]
+                    assert live, f"owner {owner!r} keeps a chunk with no block in it"
+                    assert len(live) + chunk.n_freed == len(chunk.block_ids), "free count off"
+                    for block_id in live:
+                        assert block_id not in held, f"block {block_id} is held twice"
+                        held[block_id] = chunk
+                    for block_id, n_used in (chunk.fill or {}).items():
+                        assert block_id in live, f"partial block {block_id} is not held"
+                        assert 0 <= n_used < self._block_size, f"block {block_id} n_used {n_used}"
+                    n_partial += len(chunk.fill or ())
+            live_entries = {i for i, c in self._chunk_of.items() if not c.dead}
+            assert live_entries == held.keys(), "block map and owners' chunks disagree"
+
+            seen_free: set[int] = set()
+            for s, free in self._free.items():
+                listed = [*range(free.fresh_lo, free.fresh_hi), *free.recycled]
+                assert len(set(listed)) == len(listed), f"stream {s!r}: an id is free twice"
+                assert free.claimed <= set(listed), f"stream {s!r}: a claimed id is not listed"
+                assert free.claimed <= held.keys(), f"stream {s!r}: a claimed id is not held"
+                assert free.never_used <= set(listed), (
+                    f"stream {s!r}: a never-used id is not listed as free"
+                )
+                ids = [i for i in listed if i not in free.claimed]
+                in_use = sum(1 for c in held.values() if c.stream == s)
+                assert len(ids) + in_use == free.total, (
+                    f"stream {s!r}: free {len(ids)} + in use {in_use} != total {free.total}"
+                )
+                assert seen_free.isdisjoint(ids), f"stream {s!r}: an id is free in two streams"
+                seen_free.update(ids)
+            assert seen_free.isdisjoint(held), "a block is both free and held"
+
+            st = AllocationStats(*self._counts)
+            assert st._fragmented_count == n_partial, (
+                f"fragmented count {st._fragmented_count} != recount {n_partial}"
+            )
+            assert st.blocks_in_use() == len(held), (
+                f"blocks_in_use {st.blocks_in_use()} != recount {len(held)}"
+            )
+            total = sum(free.total for free in self._free.values())
+            assert st.n_blocks == total, f"n_blocks {st.n_blocks} != recount {total}"
