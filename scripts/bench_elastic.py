@@ -641,7 +641,7 @@ def calibrate() -> None:
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from vqpool.worker.tiny_models import build_tiny_model
+    from vqpool.worker.models.tiny_models import build_tiny_model
 
     model, _ = build_tiny_model("llama")
 
@@ -786,7 +786,7 @@ def tier2(rounds: int) -> None:
 
     from vqpool.shared.admin_client import AdminClient
     from vqpool.worker import PoolClient
-    from vqpool.worker.launch import DaemonProcess
+    from vqpool.worker.testing.launch import DaemonProcess
 
     step = STEP_BASE + DECODE_PER_SEQ * TIER2_BATCH
     with tempfile.TemporaryDirectory(prefix="vqel") as base:

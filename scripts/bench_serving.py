@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vqpool.worker.http_client import request_json
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.testing.http_client import request_json
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 
 def parse_args() -> argparse.Namespace:

@@ -32,7 +32,7 @@ from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import decode_reply, encode_request
-from vqpool.worker.launch import stop_process
+from vqpool.worker.testing.launch import stop_process
 
 WORKER_AGENT = Path(__file__).with_name("worker_agent.py")
 READY_TIMEOUT = 15.0

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
-from vqpool.worker.http_client import HttpReply, request_json
-from vqpool.worker.launch import WorkerProcess
+from vqpool.worker.testing.http_client import HttpReply, request_json
+from vqpool.worker.testing.launch import WorkerProcess
 
 
 class ServingStack:

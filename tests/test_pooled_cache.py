@@ -32,8 +32,8 @@ from vqpool.shared import (
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.pool import AllocationRequest, AllocationResult
 from vqpool.worker import KVLayout, MLXBlockStorage, PoolClient, make_pooled_cache
-from vqpool.worker.cache import PooledPromptCache, blocks_to_hold
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.kv.cache import PooledPromptCache, blocks_to_hold
+from vqpool.worker.models.tiny_models import build_tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPT_LEN = 100

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared.admin_client import AdminClient
 from vqpool.worker import PoolClient, make_pooled_cache
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.models.tiny_models import build_tiny_model
 
 StartDaemon = Callable[..., DaemonProcess]
 OPTIONS = ("--n-blocks", "512", "--lease", "1", "--claim-grace", "5")

@@ -18,7 +18,7 @@ from test_metrics_http import metrics_url, scrape, value
 from vqpool.shared.pool import AllocationRequest
 from vqpool.shared.protocol import session_label
 from vqpool.worker import PoolClient
-from vqpool.worker.http_client import request_json, stream_events
+from vqpool.worker.testing.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"  # served with the prompt cache (the default)
 PLAIN = "plain-llama"  # the same weights, --prompt-cache-bytes 0

@@ -15,9 +15,9 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   writes cover the slots it writes (the pool's blocks for every row, padding included). When
   the pool cannot grow a row, the most recently admitted started job (in the batch or in its
   prefill) is taken out and reported as preempted (its blocks are back), and growth is tried
-  again (:mod:`vqpool.worker.preemption`); a row the pool cannot grow while its job is the only
-  one started is taken out and reported as evicted. Joining grows both sides first, the same
-  way (the newcomer is usually the one that gives way).
+  again (:mod:`vqpool.worker.sched.preemption`); a row the pool cannot grow while its job is
+  the only one started is taken out and reported as evicted. Joining grows both sides first,
+  the same way (the newcomer is usually the one that gives way).
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
   input, and it may make ``max_tokens - len(generated)`` more tokens.
@@ -47,8 +47,8 @@ from mlx_lm.generate import (
     greedy_sampler,
 )
 from mlx_lm.sample_utils import make_sampler
-from vqpool.worker.cache_source import CacheSource
-from vqpool.worker.preemption import most_recently_admitted
+from vqpool.worker.kv.cache_source import CacheSource
+from vqpool.worker.sched.preemption import most_recently_admitted
 
 log = logging.getLogger("vqpool.worker")
 

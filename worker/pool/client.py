@@ -77,9 +77,9 @@ from vqpool.shared.protocol import (
     stats_from_wire,
 )
 from vqpool.shared.transport import FIRST_RETRY_SECONDS, LazyPirateConnection
-from vqpool.worker.abandoned import AbandonedAllocation, granted_ids
-from vqpool.worker.reclaim_listener import ReclaimHandler, ReclaimListener
-from vqpool.worker.waiting_call import Superseded, request_waiting
+from vqpool.worker.pool.abandoned import AbandonedAllocation, granted_ids
+from vqpool.worker.pool.reclaim_listener import ReclaimHandler, ReclaimListener
+from vqpool.worker.pool.waiting_call import Superseded, request_waiting
 
 log = logging.getLogger("vqpool.worker")
 
@@ -437,7 +437,7 @@ class PoolClient:
 
     def _settle_abandoned(self) -> None:
         """Free what the waiting allocations this client gave up on were granted, if anything
-        (see worker/abandoned.py). The caller holds ``self._lock``.
+        (see worker/pool/abandoned.py). The caller holds ``self._lock``.
 
         Raises:
             DaemonUnavailableError: The daemon did not answer (the rest stays due).

@@ -2,7 +2,7 @@
 each to the worker's handler, and answer with the bytes freed.
 
 The daemon never sends a worker anything unasked (its replies go to request envelopes, and a
-:class:`~vqpool.worker.client.PoolClient`'s sockets are reopened on silence, so an unsolicited
+:class:`~vqpool.worker.pool.client.PoolClient`'s sockets are reopened on silence, so an unsolicited
 message could land on a closed socket or be read as a stale reply). So the worker keeps one
 ``reclaim_poll`` parked at the daemon on a socket of its own (``waiting_call``), and the ask
 comes back as its reply the moment the daemon decides. The handler runs on this thread; it
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode, NoSessionError, VqpoolError
 from vqpool.shared.protocol import RECLAIM_DONE, RECLAIM_POLL, encode_request
-from vqpool.worker.waiting_call import Superseded, request_waiting
+from vqpool.worker.pool.waiting_call import Superseded, request_waiting
 
 if TYPE_CHECKING:
-    from vqpool.worker.client import PoolClient
+    from vqpool.worker.pool.client import PoolClient
 
 log = logging.getLogger("vqpool.worker")
 
