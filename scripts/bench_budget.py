@@ -177,7 +177,7 @@ def run_phase(
     else:
         lines.append(f"n_blocks = {POOL_BLOCKS}")
     config.write_text("\n".join(lines) + "\n")
-    daemon = DaemonProcess(run_dir, ["--config", str(config)], base / f"{name}.vqpoold.log")
+    daemon = DaemonProcess(run_dir, "--config", str(config), log_path=base / f"{name}.vqpoold.log")
     daemon.start()
     workers = [
         WorkerProcess(

@@ -793,8 +793,7 @@ def tier2(rounds: int) -> None:
         run_dir = Path(base) / "run"
         budget = TIER2_BUDGET_BLOCKS * TIER2_BLOCK_BYTES
         daemon = DaemonProcess(
-            run_dir,
-            ["--budget", str(budget), "--lend-reserves", "--log-level", "WARNING"],
+            run_dir, "--budget", str(budget), "--lend-reserves", "--log-level", "WARNING"
         ).start()
         borrower = None
         try:

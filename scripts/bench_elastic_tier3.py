@@ -60,7 +60,7 @@ def play(
         daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
         if elastic:
             daemon_args.append("--lend-reserves")
-        daemon = DaemonProcess(run_dir, daemon_args).start()
+        daemon = DaemonProcess(run_dir, *daemon_args).start()
         workers: list[WorkerProcess] = []
         try:
             if elastic:

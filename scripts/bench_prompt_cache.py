@@ -327,7 +327,9 @@ def main() -> int:
     try:
         model_dir = build_model_dir(base / "model", args.hidden, args.layers)
         run_dir = base / "run"
-        daemon = DaemonProcess(run_dir, ["--n-blocks", "65536"], base / "vqpoold.log").start()
+        daemon = DaemonProcess(
+            run_dir, "--n-blocks", "65536", log_path=base / "vqpoold.log"
+        ).start()
         worker = WorkerProcess(
             str(model_dir), base / "worker.log", run_dir=run_dir, args=["--max-concurrent", "8"]
         ).start(timeout=300)

@@ -62,7 +62,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="vqbench-", dir="/tmp"))
     run_dir = base / "run"
     max_conc = str(max(args.concurrency))
-    daemon = DaemonProcess(run_dir, ["--n-blocks", "8192", "--log-level", "WARNING"])
+    daemon = DaemonProcess(run_dir, "--n-blocks", "8192", "--log-level", "WARNING")
     workers: dict[str, WorkerProcess] = {}
     try:
         daemon.start()

@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqbs", dir="/tmp"))
     run_dir = base / "run"
-    daemon = DaemonProcess(run_dir, ["--log-level", "WARNING"]).start()
+    daemon = DaemonProcess(run_dir, "--log-level", "WARNING").start()
     endpoint = f"ipc://{run_dir / WORKER_SOCKET_NAME}"
     openers: list[subprocess.Popen[str]] = []
     try:

@@ -453,7 +453,7 @@ def main() -> int:
     args = parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqvsmlx-", dir="/tmp"))
     run_dir = base / "run"
-    daemon = DaemonProcess(run_dir, ["--n-blocks", "16384", "--log-level", "WARNING"])
+    daemon = DaemonProcess(run_dir, "--n-blocks", "16384", "--log-level", "WARNING")
     try:
         daemon.start()
         print(

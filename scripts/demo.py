@@ -392,7 +392,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
         print(
             f"starting vqpoold (run directory {run_dir}) and {len(models)} workers ...", flush=True
         )
-        daemon = DaemonProcess(run_dir, ["--config", str(config)], base / "vqpoold.log").start()
+        daemon = DaemonProcess(
+            run_dir, "--config", str(config), log_path=base / "vqpoold.log"
+        ).start()
         processes.append(daemon)
         workers: dict[str, WorkerProcess] = {}
         for i, model in enumerate(models):

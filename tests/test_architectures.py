@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tmpdir
+from daemon_harness import daemon_args_for, remove_tree, short_tmpdir
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING
@@ -32,6 +32,7 @@ from vqpool.worker.kv.cache import make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.tiny_models import build_random_model
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler
+from vqpool.worker.testing.launch import DaemonProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
 _COMMON: dict[str, Any] = {

@@ -12,7 +12,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from daemon_harness import DaemonProcess
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from vqpool.worker.kv.batch_cache import PooledRowCache
@@ -21,6 +20,7 @@ from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler
+from vqpool.worker.testing.launch import DaemonProcess
 
 MODEL = load_model("builtin:llama").model
 # Different lengths, so rows are left-padded; one prompt of a single token.
