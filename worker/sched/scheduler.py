@@ -96,12 +96,7 @@ from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
-from vqpool.worker.sched.preemption import (
-    AdmissionHold,
-    ReclaimDesk,
-    most_recently_admitted,
-    requeue_position,
-)
+from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -278,19 +273,20 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
+        self._preemption = PreemptionPolicy(source.fits_alone)
         self._batch = ContinuousBatch(
             model,
             source,
             eos_token_ids=eos_token_ids,
             prefill_step_size=prefill_step_size,
             on_prefill_start=self._reuse_cached_prefix,
+            preemption=self._preemption,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
         self._admissions = itertools.count(1)
-        self._hold = AdmissionHold()
         self._reclaims = ReclaimDesk(self._notify)
         self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
         self._waiter = AdmissionWaiter(source, self._notify) if source.waits else None
@@ -441,7 +437,7 @@ class Scheduler:
                 if not self._collect(job):
                     return
                 continue
-            if not self._hold.allows(len(self._active)):
+            if not self._preemption.admits(len(self._active)):
                 return
             if job.retry_at > time.monotonic():
                 return
@@ -675,10 +671,11 @@ class Scheduler:
         """The pool could not back the next forward pass of ``jobs``, which the batch took
         out, and no other started job of this worker could give way. A job that could fit
         alone was refused for the pool's other users (another model, or a reclaim): it is
-        preempted, and waits for its blocks. One that can never fit alone ends ("length")."""
+        preempted, and waits for its blocks. One that can never fit alone ends ("length"). The
+        preemption policy decides which."""
         for job in jobs:
             n_tokens = self._slots_for(job)  # what its admission will reserve again
-            if self.source.fits_alone(n_tokens):
+            if self._preemption.preempts_alone(n_tokens):
                 self._preempt(job)
                 continue
             self.stats.add(exhaustions=1)
@@ -704,9 +701,9 @@ class Scheduler:
         job.retry_at = 0.0
         job.waited_for_blocks = False
         with self._cond:
-            self._waiting.insert(requeue_position(self._waiting), job)
+            self._waiting.insert(self._preemption.requeue_position(self._waiting), job)
             self.stats.set_queue_length(len(self._waiting))
-        self._hold.hold(len(self._active))
+        self._preemption.preempted(len(self._active))
         self._sample_memory()
         self.stats.add(preemptions=1)
         log.info(
@@ -717,16 +714,20 @@ class Scheduler:
 
     def _answer_reclaims(self) -> None:
         """Answer the reclaim asks filed since the last step boundary: the prompt cache gives
-        back entries, least recently used first, then the newest started jobs are preempted
-        until each ask's bytes are freed."""
+        back entries, least recently used first, then the running jobs the preemption policy
+        names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
             before = self.source.held_bytes()
             # Cached memory goes first; requests are preempted only for what it cannot give.
             cached = (
                 0 if self.prompt_cache is None else self.prompt_cache.release_bytes(ask.n_bytes)
             )
-            while self._active and cached + before - self.source.held_bytes() < ask.n_bytes:
-                self._preempt(most_recently_admitted(self._active))
+            while True:
+                freed = cached + before - self.source.held_bytes()
+                victim = self._preemption.reclaim_victim(self._active, freed, ask.n_bytes)
+                if victim is None:
+                    break
+                self._preempt(victim)
             ask.freed = cached + max(0, before - self.source.held_bytes())
             ask.done.set()
 
