@@ -1,4 +1,6 @@
-"""The worker side: PoolClient, MLX block storage, the pooled mlx-lm KV cache, serving."""
+"""The worker side, by layer: ``pool`` (PoolClient, the daemon client), ``kv`` (MLX block storage
+and the pooled mlx-lm KV caches), ``sched`` (the generation scheduler), ``api`` (HTTP) and
+``models``; ``serve`` is the ``vqpool-worker`` command. ``testing`` holds development helpers."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from vqpool.shared.errors import (
 )
 from vqpool.shared.protocol import encode_request
 from vqpool.worker.pool.abandoned import AbandonedAllocation, AbandonedAllocations
+from vqpool.worker.pool.holdings import Holdings
 from vqpool.worker.pool.lost_owners import LostOwners
 from vqpool.worker.pool.resync import SessionResync
 from vqpool.worker.pool.session import DaemonSession, Session
@@ -54,16 +55,12 @@ class DaemonCalls:
     """The calls of one client (see the module docstring)."""
 
     def __init__(
-        self,
-        session: DaemonSession,
-        resync: SessionResync,
-        lost: LostOwners,
-        abandoned: AbandonedAllocations,
+        self, session: DaemonSession, holdings: Holdings, resync: SessionResync, lost: LostOwners
     ) -> None:
         self._session = session
+        self._abandoned = AbandonedAllocations(session, holdings)
         self._resync = resync
         self._lost = lost
-        self._abandoned = abandoned
 
     def call(self, op: str, args: Mapping[str, Any]) -> Any:
         """One request/reply and its result; the caller holds the lock.

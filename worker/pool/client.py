@@ -44,7 +44,6 @@ from vqpool.shared.errors import ClaimConflictError, error_from_wire
 from vqpool.shared.pool import AllocationRequest, AllocationResult
 from vqpool.shared.protocol import item_message, session_label, stats_from_wire
 from vqpool.shared.transport import FIRST_RETRY_SECONDS
-from vqpool.worker.pool.abandoned import AbandonedAllocations
 from vqpool.worker.pool.calls import DaemonCalls
 from vqpool.worker.pool.heartbeat import Heartbeat, LoadReport
 from vqpool.worker.pool.holdings import Holdings
@@ -117,12 +116,7 @@ class PoolClient:
         self._resync = SessionResync(
             self._session, self._holdings, self._lost, on_open=self._report.session_opened
         )
-        self._calls = DaemonCalls(
-            self._session,
-            self._resync,
-            self._lost,
-            AbandonedAllocations(self._session, self._holdings),
-        )
+        self._calls = DaemonCalls(self._session, self._holdings, self._resync, self._lost)
         self._reclaim: ReclaimListener | None = None
         self._heartbeat = Heartbeat(self._session, self._report, self._calls)
         self._heartbeat.start()

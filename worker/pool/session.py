@@ -72,10 +72,10 @@ class DaemonSession:
         first_retry: float,
     ) -> None:
         self.run_dir = run_dir
+        self.endpoint = endpoint(run_dir, WORKER_SOCKET_NAME)
         self.name = name
         self.bytes_per_block = bytes_per_block
         self.timeout = timeout
-        self.endpoint = endpoint(run_dir, WORKER_SOCKET_NAME)
         self.context: zmq.Context[Any] = zmq.Context()
         self.connection = LazyPirateConnection(self.context, self.endpoint, first_retry=first_retry)
         self.lock = threading.Lock()
