@@ -56,8 +56,8 @@ from typing import Any
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint
-from vqpool.worker.http_client import stream_events
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.testing.http_client import stream_events
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_daemon  # the round trip: its client and CPU placement
@@ -177,7 +177,7 @@ def run_phase(
     else:
         lines.append(f"n_blocks = {POOL_BLOCKS}")
     config.write_text("\n".join(lines) + "\n")
-    daemon = DaemonProcess(run_dir, ["--config", str(config)], base / f"{name}.vqpoold.log")
+    daemon = DaemonProcess(run_dir, "--config", str(config), log_path=base / f"{name}.vqpoold.log")
     daemon.start()
     workers = [
         WorkerProcess(

@@ -32,12 +32,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import vqpool.worker.cache as pooled_cache
+import vqpool.worker.kv.cache as pooled_cache
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 from vqpool.worker import KVLayout, MLXBlockStorage, make_pooled_cache
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.models.tiny_models import build_tiny_model
 
 FILL_CHUNK = 512
 

@@ -641,7 +641,7 @@ def calibrate() -> None:
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from vqpool.worker.tiny_models import build_tiny_model
+    from vqpool.worker.models.tiny_models import build_tiny_model
 
     model, _ = build_tiny_model("llama")
 
@@ -786,15 +786,14 @@ def tier2(rounds: int) -> None:
 
     from vqpool.shared.admin_client import AdminClient
     from vqpool.worker import PoolClient
-    from vqpool.worker.launch import DaemonProcess
+    from vqpool.worker.testing.launch import DaemonProcess
 
     step = STEP_BASE + DECODE_PER_SEQ * TIER2_BATCH
     with tempfile.TemporaryDirectory(prefix="vqel") as base:
         run_dir = Path(base) / "run"
         budget = TIER2_BUDGET_BLOCKS * TIER2_BLOCK_BYTES
         daemon = DaemonProcess(
-            run_dir,
-            ["--budget", str(budget), "--lend-reserves", "--log-level", "WARNING"],
+            run_dir, "--budget", str(budget), "--lend-reserves", "--log-level", "WARNING"
         ).start()
         borrower = None
         try:

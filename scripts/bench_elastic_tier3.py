@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
-from vqpool.worker.http_client import request_json, stream_events
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.testing.http_client import request_json, stream_events
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 LENGTH_SCALE = 8
 """Tier-1 token lengths and budget are divided by this for the tiny model on real cores."""
@@ -60,7 +60,7 @@ def play(
         daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
         if elastic:
             daemon_args.append("--lend-reserves")
-        daemon = DaemonProcess(run_dir, daemon_args).start()
+        daemon = DaemonProcess(run_dir, *daemon_args).start()
         workers: list[WorkerProcess] = []
         try:
             if elastic:

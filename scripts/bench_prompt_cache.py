@@ -2,10 +2,10 @@
 """Prompt cache: vqpool-worker (pooled KV cache with its prompt cache) vs stock mlx_lm.server.
 
 Both serve the same model directory, built here: a random-weight llama (hidden 256 x 4 layers by
-default, fp32, the byte-level BPE tokenizer and chat template of ``worker/model_dirs.py``). Two
-traces, each run in rounds that alternate the two servers, every chat or round with a system
-prompt of its own (its first words name it), so none reuses another's cache and turn 1 is
-always cold:
+default, fp32, the byte-level BPE tokenizer and chat template of
+``worker/testing/model_dirs.py``). Two traces, each run in rounds that alternate the two servers,
+every chat or round with a system prompt of its own (its first words name it), so none reuses
+another's cache and turn 1 is always cold:
 
 (a) chat: ``--chats`` chats per round on each server, each one user with a system prompt of
     ``--system-words`` words, ``--turns`` turns of ``--max-tokens`` tokens each, streaming;
@@ -50,10 +50,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from vqpool.worker.http_client import request_json, stream_events
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
-from vqpool.worker.model_dirs import ARCHITECTURES, write_model_dir
-from vqpool.worker.tiny_models import build_random_model
+from vqpool.worker.models.tiny_models import build_random_model
+from vqpool.worker.testing.http_client import request_json, stream_events
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.testing.model_dirs import ARCHITECTURES, write_model_dir
 
 SYSTEM_TEXT = (
     "the pool hands out blocks of sixteen token slots to every model that asks and takes them "
@@ -288,8 +288,8 @@ def copy_costs(model_dir: Path, n_tokens: int) -> dict[str, float]:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from vqpool.shared import BlockPoolAllocator, PoolConfig
-    from vqpool.worker.cache import make_pooled_cache
-    from vqpool.worker.cache_source import PooledCacheSource
+    from vqpool.worker.kv.cache import make_pooled_cache
+    from vqpool.worker.kv.cache_source import PooledCacheSource
 
     model = load(str(model_dir))[0]
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1 << 14))
@@ -327,7 +327,9 @@ def main() -> int:
     try:
         model_dir = build_model_dir(base / "model", args.hidden, args.layers)
         run_dir = base / "run"
-        daemon = DaemonProcess(run_dir, ["--n-blocks", "65536"], base / "vqpoold.log").start()
+        daemon = DaemonProcess(
+            run_dir, "--n-blocks", "65536", log_path=base / "vqpoold.log"
+        ).start()
         worker = WorkerProcess(
             str(model_dir), base / "worker.log", run_dir=run_dir, args=["--max-concurrent", "8"]
         ).start(timeout=300)

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vqpool.worker.http_client import request_json
-from vqpool.worker.launch import DaemonProcess, WorkerProcess
+from vqpool.worker.testing.http_client import request_json
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,7 +62,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="vqbench-", dir="/tmp"))
     run_dir = base / "run"
     max_conc = str(max(args.concurrency))
-    daemon = DaemonProcess(run_dir, ["--n-blocks", "8192", "--log-level", "WARNING"])
+    daemon = DaemonProcess(run_dir, "--n-blocks", "8192", "--log-level", "WARNING")
     workers: dict[str, WorkerProcess] = {}
     try:
         daemon.start()

@@ -33,7 +33,7 @@ from vqpool.daemon.claims import ROLL_FILE_NAME
 from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME
-from vqpool.worker.launch import DaemonProcess
+from vqpool.worker.testing.launch import DaemonProcess
 
 # Opens sessions until refused or ``limit`` tries, prints hello round trips (seconds) and the
 # refusal as one JSON line, then keeps the sessions open until its stdin closes.
@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqbs", dir="/tmp"))
     run_dir = base / "run"
-    daemon = DaemonProcess(run_dir, ["--log-level", "WARNING"]).start()
+    daemon = DaemonProcess(run_dir, "--log-level", "WARNING").start()
     endpoint = f"ipc://{run_dir / WORKER_SOCKET_NAME}"
     openers: list[subprocess.Popen[str]] = []
     try:

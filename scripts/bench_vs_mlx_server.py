@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from vqpool.worker.http_client import request_json, stream_events
-from vqpool.worker.launch import DaemonProcess, WorkerProcess, stop_process
-from vqpool.worker.model_dirs import write_config_dir
+from vqpool.worker.testing.http_client import request_json, stream_events
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess, stop_process
+from vqpool.worker.testing.model_dirs import write_config_dir
 
 _LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -453,7 +453,7 @@ def main() -> int:
     args = parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqvsmlx-", dir="/tmp"))
     run_dir = base / "run"
-    daemon = DaemonProcess(run_dir, ["--n-blocks", "16384", "--log-level", "WARNING"])
+    daemon = DaemonProcess(run_dir, "--n-blocks", "16384", "--log-level", "WARNING")
     try:
         daemon.start()
         print(

@@ -50,9 +50,9 @@ from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.worker.http_client import HttpStatusError, request_json, stream_events
-from vqpool.worker.launch import DaemonProcess, ProcessExitedError, WorkerProcess
-from vqpool.worker.models import model_spec_problem
+from vqpool.worker.models.loading import model_spec_problem
+from vqpool.worker.testing.http_client import HttpStatusError, request_json, stream_events
+from vqpool.worker.testing.launch import DaemonProcess, ProcessExitedError, WorkerProcess
 
 # The daemon's configuration. A built-in model's block holds 4 KiB per stream (K and V apart),
 # so the 320 KiB budget is 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
@@ -392,7 +392,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
         print(
             f"starting vqpoold (run directory {run_dir}) and {len(models)} workers ...", flush=True
         )
-        daemon = DaemonProcess(run_dir, ["--config", str(config)], base / "vqpoold.log").start()
+        daemon = DaemonProcess(
+            run_dir, "--config", str(config), log_path=base / "vqpoold.log"
+        ).start()
         processes.append(daemon)
         workers: dict[str, WorkerProcess] = {}
         for i, model in enumerate(models):

@@ -15,14 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import (
-    DaemonProcess,
-    WorkerProcess,
-    daemon_args_for,
-    remove_tree,
-    short_tmpdir,
-)
+from daemon_harness import WorkerProcess, daemon_args_for, remove_tree, short_tmpdir
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
+from vqpool.worker.testing.launch import DaemonProcess
 
 DEFAULT_DAEMON_ARGS = ("--n-blocks", "256", "--lease", "1", "--log-level", "INFO")
 

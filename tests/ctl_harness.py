@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import DaemonProcess, WorkerProcess, remove_tree, short_tmpdir
+from daemon_harness import WorkerProcess, remove_tree, short_tmpdir
+from vqpool.worker.testing.launch import DaemonProcess
 
 VQPOOLCTL = str(Path(sys.executable).with_name("vqpoolctl"))
 

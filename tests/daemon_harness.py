@@ -1,9 +1,9 @@
-"""Real vqpoold and real worker processes for tests: no mocks anywhere.
+"""Real worker processes and raw protocol clients for tests: no mocks anywhere. (The daemon
+process, :class:`~vqpool.worker.testing.launch.DaemonProcess`, is shared with the benchmarks and
+the demo.)
 
 * :func:`short_tmpdir` makes a run directory short enough for a Unix socket path (pytest's
   ``tmp_path`` is often longer than the 107-byte limit allows).
-* :class:`DaemonProcess` starts ``python -m vqpool.daemon`` on a run directory, waits until its
-  admin socket answers, calls admin ops, and stops it (SIGTERM, or SIGKILL for crash tests).
 * :class:`WorkerProcess` starts ``worker_agent.py``: a separate process holding one PoolClient,
   driven over stdin/stdout, so ownership really crosses process boundaries.
 * :class:`RawClient` speaks protocol v1 by hand on a bare DEALER, for frame-level tests.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -25,17 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 from vqpool.shared import PoolConfig
-from vqpool.shared.admin_client import AdminClient
-from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
-from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.protocol import decode_reply, encode_request
-from vqpool.worker.launch import stop_process
 
 WORKER_AGENT = Path(__file__).with_name("worker_agent.py")
-READY_TIMEOUT = 15.0
 
 
 def short_tmpdir(prefix: str = "vq") -> Path:
@@ -57,96 +51,6 @@ def daemon_args_for(config: PoolConfig) -> list[str]:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-class DaemonProcess:
-    """One vqpoold subprocess on ``run_dir``; its stderr goes to ``log_path``."""
-
-    def __init__(self, run_dir: Path, *args: str, fd_limit: tuple[int, int] | None = None) -> None:
-        self.run_dir = run_dir
-        self.args = args
-        self.fd_limit = fd_limit  # (soft, hard) RLIMIT_NOFILE of the daemon, when given
-        self.log_path = run_dir.parent / f"{run_dir.name}.vqpoold.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self._admin: AdminClient | None = None
-
-    def start(self, wait: bool = True) -> DaemonProcess:
-        """Start the daemon; with ``wait``, return once its admin socket answers."""
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "vqpool.daemon", "--run-dir", str(self.run_dir), *self.args],
-                stdout=log,
-                stderr=log,
-                preexec_fn=None if self.fd_limit is None else self._limit_fds,
-            )
-        if wait:
-            self.wait_ready()
-        return self
-
-    def _limit_fds(self) -> None:
-        assert self.fd_limit is not None
-        resource.setrlimit(resource.RLIMIT_NOFILE, self.fd_limit)
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def log(self) -> str:
-        """Everything the daemon wrote to stderr so far."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        """Block until the admin socket answers ping (raises with the daemon's log if not)."""
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vqpoold exited with {self.process.returncode}:\n{self.log()}")
-            if (self.run_dir / ADMIN_SOCKET_NAME).exists() and (
-                self.run_dir / WORKER_SOCKET_NAME
-            ).exists():
-                try:
-                    with AdminClient(self.run_dir, timeout=0.5) as admin:
-                        admin.call("ping")
-                    return
-                except DaemonUnavailableError:
-                    pass
-            time.sleep(0.02)
-        raise RuntimeError(f"vqpoold not ready after {timeout}s:\n{self.log()}")
-
-    def admin(self, op: str, **args: Any) -> Any:
-        """Run an admin op and return its result."""
-        if self._admin is None:
-            self._admin = AdminClient(self.run_dir, timeout=5.0)
-        return self._admin.call(op, **args)
-
-    def audit(self) -> dict[str, Any]:
-        """Run the admin audit and fail the test on any problem."""
-        report: dict[str, Any] = self.admin("audit")
-        assert report["ok"], report["problems"]
-        return report
-
-    def rss(self) -> int:
-        """Resident memory of the daemon process, in bytes."""
-        return int(psutil.Process(self.pid).memory_info().rss)
-
-    def _close_admin(self) -> None:
-        if self._admin is not None:
-            self._admin.close()
-            self._admin = None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
-        """Send ``sig`` and wait for the exit status (SIGKILL after ``timeout``)."""
-        self._close_admin()
-        assert self.process is not None
-        return stop_process(self.process, sig, timeout)
-
-    def __enter__(self) -> DaemonProcess:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 class WorkerError(Exception):

@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
-from vqpool.worker.http_client import HttpReply, request_json
-from vqpool.worker.launch import WorkerProcess
+from daemon_harness import remove_tree, short_tmpdir
+from vqpool.worker.testing.http_client import HttpReply, request_json
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 
 class ServingStack:

@@ -29,12 +29,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, RawClient, remove_tree, short_tmpdir
+from daemon_harness import RawClient, remove_tree, short_tmpdir
 from vqpool.daemon.peer_auth import peer_pid, peer_uid
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,

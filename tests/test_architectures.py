@@ -1,7 +1,7 @@
 """Any attention layout: the pooled cache on tiny random models of many mlx-lm architectures.
 
 For each architecture the KV layout is read from the tensors the model writes (a one-token
-probe, :mod:`vqpool.worker.kv_probe`), not from attribute names, so fused projections (phi3's
+probe, :mod:`vqpool.worker.kv.kv_probe`), not from attribute names, so fused projections (phi3's
 ``qkv_proj``, gpt_neox's ``query_key_value``), q/k norms, partial rotary and odd head dims all
 work. Each test checks the probed layout against the stock cache's real tensors, greedy tokens
 (and logprobs) of the pooled cache against ``generate_step`` with ``make_prompt_cache``, and the
@@ -20,19 +20,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tmpdir
+from daemon_harness import daemon_args_for, remove_tree, short_tmpdir
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING
 from serving_harness import ServingStack
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 from vqpool.worker import KVLayout, PoolClient
-from vqpool.worker.batch_probe import batching_problem
-from vqpool.worker.cache import make_pooled_cache
-from vqpool.worker.cache_source import PooledCacheSource
-from vqpool.worker.model_dirs import write_config_dir
-from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler
-from vqpool.worker.tiny_models import build_random_model
+from vqpool.worker.kv.batch_probe import batching_problem
+from vqpool.worker.kv.cache import make_pooled_cache
+from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.models.tiny_models import build_random_model
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler
+from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.model_dirs import write_config_dir
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,

@@ -12,14 +12,14 @@ import mlx.core as mx
 import pytest
 from vqpool.shared.allocator import BlockPoolAllocator
 from vqpool.shared.config import PoolConfig
-from vqpool.worker.batch_cache import (
+from vqpool.worker.kv.batch_cache import (
     PooledBatch,
     PooledBatchKVCache,
     RowBlocks,
     batch_of,
     make_row_cache,
 )
-from vqpool.worker.storage import KVLayout
+from vqpool.worker.kv.storage import KVLayout
 
 LAYOUT = KVLayout(n_layers=2, n_kv_heads=2, k_head_dim=4, v_head_dim=4, dtype=mx.float32)
 
@@ -132,7 +132,7 @@ def test_prompts_prefilled_together_are_right_padded_then_rolled_left() -> None:
     # in one batch use prepare (right padding) and finalize (rolled to left padding); the
     # greedy tokens then equal mlx-lm's batch_generate with stock caches.
     from mlx_lm.generate import PromptProcessingBatch, batch_generate
-    from vqpool.worker.models import load_model
+    from vqpool.worker.models.loading import load_model
 
     model = load_model("builtin:llama").model
     layout = KVLayout.from_model(model)

@@ -12,15 +12,15 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from daemon_harness import DaemonProcess
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from vqpool.worker.batch_cache import PooledRowCache
-from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
-from vqpool.worker.client import PoolClient
-from vqpool.worker.models import load_model
+from vqpool.worker.kv.batch_cache import PooledRowCache
+from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
-from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler
+from vqpool.worker.testing.launch import DaemonProcess
 
 MODEL = load_model("builtin:llama").model
 # Different lengths, so rows are left-padded; one prompt of a single token.

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from ctl_harness import run_ctl, run_ctl_each
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
+from daemon_harness import remove_tree, short_tmpdir
+from vqpool.worker.testing.launch import DaemonProcess
 
 COMMANDS = [
     ["status"],

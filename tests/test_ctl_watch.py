@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from ctl_harness import VQPOOLCTL, LivePool
-from daemon_harness import DaemonProcess, WorkerProcess, remove_tree, short_tmpdir, wait_until
+from daemon_harness import WorkerProcess, remove_tree, short_tmpdir, wait_until
+from vqpool.worker.testing.launch import DaemonProcess
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

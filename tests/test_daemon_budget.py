@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess, RawClient, short_tmpdir
+from daemon_harness import RawClient, short_tmpdir
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.shared.errors import ErrorCode
+from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK = 16  # tokens per block (the daemon's default block size)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from daemon_harness import DaemonProcess, RawClient, remove_tree, short_tmpdir, wait_until
+from daemon_harness import RawClient, remove_tree, short_tmpdir, wait_until
 from vqpool.shared.config import WORKER_SOCKET_NAME
+from vqpool.worker.testing.launch import DaemonProcess
 
 FLOOD = Path(__file__).with_name("connection_flood.py")
 LOW_FD_LIMIT = 256

@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, RawClient, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerProcess, wait_until
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartWorker = Callable[[Path, str], WorkerProcess]
 LEASE = 1.0  # the daemon fixture's --lease

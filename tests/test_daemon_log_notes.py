@@ -6,8 +6,9 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import wait_until
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 

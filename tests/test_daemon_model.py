@@ -29,11 +29,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon_harness import DaemonProcess, WorkerError, WorkerProcess, remove_tree, short_tmpdir
+from daemon_harness import WorkerError, WorkerProcess, remove_tree, short_tmpdir
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 from worker_agent import run_op
 
 BLOCK_SIZE = 16

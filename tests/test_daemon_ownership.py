@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess
+from daemon_harness import RawClient, WorkerError, WorkerProcess
 from vqpool.shared.errors import ErrorCode
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartWorker = Callable[[Path, str], WorkerProcess]
 

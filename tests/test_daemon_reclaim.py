@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerError, WorkerProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK = 16  # tokens per block (the daemon's default)
 BYTES_PER_BLOCK = 4096  # worker_agent's declared bytes per block

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 from ctl_harness import run_ctl
-from daemon_harness import DaemonProcess, RawClient
+from daemon_harness import RawClient
 from vqpool.shared import AllocationRequest, OwnerAlreadyActiveError
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import (
@@ -26,6 +26,7 @@ from vqpool.shared.protocol import (
     MAX_TEXT_LEN,
 )
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess, RawClient, WorkerError, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerError, WorkerProcess, wait_until
 from vqpool.shared import DaemonRestartedError
 from vqpool.shared.errors import ClaimConflictError, ErrorCode, RetryLaterError
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 StartWorker = Callable[[Path, str], WorkerProcess]

@@ -17,12 +17,13 @@ from typing import Any
 
 import msgpack
 import pytest
-from daemon_harness import DaemonProcess, RawClient, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerProcess, wait_until
 from vqpool.shared import Block, DaemonUnavailableError
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import MAX_MESSAGE_BYTES, encode_request
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 StartWorker = Callable[[Path, str], WorkerProcess]

@@ -16,10 +16,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir, wait_until
+from daemon_harness import remove_tree, short_tmpdir, wait_until
 from fault_proxy import FaultyProxy
 from vqpool.shared import Block, BlockPoolExhaustedError, DaemonUnavailableError
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 N_CLIENTS = 3
 N_OPS = 80

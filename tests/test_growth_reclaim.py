@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import wait_until
 from serving_harness import ServingStack
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 LLAMA = "builtin:llama"
 BLOCK = 16

@@ -14,8 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 from ctl_harness import LivePool
-from daemon_harness import DaemonProcess, WorkerError, wait_until
+from daemon_harness import WorkerError, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from vqpool.worker.testing.launch import DaemonProcess
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -2,7 +2,7 @@
 Hugging Face-format directory with ``mlx_lm.load`` (config, safetensors, tokenizer.json, chat
 template), and its chat, completions and streamed answers are the ones ``mlx_lm.generate`` gives
 on the same directory (greedy, same prompt). The directories are built offline by
-:mod:`vqpool.worker.model_dirs`; ``scripts/demo --model DIR --model DIR`` runs on them too.
+:mod:`vqpool.worker.testing.model_dirs`; ``scripts/demo --model DIR --model DIR`` runs on them too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from daemon_harness import remove_tree, short_tmpdir
 from serving_harness import ServingStack
 from test_serving_demo import run_demo
-from vqpool.worker.http_client import stream_events
-from vqpool.worker.model_dirs import write_model_dir
+from vqpool.worker.testing.http_client import stream_events
+from vqpool.worker.testing.model_dirs import write_model_dir
 
 ARCHS = ("llama", "qwen3")
 MAX_TOKENS = 24

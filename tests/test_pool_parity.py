@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess, daemon_args_for
+from daemon_harness import daemon_args_for
 from vqpool.shared import (
     AllocationRequest,
     BlockPool,
@@ -18,6 +18,7 @@ from vqpool.shared import (
 )
 from vqpool.shared.protocol import stats_to_wire
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 MakePool = Callable[[PoolConfig], BlockPool]
 

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from daemon_harness import DaemonProcess, daemon_args_for, remove_tree, short_tmpdir
+from daemon_harness import daemon_args_for, remove_tree, short_tmpdir
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from vqpool.shared import (
@@ -32,8 +32,9 @@ from vqpool.shared import (
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.pool import AllocationRequest, AllocationResult
 from vqpool.worker import KVLayout, MLXBlockStorage, PoolClient, make_pooled_cache
-from vqpool.worker.cache import PooledPromptCache, blocks_to_hold
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.kv.cache import PooledPromptCache, blocks_to_hold
+from vqpool.worker.models.tiny_models import build_tiny_model
+from vqpool.worker.testing.launch import DaemonProcess
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPT_LEN = 100

@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess
 from serving_harness import ServingStack
 from vqpool.shared.errors import BlockPoolExhaustedError
-from vqpool.worker.cache_source import PooledCacheSource
-from vqpool.worker.client import PoolClient
-from vqpool.worker.http_client import stream_events
-from vqpool.worker.models import load_model
+from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
-from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.testing.http_client import stream_events
+from vqpool.worker.testing.launch import DaemonProcess
 
 LLAMA = "builtin:llama"
 MODEL = load_model(LLAMA).model

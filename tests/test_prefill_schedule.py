@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 from mlx_lm.generate import batch_generate
 from vqpool.shared.allocator import BlockPoolAllocator, PoolConfig
-from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
-from vqpool.worker.continuous_batch import ContinuousBatch, StepOutcome
-from vqpool.worker.models import load_model
-from vqpool.worker.scheduler import GenerationJob
+from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.sched.continuous_batch import ContinuousBatch, StepOutcome
+from vqpool.worker.sched.scheduler import GenerationJob
 
 MODEL = load_model("builtin:llama").model
 CHUNK = 4

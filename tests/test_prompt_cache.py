@@ -16,11 +16,11 @@ import mlx.core as mx
 import pytest
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 from vqpool.shared.errors import BlockPoolExhaustedError
-from vqpool.worker.cache import PooledSequence, make_pooled_cache
-from vqpool.worker.cache_source import PooledCacheSource
-from vqpool.worker.models import LoadedModel, load_model
-from vqpool.worker.prompt_cache import PromptCache
-from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.kv.cache import PooledSequence, make_pooled_cache
+from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.models.loading import LoadedModel, load_model
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 
 BS = 16
 

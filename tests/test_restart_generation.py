@@ -8,12 +8,12 @@ import threading
 from collections.abc import Callable
 
 import mlx.core as mx
-from daemon_harness import DaemonProcess
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared.admin_client import AdminClient
 from vqpool.worker import PoolClient, make_pooled_cache
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.models.tiny_models import build_tiny_model
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 OPTIONS = ("--n-blocks", "512", "--lease", "1", "--claim-grace", "5")

@@ -19,9 +19,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from serving_harness import ServingStack
 from vqpool.shared.protocol import session_label
-from vqpool.worker.http_client import request_json, stream_events
-from vqpool.worker.tiny_models import build_tiny_model
-from vqpool.worker.tokenizer import ByteTokenizer
+from vqpool.worker.models.tiny_models import build_tiny_model
+from vqpool.worker.models.tokenizer import ByteTokenizer
+from vqpool.worker.testing.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"
 QWEN3 = "builtin:qwen3"

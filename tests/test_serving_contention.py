@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from serving_harness import ServingStack
 from vqpool.worker import PoolClient
-from vqpool.worker.http_client import HttpReply, request_json
+from vqpool.worker.testing.http_client import HttpReply, request_json
 
 LLAMA = "builtin:llama"
 QWEN3 = "builtin:qwen3"

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from daemon_harness import wait_until
 from serving_harness import ServingStack
-from vqpool.worker.http_client import stream_events
+from vqpool.worker.testing.http_client import stream_events
 
 LLAMA = "builtin:llama"
 QWEN2 = "builtin:qwen2"

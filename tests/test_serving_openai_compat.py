@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from serving_harness import ServingStack
-from vqpool.worker.http_client import request_json, stream_events
-from vqpool.worker.tiny_models import build_tiny_model
+from vqpool.worker.models.tiny_models import build_tiny_model
+from vqpool.worker.testing.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"
 NAMED = "tiny-chat"

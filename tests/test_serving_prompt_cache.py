@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 from ctl_harness import ctl_json, run_ctl
-from daemon_harness import DaemonProcess, wait_until
+from daemon_harness import wait_until
 from serving_harness import ServingStack
 from test_metrics_http import metrics_url, scrape, value
 from vqpool.shared.pool import AllocationRequest
 from vqpool.shared.protocol import session_label
 from vqpool.worker import PoolClient
-from vqpool.worker.http_client import request_json, stream_events
+from vqpool.worker.testing.http_client import request_json, stream_events
+from vqpool.worker.testing.launch import DaemonProcess
 
 LLAMA = "builtin:llama"  # served with the prompt cache (the default)
 PLAIN = "plain-llama"  # the same weights, --prompt-cache-bytes 0

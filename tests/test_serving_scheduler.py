@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vqpool.worker.cache_source import StockCacheSource
-from vqpool.worker.models import load_model
-from vqpool.worker.scheduler import GenerationJob, JobEnd, Scheduler, ShuttingDownError
+from vqpool.worker.kv.cache_source import StockCacheSource
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ShuttingDownError
 
 
 class FailingOnce(StockCacheSource):

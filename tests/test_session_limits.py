@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import DaemonProcess, RawClient, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerProcess, wait_until
 from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
+from vqpool.worker.testing.launch import DaemonProcess
 
 StartWorker = Callable[[Path, str], WorkerProcess]
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from vqpool.worker import KVLayout, MLXBlockStorage
-from vqpool.worker.storage import SequenceBuffers
-from vqpool.worker.tiny_models import build_tiny_model, tiny_model_names
+from vqpool.worker.kv.storage import SequenceBuffers
+from vqpool.worker.models.tiny_models import build_tiny_model, tiny_model_names
 
 LAYOUT = KVLayout(n_layers=3, n_kv_heads=2, k_head_dim=8, v_head_dim=4, dtype=mx.float32)
 

@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from vqpool.shared.errors import BlockPoolExhaustedError
-from vqpool.worker.admission import AdmissionWaiter
-from vqpool.worker.cache_source import StockCacheSource
+from vqpool.worker.kv.cache_source import StockCacheSource
+from vqpool.worker.sched.admission import AdmissionWaiter
 
 
 class GatedSource(StockCacheSource):

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir, wait_until
+from daemon_harness import remove_tree, short_tmpdir, wait_until
 from fault_proxy import FaultyProxy
 from vqpool.shared import AllocationRequest, Block
 from vqpool.shared.errors import BlockPoolExhaustedError, DaemonUnavailableError, NoSessionError
 from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK_BYTES = 4096
 BUDGET_BLOCKS = 16  # per stream pair: 8 blocks of k and 8 of v

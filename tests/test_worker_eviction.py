@@ -6,7 +6,7 @@ from __future__ import annotations
 from daemon_harness import wait_until
 from serving_harness import ServingStack
 from vqpool.shared.protocol import session_label
-from vqpool.worker.http_client import request_json, stream_events
+from vqpool.worker.testing.http_client import request_json, stream_events
 
 LLAMA = "builtin:llama"
 

@@ -8,7 +8,7 @@ import signal
 
 from daemon_harness import wait_until
 from serving_harness import ServingStack
-from vqpool.worker.http_client import request_json
+from vqpool.worker.testing.http_client import request_json
 
 LLAMA = "builtin:llama"
 

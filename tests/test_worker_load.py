@@ -7,10 +7,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from daemon_harness import DaemonProcess, RawClient, WorkerProcess, wait_until
+from daemon_harness import RawClient, WorkerProcess, wait_until
 from serving_harness import ServingStack
 from vqpool.shared.errors import ErrorCode
-from vqpool.worker.http_client import stream_events
+from vqpool.worker.testing.http_client import stream_events
+from vqpool.worker.testing.launch import DaemonProcess
 
 
 def _session(daemon: DaemonProcess, pid: int) -> dict[str, Any]:

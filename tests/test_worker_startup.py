@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, remove_tree, short_tmpdir
-from vqpool.worker.http_client import stream_events
-from vqpool.worker.launch import WorkerProcess
+from daemon_harness import remove_tree, short_tmpdir
+from vqpool.worker.testing.http_client import stream_events
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
 WORKER = [sys.executable, "-m", "vqpool.worker.serve"]
 DEMO = [sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "demo.py")]

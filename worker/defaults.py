@@ -25,4 +25,4 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 """Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
 
 RESERVE_MODES = ("on-demand", "prompt", "full")
-"""What a job reserves at admission (see :mod:`vqpool.worker.scheduler`)."""
+"""What a job reserves at admission (see :mod:`vqpool.worker.sched.scheduler`)."""

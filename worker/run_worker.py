@@ -16,15 +16,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
-from vqpool.worker.batch_probe import batching_problem
-from vqpool.worker.cache_source import CacheSource, PooledCacheSource, StockCacheSource
-from vqpool.worker.client import PoolClient
+from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
-from vqpool.worker.http_api import ServingApp, ServingServer, make_server
-from vqpool.worker.models import load_model
-from vqpool.worker.prompt_cache import PromptCache
-from vqpool.worker.scheduler import Scheduler
-from vqpool.worker.storage import KVLayout
+from vqpool.worker.kv.batch_probe import batching_problem
+from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.storage import KVLayout
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
+from vqpool.worker.sched.scheduler import Scheduler
 
 log = logging.getLogger("vqpool.worker")
 

@@ -5,7 +5,7 @@
                   [--prompt-cache-bytes SIZE]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
-offline model (see :mod:`vqpool.worker.models`). The pool is a ``PoolClient`` session on the
+offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
 daemon of ``--run-dir`` / ``VQPOOL_RUN_DIR`` / the default run directory; ``--no-pool`` serves
 from stock mlx-lm caches through the same code path instead (the benchmark's baseline).
 ``--served-model-name`` is the id clients see and send (default: ``MODEL`` as given).
@@ -43,7 +43,7 @@ from vqpool.worker.defaults import (
     MAX_GROWTH_WAIT,
     RESERVE_MODES,
 )
-from vqpool.worker.models import builtin_names, model_spec_problem
+from vqpool.worker.models.loading import builtin_names, model_spec_problem
 
 log = logging.getLogger("vqpool.worker")
 

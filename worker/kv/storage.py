@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.allocator import DEFAULT_BLOCK_SIZE, Owner
-from vqpool.worker.kv_probe import probe_kv_layout
+from vqpool.worker.kv.kv_probe import probe_kv_layout
 
 # The pool's block format tag for each dtype a cache can hold (Block.format).
 _FORMAT_OF_DTYPE: dict[mx.Dtype, str] = {
@@ -79,7 +79,7 @@ class KVLayout:
     @classmethod
     def from_model(cls, model: nn.Module, block_size: int = DEFAULT_BLOCK_SIZE) -> KVLayout:
         """Read the layout off the keys and values an mlx-lm model's layers write to their
-        caches in a one-token forward pass (see :mod:`vqpool.worker.kv_probe`), whatever its
+        caches in a one-token forward pass (see :mod:`vqpool.worker.kv.kv_probe`), whatever its
         attention modules look like: separate or fused projections, q/k norms, biases.
 
         Raises:

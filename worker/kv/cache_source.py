@@ -12,7 +12,7 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
   has too few, nothing changed; stock: nothing to do).
 * ``grow(batch_cache, n_slots, deadline)``: before a batched step, make the batch's buffers
   cover ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
-  ``worker/batch_cache.py``; stock: ``BatchKVCache`` grows inside the step, nothing to do).
+  ``worker/kv/batch_cache.py``; stock: ``BatchKVCache`` grows inside the step, nothing to do).
   With a ``deadline`` (monotonic) a growth may wait at the daemon until then; ``growth_wait``
   is the seconds a step may spend so (0 without a daemon).
 * ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
@@ -47,18 +47,18 @@ from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.batch_cache import (
+from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
+from vqpool.worker.kv.batch_cache import (
     PooledBatch,
     PooledRowCache,
     RowBlocks,
     batch_of,
     make_row_cache,
 )
-from vqpool.worker.client import PoolClient
-from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
-from vqpool.worker.kv_probe import unpoolable_reason
-from vqpool.worker.prompt_cache import PromptCache
-from vqpool.worker.storage import KVLayout, MLXBlockStorage
+from vqpool.worker.kv.kv_probe import unpoolable_reason
+from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage
+from vqpool.worker.pool.client import PoolClient
 
 
 class CacheSource(Protocol):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vqpool.shared.errors import BlockPoolExhaustedError
-from vqpool.worker.cache_source import CacheSource
+from vqpool.worker.kv.cache_source import CacheSource
 
 log = logging.getLogger("vqpool.worker")
 

@@ -6,10 +6,11 @@ share a system prompt, a client retries a request: each of those prompts starts 
 keys and values a request computed already. :class:`PromptCache` keeps them and gives them back:
 
 * **Entries.** An entry is the KV of one token sequence of at least one block (``block_size`` =
-  16 tokens), held as a :class:`~vqpool.worker.cache.PooledSequence` of its own under the owner id
-  ``{owner_prefix}-cache-{n}`` in the worker's shared :class:`MLXBlockStorage`. Its blocks are
-  pool blocks like a request's: the daemon counts them in the model's bytes, claims them back
-  after a restart, and the storage's bytes are blocks held x bytes per block, cache included.
+  16 tokens), held as a :class:`~vqpool.worker.kv.cache.PooledSequence` of its own under the
+  owner id ``{owner_prefix}-cache-{n}`` in the worker's shared :class:`MLXBlockStorage`. Its
+  blocks are pool blocks like a request's: the daemon counts them in the model's bytes, claims
+  them back after a restart, and the storage's bytes are blocks held x bytes per block, cache
+  included.
 * **Keys.** Entries are found by token ids at block granularity: block ``i`` of a sequence has
   the key ``hash((key of block i-1, its 16 token ids))``, and the index maps each key to the
   entries holding that prefix. The longest cached prefix of a prompt is found with one dict look
@@ -50,9 +51,9 @@ from typing import Any
 
 import mlx.core as mx
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.cache import PooledSequence
 from vqpool.worker.defaults import DEFAULT_PROMPT_CACHE_BYTES
-from vqpool.worker.storage import MLXBlockStorage
+from vqpool.worker.kv.cache import PooledSequence
+from vqpool.worker.kv.storage import MLXBlockStorage
 
 log = logging.getLogger("vqpool.worker")
 

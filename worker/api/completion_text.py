@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vqpool.worker.scheduler import ScoredToken
-from vqpool.worker.tokenizer import ServingTokenizer
+from vqpool.worker.models.tokenizer import ServingTokenizer
+from vqpool.worker.sched.scheduler import ScoredToken
 
 
 class StopScanner:

@@ -15,7 +15,7 @@ included, is covered by blocks the rows' pool owners hold:
   the buffers never exceed blocks held x bytes per block.
 * **Growth happens between steps, never inside a forward pass.** :meth:`PooledBatch.ensure`
   grows every row that needs it from the pool (the missing blocks plus the reserve of
-  ``worker/cache.py``'s ``RESERVE_DIVISOR``), then copies each layer's buffers into longer ones
+  ``worker/kv/cache.py``'s ``RESERVE_DIVISOR``), then copies each layer's buffers into longer ones
   (the copy is the batch's whole cache, once per growth; the reserve makes growth rare). A row
   the pool cannot grow is reported, not grown: the caller takes it out of the batch before the
   step. On a daemon a growth is flagged as one (``growth``: served ahead of the model's waiting
@@ -49,8 +49,8 @@ from mlx_lm.models.cache import KVCache, create_attention_mask, dynamic_roll
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.cache import allocate_kv_blocks, blocks_to_hold
-from vqpool.worker.storage import KVLayout
+from vqpool.worker.kv.cache import allocate_kv_blocks, blocks_to_hold
+from vqpool.worker.kv.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
 

@@ -2,8 +2,9 @@
 
 ``mlx_lm.load(DIR)`` (and so ``vqpool-worker --model DIR`` and ``mlx_lm.server --model DIR``)
 reads a directory like a downloaded model: ``config.json`` (architecture and its args, EOS id),
-``model.safetensors`` (random weights, see :mod:`vqpool.worker.tiny_models`), ``tokenizer.json``
-(a byte-level BPE trained here on a short built-in text with the ``tokenizers`` library) and
+``model.safetensors`` (random weights, see :mod:`vqpool.worker.models.tiny_models`),
+``tokenizer.json`` (a byte-level BPE trained here on a short built-in text with the ``tokenizers``
+library) and
 ``tokenizer_config.json`` (EOS token and a chat template). The built-in models skip that path
 (no tokenizer, no files); these directories exercise it without a download. Same arguments,
 same files: weights and tokenizer are deterministic.
@@ -20,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from vqpool.worker.tiny_models import build_random_model
+from vqpool.worker.models.tiny_models import build_random_model
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|user|>", "<|assistant|>", "<|system|>"]

@@ -13,11 +13,13 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   batch in that step. A newcomer delays the running jobs by at most one chunk.
 * **Blocks before every forward pass.** Before each pass ``source.grow`` makes the cache it
   writes cover the slots it writes (the pool's blocks for every row, padding included). When
-  the pool cannot grow a row, the most recently admitted started job (in the batch or in its
-  prefill) is taken out and reported as preempted (its blocks are back), and growth is tried
-  again (:mod:`vqpool.worker.preemption`); a row the pool cannot grow while its job is the only
-  one started is taken out and reported as evicted. Joining grows both sides first, the same
-  way (the newcomer is usually the one that gives way).
+  the pool cannot grow a row, the started job (in the batch or in its prefill) that the
+  preemption policy names gives way (:meth:`PreemptionPolicy.growth_victim
+  <vqpool.worker.sched.preemption.PreemptionPolicy.growth_victim>`: the most recently admitted):
+  it is taken out and reported as preempted (its blocks are back), and growth is tried again; a
+  row the pool cannot grow while its job is the only one started is taken out and reported as
+  evicted. Joining grows both sides first, the same way (the newcomer is usually the one that
+  gives way).
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
   input, and it may make ``max_tokens - len(generated)`` more tokens.
@@ -47,8 +49,8 @@ from mlx_lm.generate import (
     greedy_sampler,
 )
 from mlx_lm.sample_utils import make_sampler
-from vqpool.worker.cache_source import CacheSource
-from vqpool.worker.preemption import most_recently_admitted
+from vqpool.worker.kv.cache_source import CacheSource
+from vqpool.worker.sched.preemption import PreemptionPolicy
 
 log = logging.getLogger("vqpool.worker")
 
@@ -107,6 +109,8 @@ class ContinuousBatch:
             prefill begins, before its cache is read: a prompt cache copies a cached prefix of
             them into the job's cache there (and may first store the prompts of rows in the
             batch that share a prefix with them, :meth:`row_kv`).
+        preemption: Who gives way when the pool refuses a growth (the scheduler's policy;
+            None: one of its own over ``source``).
     """
 
     def __init__(
@@ -117,8 +121,10 @@ class ContinuousBatch:
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
         on_prefill_start: Callable[[Any, list[int]], None] | None = None,
+        preemption: PreemptionPolicy | None = None,
     ) -> None:
         self.model = model
+        self.preemption = preemption or PreemptionPolicy(source.fits_alone)
         self.on_prefill_start = on_prefill_start
         self.source = source
         self.prefill_step_size = prefill_step_size
@@ -314,6 +320,7 @@ class ContinuousBatch:
         started job gives way (``outcome.preempted``; both are asked again after, as the batch
         may have shrunk); a row whose job is the only one started is evicted. False when the
         cache has no row left (``prefilling`` or ``joining`` gave way, or the batch is empty).
+        Who gives way is the preemption policy's decision.
 
         On a daemon a growth may first wait there until the step's deadline (the source's
         ``growth_wait``): while its model is below its fair share the budget queues it ahead
@@ -338,12 +345,12 @@ class ContinuousBatch:
                 return True
             started = self._started()
             started += [j for j in (prefilling, joining) if j is not None and j not in started]
-            if len(started) < 2:
+            victim = self.preemption.growth_victim(started)
+            if victim is None:
                 for i in failed:
                     self.leave(rows[i])
                     outcome.evicted.append(rows[i])
                 return False
-            victim = most_recently_admitted(started)
             if victim is not joining:
                 self.leave(victim)
             outcome.preempted.append(victim)

@@ -1,26 +1,36 @@
-"""Start and stop vqpoold and vqpool-worker processes from Python (the demo, the benchmark, tests).
+"""Start and stop vqpoold and vqpool-worker processes from Python (the demo, the benchmarks, tests).
 
 Both run as real subprocesses of the current interpreter (``python -m vqpool.daemon``,
 ``python -m vqpool.worker.serve``) with their stdout and stderr in a log file, so a caller that
-fails can show what the process said (and a worker's ready line is read from there).
+fails can show what the process said (and a worker's ready line is read from there). A
+:class:`DaemonProcess` also calls admin ops on its daemon, for the callers that check its state.
 """
 
 from __future__ import annotations
 
 import re
+import resource
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from vqpool.shared.admin_client import AdminClient
-from vqpool.shared.config import ADMIN_SOCKET_NAME
+from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
 
-READY_TIMEOUT = 60.0
+WORKER_READY_TIMEOUT = 60.0
+"""Seconds a worker may take to serve (it loads its model first)."""
+
+DAEMON_READY_TIMEOUT = 15.0
+"""Seconds a daemon may take to answer (it starts in well under one: more means stuck)."""
+
+DAEMON_STOP_TIMEOUT = 5.0
+"""Seconds a stopped daemon may take to exit before SIGKILL (it takes well under one)."""
 _SERVING_LINE = re.compile(r"serving (\S+) on (http://[\w.:\[\]-]+)")
 
 
@@ -60,9 +70,11 @@ class _Process:
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 
-    def _spawn(self) -> None:
+    def _spawn(self, preexec_fn: Callable[[], None] | None = None) -> None:
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=log)
+            self.process = subprocess.Popen(
+                self.argv, stdout=log, stderr=log, preexec_fn=preexec_fn
+            )
 
     @property
     def pid(self) -> int:
@@ -85,30 +97,96 @@ class _Process:
 
 
 class DaemonProcess(_Process):
-    """``vqpoold --run-dir RUN_DIR ARGS...``."""
+    """``vqpoold --run-dir RUN_DIR ARGS...``, its admin ops, and its stop (SIGTERM, or SIGKILL
+    for crash tests).
 
-    def __init__(self, run_dir: Path, args: Sequence[str] = (), log_path: Path | None = None):
+    Args:
+        run_dir: ``--run-dir``.
+        args: More vqpoold options.
+        log_path: Where its stdout and stderr go (None: ``RUN_DIR.vqpoold.log`` beside the run
+            directory, so daemons on sibling run directories keep separate logs).
+        fd_limit: The daemon's (soft, hard) RLIMIT_NOFILE, when given.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *args: str,
+        log_path: Path | None = None,
+        fd_limit: tuple[int, int] | None = None,
+    ) -> None:
         self.run_dir = run_dir
+        self.args = args
+        self.fd_limit = fd_limit
         super().__init__(
             [sys.executable, "-m", "vqpool.daemon", "--run-dir", str(run_dir), *args],
-            log_path or run_dir.parent / "vqpoold.log",
+            log_path or run_dir.parent / f"{run_dir.name}.vqpoold.log",
         )
+        self._admin: AdminClient | None = None
 
-    def start(self, timeout: float = READY_TIMEOUT) -> DaemonProcess:
-        """Start and return once the admin socket answers."""
-        self._spawn()
+    def start(self, wait: bool = True, timeout: float = DAEMON_READY_TIMEOUT) -> DaemonProcess:
+        """Start the daemon; with ``wait``, return once its admin socket answers."""
+        self._spawn(None if self.fd_limit is None else self._limit_fds)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def _limit_fds(self) -> None:
+        assert self.fd_limit is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.fd_limit)
+
+    def wait_ready(self, timeout: float = DAEMON_READY_TIMEOUT) -> None:
+        """Block until both sockets exist and the admin socket answers ping.
+
+        Raises:
+            ProcessExitedError: The daemon exited meanwhile (its log is in the message).
+            RuntimeError: Not ready after ``timeout`` seconds.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive("vqpoold")
-            if (self.run_dir / ADMIN_SOCKET_NAME).exists():
+            if (self.run_dir / ADMIN_SOCKET_NAME).exists() and (
+                self.run_dir / WORKER_SOCKET_NAME
+            ).exists():
                 try:
                     with AdminClient(self.run_dir, timeout=0.5) as admin:
                         admin.call("ping")
-                    return self
+                    return
                 except DaemonUnavailableError:
                     pass
-            time.sleep(0.05)
+            time.sleep(0.02)
         raise RuntimeError(f"vqpoold not ready after {timeout}s:\n{self.log()}")
+
+    def admin(self, op: str, **args: Any) -> Any:
+        """Run an admin op and return its result."""
+        if self._admin is None:
+            self._admin = AdminClient(self.run_dir, timeout=5.0)
+        return self._admin.call(op, **args)
+
+    def audit(self) -> dict[str, Any]:
+        """Run the admin audit; AssertionError listing the problems if it found any."""
+        report: dict[str, Any] = self.admin("audit")
+        if not report["ok"]:
+            raise AssertionError(report["problems"])
+        return report
+
+    def rss(self) -> int:
+        """Resident memory of the daemon process, in bytes."""
+        return int(psutil.Process(self.pid).memory_info().rss)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = DAEMON_STOP_TIMEOUT) -> int:
+        """Close the admin connection, send ``sig`` and wait for the exit status (SIGKILL
+        after ``timeout``)."""
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+        return super().stop(sig, timeout)
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 class WorkerProcess(_Process):
@@ -140,14 +218,14 @@ class WorkerProcess(_Process):
         self.model = model
         self.url = ""
 
-    def start(self, wait: bool = True, timeout: float = READY_TIMEOUT) -> WorkerProcess:
+    def start(self, wait: bool = True, timeout: float = WORKER_READY_TIMEOUT) -> WorkerProcess:
         """Start it; with ``wait``, return once it serves (see :meth:`wait_ready`)."""
         self._spawn()
         if wait:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> WorkerProcess:
+    def wait_ready(self, timeout: float = WORKER_READY_TIMEOUT) -> WorkerProcess:
         """Return once it logged the address it serves on (for a real model: once loaded)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

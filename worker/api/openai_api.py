@@ -28,8 +28,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vqpool.worker.models import LoadedModel
-from vqpool.worker.scheduler import SamplingParams
+from vqpool.worker.models.loading import LoadedModel
+from vqpool.worker.sched.scheduler import SamplingParams
 
 TEXT = "text"
 CHAT = "chat"

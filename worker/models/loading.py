@@ -1,10 +1,10 @@
 """What ``vqpool-worker --model MODEL`` loads: a Hugging Face model, or a built-in tiny one.
 
-* ``builtin:NAME``: a tiny random-weight model from :mod:`vqpool.worker.tiny_models` (fixed seed,
-  fp32, built offline in well under a second) with the :class:`ByteTokenizer`. Only the tiny
-  configs with a 256-token vocabulary qualify, so every byte is a token. They differ in
-  architecture and KV layout: ``llama`` (2 KV heads of 16), ``qwen2`` (4 KV heads of 16, q/k/v
-  biases), ``qwen3`` (1 KV head of 32, q/k norms).
+* ``builtin:NAME``: a tiny random-weight model from :mod:`vqpool.worker.models.tiny_models`
+  (fixed seed, fp32, built offline in well under a second) with the :class:`ByteTokenizer`.
+  Only the tiny configs with a 256-token vocabulary qualify, so every byte is a token. They
+  differ in architecture and KV layout: ``llama`` (2 KV heads of 16), ``qwen2`` (4 KV heads of
+  16, q/k/v biases), ``qwen3`` (1 KV head of 32, q/k norms).
 * anything else: a Hugging Face id or local path, loaded with ``mlx_lm.load`` exactly as
   ``mlx_lm.server`` does (weights downloaded to the Hugging Face cache on first use).
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
-from vqpool.worker.tiny_models import BYTE_VOCAB, TINY_CONFIGS, build_tiny_model
-from vqpool.worker.tokenizer import ByteTokenizer, HFTokenizer, ServingTokenizer
+from vqpool.worker.models.tiny_models import BYTE_VOCAB, TINY_CONFIGS, build_tiny_model
+from vqpool.worker.models.tokenizer import ByteTokenizer, HFTokenizer, ServingTokenizer
 
 BUILTIN_PREFIX = "builtin:"
 

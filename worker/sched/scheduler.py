@@ -15,7 +15,7 @@ read its token ids from the job's event queue. One generation thread does the re
   seconds, since blocks may be freed by another worker, and at once when one of this worker's jobs
   ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once with
   ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
-  :class:`~vqpool.worker.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
+  :class:`~vqpool.worker.sched.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
   between models and workers, not who retries first; the generation thread keeps decoding and picks
   the granted blocks up between steps. A job that can never fit its model's share of the budget (the
   daemon's fit answer for prompt + ``max_tokens``) is refused at submit (:class:`NeverFitsError`,
@@ -31,9 +31,9 @@ read its token ids from the job's event queue. One generation thread does the re
   writes (``source.grow``: blocks from the pool for every row, padding included, never
   inside the forward pass); a row the pool cannot grow leaves the batch first
   (see Preemption). The batching itself lives in
-  :mod:`vqpool.worker.continuous_batch`. Greedy tokens are those of mlx-lm's
+  :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
-* **Preemption** (:mod:`vqpool.worker.preemption`). When the pool refuses a growth step, the
+* **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
   most recently admitted started job gives way at the step boundary: its blocks go back, its
   prompt and generated tokens are kept, and it waits at the head of the queue (no queue
   timeout: it was admitted once); on resume its KV is recomputed by a prefill and it goes on
@@ -57,7 +57,7 @@ With batching, a row's blocks cover the batch's buffer length, which includes it
 a short request decoding beside a long one holds blocks for the long one's length. When the pool
 cannot cover that padding, a request is preempted rather than ended.
 
-* **Prompt cache** (``prompt_cache``, ``worker/prompt_cache.py``). When a job's prefill begins
+* **Prompt cache** (``prompt_cache``, ``worker/kv/prompt_cache.py``). When a job's prefill begins
   (not at admission: a job admitted together with another of the same prefix finds it stored
   by then), the longest cached prefix of its tokens is copied into its cache and only the rest
   is prefilled (``job.cached_tokens``). Just before that lookup, the prompt of a job decoding in
@@ -90,19 +90,14 @@ from vqpool.shared.errors import (
     DaemonUnavailableError,
     OverBudgetError,
 )
-from vqpool.worker.admission import Admission, AdmissionWaiter
-from vqpool.worker.cache_source import CacheSource
-from vqpool.worker.client import MAX_ALLOCATE_WAIT
-from vqpool.worker.continuous_batch import ContinuousBatch
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
-from vqpool.worker.preemption import (
-    AdmissionHold,
-    ReclaimDesk,
-    most_recently_admitted,
-    requeue_position,
-)
-from vqpool.worker.prompt_cache import PromptCache
-from vqpool.worker.serving_stats import ServingStats
+from vqpool.worker.kv.cache_source import CacheSource
+from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
+from vqpool.worker.sched.admission import Admission, AdmissionWaiter
+from vqpool.worker.sched.continuous_batch import ContinuousBatch
+from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
+from vqpool.worker.sched.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
 
@@ -224,7 +219,7 @@ class Scheduler:
             token, since their blocks may be handed out again.
         prefill_step_size: Prompt tokens per prefill chunk: the most a newcomer's prefill
             delays the running jobs' next tokens.
-        prompt_cache: Reuses the KV of earlier requests (``worker/prompt_cache.py``): looked up
+        prompt_cache: Reuses the KV of earlier requests (``worker/kv/prompt_cache.py``): looked up
             when a job's prefill starts (the prompts of running jobs sharing a prefix with it
             are stored then), stored when a job ends.
     """
@@ -278,19 +273,20 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
+        self._preemption = PreemptionPolicy(source.fits_alone)
         self._batch = ContinuousBatch(
             model,
             source,
             eos_token_ids=eos_token_ids,
             prefill_step_size=prefill_step_size,
             on_prefill_start=self._reuse_cached_prefix,
+            preemption=self._preemption,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
         self._admissions = itertools.count(1)
-        self._hold = AdmissionHold()
         self._reclaims = ReclaimDesk(self._notify)
         self._thread = threading.Thread(target=self._run, name="vqpool-generation", daemon=True)
         self._waiter = AdmissionWaiter(source, self._notify) if source.waits else None
@@ -441,7 +437,7 @@ class Scheduler:
                 if not self._collect(job):
                     return
                 continue
-            if not self._hold.allows(len(self._active)):
+            if not self._preemption.admits(len(self._active)):
                 return
             if job.retry_at > time.monotonic():
                 return
@@ -631,7 +627,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """One step: a batched decode step of every job in the batch, then one prefill chunk
-        (see :class:`~vqpool.worker.continuous_batch.ContinuousBatch`)."""
+        (see :class:`~vqpool.worker.sched.continuous_batch.ContinuousBatch`)."""
         self._end_lost_jobs()
         for job in list(self._active):
             if job.cancelled:
@@ -675,10 +671,11 @@ class Scheduler:
         """The pool could not back the next forward pass of ``jobs``, which the batch took
         out, and no other started job of this worker could give way. A job that could fit
         alone was refused for the pool's other users (another model, or a reclaim): it is
-        preempted, and waits for its blocks. One that can never fit alone ends ("length")."""
+        preempted, and waits for its blocks. One that can never fit alone ends ("length"). The
+        preemption policy decides which."""
         for job in jobs:
             n_tokens = self._slots_for(job)  # what its admission will reserve again
-            if self.source.fits_alone(n_tokens):
+            if self._preemption.preempts_alone(n_tokens):
                 self._preempt(job)
                 continue
             self.stats.add(exhaustions=1)
@@ -704,9 +701,9 @@ class Scheduler:
         job.retry_at = 0.0
         job.waited_for_blocks = False
         with self._cond:
-            self._waiting.insert(requeue_position(self._waiting), job)
+            self._waiting.insert(self._preemption.requeue_position(self._waiting), job)
             self.stats.set_queue_length(len(self._waiting))
-        self._hold.hold(len(self._active))
+        self._preemption.preempted(len(self._active))
         self._sample_memory()
         self.stats.add(preemptions=1)
         log.info(
@@ -717,16 +714,20 @@ class Scheduler:
 
     def _answer_reclaims(self) -> None:
         """Answer the reclaim asks filed since the last step boundary: the prompt cache gives
-        back entries, least recently used first, then the newest started jobs are preempted
-        until each ask's bytes are freed."""
+        back entries, least recently used first, then the running jobs the preemption policy
+        names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
             before = self.source.held_bytes()
             # Cached memory goes first; requests are preempted only for what it cannot give.
             cached = (
                 0 if self.prompt_cache is None else self.prompt_cache.release_bytes(ask.n_bytes)
             )
-            while self._active and cached + before - self.source.held_bytes() < ask.n_bytes:
-                self._preempt(most_recently_admitted(self._active))
+            while True:
+                freed = cached + before - self.source.held_bytes()
+                victim = self._preemption.reclaim_victim(self._active, freed, ask.n_bytes)
+                if victim is None:
+                    break
+                self._preempt(victim)
             ask.freed = cached + max(0, before - self.source.held_bytes())
             ask.done.set()
 

@@ -4,7 +4,7 @@
 takes a ``prompt_cache`` (``generate_step``, ``stream_generate``, ``generate``). The layer caches
 share one :class:`PooledSequence`: a block covers ``block_size`` token slots of the sequence for
 every layer, so the sequence, not each layer, talks to the pool. Its memory lives in an
-:class:`~vqpool.worker.storage.MLXBlockStorage`, where each block id maps to its slots.
+:class:`~vqpool.worker.kv.storage.MLXBlockStorage`, where each block id maps to its slots.
 
 When the pool is called (a call to a ``PoolClient`` is a round trip to the daemon):
 
@@ -46,8 +46,8 @@ from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cach
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import AllocationRequest, BlockPool
-from vqpool.worker.kv_probe import unpoolable_reason
-from vqpool.worker.storage import KVLayout, MLXBlockStorage
+from vqpool.worker.kv.kv_probe import unpoolable_reason
+from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage
 
 # A growing sequence also reserves 1/RESERVE_DIVISOR of the blocks it needs, so its buffers are
 # copied O(1) times per RESERVE_DIVISOR blocks of growth instead of at every block boundary.

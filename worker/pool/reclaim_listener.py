@@ -2,13 +2,16 @@
 each to the worker's handler, and answer with the bytes freed.
 
 The daemon never sends a worker anything unasked (its replies go to request envelopes, and a
-:class:`~vqpool.worker.client.PoolClient`'s sockets are reopened on silence, so an unsolicited
+client's sockets are reopened on silence, so an unsolicited
 message could land on a closed socket or be read as a stale reply). So the worker keeps one
 ``reclaim_poll`` parked at the daemon on a socket of its own (``waiting_call``), and the ask
 comes back as its reply the moment the daemon decides. The handler runs on this thread; it
 may block until the worker's scheduler has freed blocks at its next step boundary (through the
 usual ``free``/``free_all``). When it returns, the bytes this client's holdings fell by since
 the ask are reported with ``reclaim_done``; the daemon checks them against its ledger.
+
+The listener knows its client only by its session (to poll in) and two callables: the bytes
+held now, and one call to the daemon under the client's rules.
 """
 
 from __future__ import annotations
@@ -16,15 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode, NoSessionError, VqpoolError
 from vqpool.shared.protocol import RECLAIM_DONE, RECLAIM_POLL, encode_request
-from vqpool.worker.waiting_call import Superseded, request_waiting
-
-if TYPE_CHECKING:
-    from vqpool.worker.client import PoolClient
+from vqpool.worker.pool.session import DaemonSession
+from vqpool.worker.pool.waiting_call import Superseded
 
 log = logging.getLogger("vqpool.worker")
 
@@ -45,32 +46,40 @@ RETRY_SECONDS = 0.5
 
 
 class ReclaimListener(threading.Thread):
-    """Polls for reclaim asks for ``client`` and answers them with ``handler``'s frees."""
+    """Polls for reclaim asks in ``session`` and answers them with ``handler``'s frees.
 
-    def __init__(self, client: PoolClient, handler: ReclaimHandler) -> None:
-        super().__init__(name=f"vqpool-reclaim-{client.session_id}", daemon=True)
-        self._client = client
+    Args:
+        session: The client's session (polls are sent in its current session).
+        handler: Gives the bytes back (replaceable: :attr:`handler`).
+        held_bytes: The bytes the client holds now.
+        call: One call to the daemon under the client's lock and rules (the answer).
+    """
+
+    def __init__(
+        self,
+        session: DaemonSession,
+        handler: ReclaimHandler,
+        *,
+        held_bytes: Callable[[], int],
+        call: Callable[[str, Mapping[str, Any]], Any],
+    ) -> None:
+        super().__init__(name=f"vqpool-reclaim-{session.session_id}", daemon=True)
+        self._session = session
         self.handler = handler
+        self._held_bytes = held_bytes
+        self._call = call
         self.answered = 0
 
     def run(self) -> None:
-        client = self._client
-        closing = client._closing
+        session = self._session
+        closing = session.closing
         while not closing.is_set():
-            session = client._session
-            rid = next(client._ids)
-            payload = encode_request(rid, RECLAIM_POLL, {"wait": POLL_SECONDS}, *session)
+            sent_in = session.current
+            rid = session.next_id()
+            payload = encode_request(rid, RECLAIM_POLL, {"wait": POLL_SECONDS}, *sent_in)
             try:
-                reply = request_waiting(
-                    client._context,
-                    client._endpoint,
-                    payload,
-                    rid,
-                    wait=POLL_SECONDS,
-                    timeout=client.timeout,
-                    closing=closing,
-                    current=lambda session=session: client._session == session,  # type: ignore[misc]
-                    what=RECLAIM_POLL,
+                reply = session.wait_for(
+                    payload, rid, wait=POLL_SECONDS, sent_in=sent_in, what=RECLAIM_POLL
                 )
             except NoSessionError:
                 return  # closing
@@ -87,7 +96,7 @@ class ReclaimListener(threading.Thread):
                 )
                 return
             # Another lifetime or an ended session: the heartbeat re-syncs or reopens.
-            if not reply.get("ok") or reply.get("boot") != session[1]:
+            if not reply.get("ok") or reply.get("boot") != sent_in[1]:
                 closing.wait(RETRY_SECONDS)
                 continue
             ask = reply.get("result") or {}
@@ -95,16 +104,14 @@ class ReclaimListener(threading.Thread):
                 self._answer(ask["ask"], ask["bytes"], ask["deadline"])
 
     def _answer(self, ask_id: int, n_bytes: int, seconds_left: float) -> None:
-        client = self._client
-        before = client.held_bytes()
+        before = self._held_bytes()
         try:
             self.handler(n_bytes, time.monotonic() + seconds_left)
         except Exception:
             log.exception("reclaim handler failed for an ask of %d bytes", n_bytes)
-        freed = max(0, before - client.held_bytes())
+        freed = max(0, before - self._held_bytes())
         try:
-            with client._lock:
-                client._call(RECLAIM_DONE, {"ask": ask_id, "freed": freed})
+            self._call(RECLAIM_DONE, {"ask": ask_id, "freed": freed})
         except (VqpoolError, ValueError) as exc:
             # The ask is over for the daemon anyway (late, or its session ended).
             log.warning("reclaim: could not answer ask %d: %s", ask_id, exc)

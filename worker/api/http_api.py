@@ -12,7 +12,7 @@ a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503
 "no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
 daemon not answering: :meth:`PoolClient.session_problem`).
 
-A request's text goes through :class:`~vqpool.worker.completion_text.CompletionText`: when a
+A request's text goes through :class:`~vqpool.worker.api.completion_text.CompletionText`: when a
 stop string completes, the handler answers at once and cancels the job with reason "stop".
 
 The standard library is enough here: the server is HTTP/1.0 (a connection per request, as
@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from vqpool.worker.completion_text import CompletionText
-from vqpool.worker.models import LoadedModel
-from vqpool.worker.openai_api import (
+from vqpool.worker.api.completion_text import CompletionText
+from vqpool.worker.api.openai_api import (
     CHAT,
     TEXT,
     ApiError,
@@ -43,7 +42,8 @@ from vqpool.worker.openai_api import (
     ResponseBuilder,
     parse_completion,
 )
-from vqpool.worker.scheduler import (
+from vqpool.worker.models.loading import LoadedModel
+from vqpool.worker.sched.scheduler import (
     GenerationJob,
     JobEnd,
     NeverFitsError,

@@ -1,0 +1,161 @@
+"""The client's heartbeat: a thread that pings the daemon on a socket of its own every
+``heartbeat`` seconds, so the lease stays fresh while the caller's thread is busy (a long
+prefill) without sharing its socket.
+
+Each ping carries the worker's last reported load and prompt-cache counters (:class:`LoadReport`);
+a new report wakes the thread early. The answer may carry advice for the worker's prompt cache.
+When a reply comes from a new daemon lifetime, the heartbeat has the client re-sync right away
+(under the client's lock), so an idle worker re-declares its blocks inside the restarted
+daemon's claim period; when the session is gone (evicted), it has the client open a new one the
+same way; when allocations given up on wait to be settled, it has them settled. It calls the
+client through :class:`HeartbeatHost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from vqpool.shared.errors import DaemonUnavailableError, ErrorCode
+from vqpool.shared.protocol import encode_request
+from vqpool.shared.transport import LazyPirateConnection
+from vqpool.worker.pool.session import DaemonSession, Session
+
+log = logging.getLogger("vqpool.worker")
+
+LOAD_REPORT_GAP = 0.1
+"""Seconds the heartbeat waits after a load change before sending it: changes in between go in
+the same ping, so a busy worker sends at most ~10 extra pings a second."""
+
+
+class LoadReport:
+    """What the heartbeat tells the daemon about the worker, as last reported."""
+
+    def __init__(self) -> None:
+        self.load: tuple[int, int, int | None] | None = None
+        """(running, queued, preemptions or None) as last given to report_load()."""
+        self.preemptions_base = 0
+        """The preemption count reported when the current session opened: the daemon counts
+        per session, so a new session (re-sync, reopen) is sent the count since then."""
+        self.prompt_cache: dict[str, int] | None = None
+        """The prompt cache's counters as last given to report_prompt_cache(); sent until a
+        daemon older than the argument refuses it."""
+        self.prompt_cache_refused = False
+
+    def session_opened(self) -> None:
+        """A new session opened: its preemptions count from the ones reported now."""
+        load = self.load
+        self.preemptions_base = (load[2] or 0) if load is not None else 0
+
+    def ping_args(self) -> dict[str, Any]:
+        """The arguments of the next ping."""
+        load = self.load
+        args: dict[str, Any] = {}
+        if load is not None:
+            args = {"running": load[0], "queued": load[1]}
+            if load[2] is not None:
+                args["preemptions"] = max(0, load[2] - self.preemptions_base)
+        cached = self.prompt_cache
+        if cached is not None and not self.prompt_cache_refused:
+            args["prompt_cache"] = cached
+        return args
+
+
+class HeartbeatHost(Protocol):
+    """What the heartbeat asks of its client's calls."""
+
+    def resync_due(self) -> bool:
+        """Whether a re-sync was cut short (claims left to send)."""
+
+    def settle_due(self) -> bool:
+        """Whether allocations given up on wait to be settled."""
+
+    def resync_from_heartbeat(self, seen_boot: object) -> None: ...
+
+    def reopen_from_heartbeat(self, seen: Session) -> None: ...
+
+    def settle_from_heartbeat(self) -> None: ...
+
+
+class Heartbeat(threading.Thread):
+    """Pings the daemon for ``host`` every ``session.heartbeat`` seconds until stopped (see
+    the module docstring)."""
+
+    def __init__(self, session: DaemonSession, report: LoadReport, host: HeartbeatHost) -> None:
+        super().__init__(name=f"vqpool-heartbeat-{session.session_id}", daemon=True)
+        self._session = session
+        self._report = report
+        self._host = host
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self.daemon_silent = False
+        """Set when a ping goes unanswered, cleared by the next answered one."""
+        self.on_advice: Callable[[dict[str, Any]], None] | None = None
+        """Called (on this thread, no lock held) with what the daemon's answer to a load
+        report asks of this worker: ``{drop_cache: true}`` or ``{release_bytes: n}``."""
+
+    def wake(self) -> None:
+        """Ping soon (after LOAD_REPORT_GAP) instead of at the next interval."""
+        self._wake.set()
+
+    def _advise(self, advice: dict[str, Any]) -> None:
+        handler = self.on_advice
+        if handler is None:
+            return
+        try:
+            handler(advice)
+        except Exception:  # the heartbeat must go on whatever the handler does
+            log.exception("following the daemon's advice %r failed", advice)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join()
+
+    def run(self) -> None:
+        session = self._session
+        connection = LazyPirateConnection(
+            session.context, session.endpoint, first_retry=min(0.5, session.heartbeat)
+        )
+        try:
+            while True:
+                if self._wake.wait(session.heartbeat):
+                    self._stopping.wait(LOAD_REPORT_GAP)  # gather what else changes meanwhile
+                if self._stopping.is_set():
+                    return
+                self._wake.clear()
+                current = session.current
+                rid = session.next_id()
+                payload = encode_request(rid, "ping", self._report.ping_args(), *current)
+                try:
+                    reply = connection.request(payload, rid, session.heartbeat, "heartbeat")
+                except DaemonUnavailableError:
+                    self.daemon_silent = True  # /health says so (session_problem)
+                    continue  # keep trying: a busy or restarting daemon may answer the next one
+                self.daemon_silent = False
+                self._answered(current, reply)
+        finally:
+            connection.close()
+
+    def _answered(self, sent_in: Session, reply: Mapping[str, Any]) -> None:
+        host = self._host
+        if reply.get("boot") != sent_in[1] or host.resync_due():
+            try:
+                host.resync_from_heartbeat(reply.get("boot"))
+            except ValueError as exc:
+                # The new daemon refused this session (e.g. a budget now wants bytes per
+                # block): callers get the refusal; keep beating for the next try.
+                log.error("re-sync with the restarted vqpoold refused: %s", exc)
+        elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
+            host.reopen_from_heartbeat(sent_in)  # evicted while alive
+        elif not reply["ok"] and "'prompt_cache'" in reply["error"]["message"]:
+            self._report.prompt_cache_refused = True  # a daemon older than the argument
+            self._wake.set()  # send the load alone at once
+        else:
+            if reply["ok"] and isinstance(reply.get("result"), dict):
+                self._advise(reply["result"])
+            if host.settle_due():
+                host.settle_from_heartbeat()  # the daemon answers again

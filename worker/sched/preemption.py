@@ -1,0 +1,147 @@
+"""Preemption for the scheduler: every decision of who gives way and when, where it waits, and
+reclaim asks.
+
+When the pool refuses a growth step, or the daemon asks this worker to give bytes back (a
+reclaim), the generation thread preempts requests at a step boundary instead of ending them
+(vLLM's recompute preemption): the request's row leaves the batch (its blocks go back at once),
+its prompt and generated token ids are kept, and it waits at the head of the queue. On resume
+its KV is recomputed by prefilling prompt + generated tokens but the last, which becomes the
+next input (as mlx-lm continues a sequence), so its next tokens are those it would have made.
+
+The decisions are :class:`PreemptionPolicy`'s, which the continuous batch and the scheduler
+ask; they carry them out:
+
+* **The victim** of a refused growth is the most recently admitted started request
+  (:meth:`PreemptionPolicy.growth_victim`; a request keeps its first admission's rank when it
+  resumes, so a resumed request does not become everybody's victim). With no other started
+  request to give way, the one refused is taken out of the batch; it is preempted if it could
+  fit alone (another model or a reclaim took the room) and ends only if it never can
+  (:meth:`PreemptionPolicy.preempts_alone`).
+* **A reclaim ask** preempts the running requests newest first until its bytes are freed
+  (:meth:`PreemptionPolicy.reclaim_victim`), after the prompt cache gave what it could.
+* **Where it waits**: the head of the queue (:meth:`PreemptionPolicy.requeue_position`),
+  except behind an admission parked at the daemon: the daemon serves a model's allocations in
+  order, so that one is granted first anyway, and jumping it would leave its grant unclaimed.
+* **No churn**: after a preemption the scheduler starts nothing until one of its running
+  requests ends or none runs (:meth:`PreemptionPolicy.admits`): a request that just gave way
+  would else be restarted at once, prefilled, and preempted again.
+* **Reclaim asks** reach the generation thread through a :class:`ReclaimDesk`: the reclaim
+  listener's thread hands the bytes wanted over and waits until the next step boundary has
+  preempted enough (or the deadline passed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def most_recently_admitted(jobs: Sequence[Any]) -> Any:
+    """The job with the highest ``admission`` rank (the newest first admission)."""
+    return max(jobs, key=lambda job: job.admission)
+
+
+class PreemptionPolicy:
+    """Every preemption decision of one scheduler (see the module docstring). Jobs need
+    ``admission`` (their first admission's rank) and, queued, ``parked``. Generation-thread
+    only.
+
+    Args:
+        fits_alone: Whether a job of that many token slots could fit the pool (or the
+            model's share of the budget) with nothing else of this worker running.
+    """
+
+    def __init__(self, fits_alone: Callable[[int], bool]) -> None:
+        self._fits_alone = fits_alone
+        self._hold_below: int | None = None  # no job starts until fewer than this run
+
+    def growth_victim(self, started: Sequence[Any]) -> Any:
+        """The pool refused to grow a started job: the job of ``started`` that gives way (the
+        most recently admitted), or None when fewer than two are started (the refused job is
+        taken out: no other job could give way)."""
+        if len(started) < 2:
+            return None
+        return most_recently_admitted(started)
+
+    def preempts_alone(self, n_slots: int) -> bool:
+        """A job was taken out because the pool could not grow it while it was the only one
+        started: whether it is preempted (it could fit alone, in ``n_slots`` token slots:
+        another model or a reclaim took the room) rather than ended (it never can)."""
+        return self._fits_alone(n_slots)
+
+    def reclaim_victim(self, running: Sequence[Any], freed: int, wanted: int) -> Any:
+        """For a reclaim ask of ``wanted`` bytes of which ``freed`` are given back so far: the
+        running job to preempt next (the most recently admitted), or None (enough is freed, or
+        none runs)."""
+        if not running or freed >= wanted:
+            return None
+        return most_recently_admitted(running)
+
+    def requeue_position(self, waiting: Sequence[Any]) -> int:
+        """Where a preempted job goes in the waiting queue: the head, or just behind a head
+        whose admission is parked at the daemon (see the module docstring)."""
+        return 1 if waiting and waiting[0].parked else 0
+
+    def preempted(self, running: int) -> None:
+        """A job was preempted; ``running`` jobs run now: hold admissions (:meth:`admits`)."""
+        if self._hold_below is None:
+            self._hold_below = running
+        else:
+            self._hold_below = min(self._hold_below, running)
+
+    def admits(self, running: int) -> bool:
+        """Whether a job may start with ``running`` jobs running: after a preemption, only
+        once fewer than ran then run (one ended), or none does."""
+        if self._hold_below is not None and (running == 0 or running < self._hold_below):
+            self._hold_below = None
+        return self._hold_below is None
+
+
+@dataclass(eq=False)
+class GiveBackTask:
+    """Bytes the daemon asked back (a reclaim ask), handed to the generation thread to free by
+    ``deadline``; ``freed`` and ``done`` are its answer."""
+
+    n_bytes: int
+    deadline: float
+    freed: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ReclaimDesk:
+    """Reclaim asks on their way from the listener's thread to the generation thread.
+
+    Args:
+        wake: Called after an ask is filed, to wake the generation thread if it sleeps.
+    """
+
+    def __init__(self, wake: Any) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._asks: list[GiveBackTask] = []
+
+    def ask(self, n_bytes: int, deadline: float) -> int:
+        """File an ask and wait until the generation thread answered it or ``deadline``
+        passed; returns the bytes it freed so far (the reclaim handler's body)."""
+        ask = GiveBackTask(n_bytes, deadline)
+        with self._lock:
+            self._asks.append(ask)
+        self._wake()
+        ask.done.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            if ask in self._asks:  # late: the generation thread has not reached it
+                self._asks.remove(ask)
+        return ask.freed
+
+    def take(self) -> list[GiveBackTask]:
+        """The asks filed since the last call (generation thread)."""
+        with self._lock:
+            asks, self._asks = self._asks, []
+        return asks
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._asks)
