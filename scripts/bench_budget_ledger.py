@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Hashable
 
-from vqpool.daemon.budget import BudgetLedger, ModelSettings
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
 GiB = 2**30

@@ -63,8 +63,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
-from vqpool.daemon.reclaim import ReclaimAsk, ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome
+from vqpool.daemon.budget.reclaim_book import ReclaimAsk, ReclaimBook, plan_reclaim
 
 STEP_BASE = 1.29e-3
 DECODE_PER_SEQ = 0.092e-3

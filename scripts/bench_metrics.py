@@ -26,9 +26,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
-from vqpool.daemon.coordinator import Coordinator
-from vqpool.daemon.metrics import MetricsSnapshot, RequestMetrics, metric_families
-from vqpool.daemon.worker_ops import WorkerRequestHandler
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
+from vqpool.daemon.server.metrics import MetricsSnapshot, RequestMetrics, metric_families
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.protocol import decode_reply, encode_request
 

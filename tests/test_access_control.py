@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, RawClient, remove_tree, short_tmpdir
-from vqpool.daemon.peer_auth import peer_pid, peer_uid
+from vqpool.daemon.net.peer_auth import peer_pid, peer_uid
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome, Reason
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome, Reason
 from vqpool.worker.serve import build_parser
 
 

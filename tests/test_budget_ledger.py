@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from vqpool.daemon.budget import (
+from vqpool.daemon.budget.ledger import (
     DEFAULT_SETTINGS,
     GRANTED,
     BudgetLedger,

@@ -6,8 +6,8 @@ import tomllib
 from typing import Any
 
 import pytest
-from vqpool.daemon.budget import ModelSettings
-from vqpool.daemon.budget_settings import model_settings, models_from_toml
+from vqpool.daemon.budget.ledger import ModelSettings
+from vqpool.daemon.budget.settings import model_settings, models_from_toml
 
 GiB = 2**30
 

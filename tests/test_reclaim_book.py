@@ -5,9 +5,9 @@ late ask is counted, handed to others, and its session left alone for a cool-dow
 from __future__ import annotations
 
 import pytest
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
-from vqpool.daemon.budget_types import ReclaimNeed
-from vqpool.daemon.reclaim import ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome
+from vqpool.daemon.budget.reclaim_book import ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.types import ReclaimNeed
 
 
 def test_plan_asks_at_most_what_is_short_largest_excess_first() -> None:

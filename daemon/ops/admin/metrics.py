@@ -1,0 +1,16 @@
+"""The pool's gauges and counters in the Prometheus text exposition format (blocks total, in
+use and peak, fragmentation; blocks allocated, freed, reused, grown and retired, allocations
+refused), named veloxquant_block_pool_* as the VeloxQuant block pool exports them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.shared.protocol import Field
+
+PARAMS: tuple[Field, ...] = ()
+
+
+def run(coord: Coordinator, args: dict[str, Any]) -> str:
+    return coord.allocator.stats.to_prometheus()

@@ -1,0 +1,14 @@
+"""Check that the daemon answers: its boot id, pid and uptime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.shared.protocol import Field
+
+PARAMS: tuple[Field, ...] = ()
+
+
+def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+    return {"boot_id": coord.boot_id, "pid": coord.pid, "uptime_s": coord.uptime()}
