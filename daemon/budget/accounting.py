@@ -23,8 +23,8 @@ from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
 from vqpool.daemon.budget.types import GRANTED, ModelSettings, Outcome, Ticket, Verdict
 from vqpool.daemon.budget.views import budget_view, fit_to_wire, is_limited, model_views
+from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.core.sessions import Session
-from vqpool.daemon.ops.dispatch import error_reply
 from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
 from vqpool.shared.errors import BlockPoolExhaustedError, OverBudgetError

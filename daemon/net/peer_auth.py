@@ -34,7 +34,7 @@ import time
 from typing import Any, cast
 
 import zmq
-from vqpool.daemon.ops.dispatch import BAD_REQUEST_LOG_INTERVAL
+from vqpool.daemon.net.peer_log import BAD_REQUEST_LOG_INTERVAL
 
 log = logging.getLogger("vqpoold")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.core.error_reply import error_reply
+from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.ops.admin import COMMANDS
-from vqpool.daemon.ops.dispatch import PeerLogLimiter, error_reply
 from vqpool.shared.errors import (
     UnauthorizedError,
     UnknownOpError,

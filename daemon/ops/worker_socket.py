@@ -21,9 +21,10 @@ from typing import Any
 from vqpool.daemon.budget.accounting import ParkedRequest
 from vqpool.daemon.budget.reclaim_service import ParkedPoll
 from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.core.sessions import Session, verify_worker_process
+from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.net.peer_process import RequestPeer
-from vqpool.daemon.ops.dispatch import PeerLogLimiter, error_reply
 from vqpool.shared.errors import (
     BadRequestError,
     DaemonRestartedError,

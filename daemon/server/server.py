@@ -37,9 +37,9 @@ from vqpool.daemon.net.connection_guard import (
     raise_open_file_limit,
 )
 from vqpool.daemon.net.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthenticator
+from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.net.peer_process import RequestPeer
 from vqpool.daemon.ops.admin_socket import AdminRequestHandler
-from vqpool.daemon.ops.dispatch import PeerLogLimiter
 from vqpool.daemon.ops.worker_socket import DAEMON_VERSION, WorkerRequestHandler
 from vqpool.daemon.server.exit_status import ExitStatus
 from vqpool.shared.allocator import PoolConfig
