@@ -18,21 +18,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vqpool.daemon.budget.holdings import Holdings
+from vqpool.daemon.budget.parking import Parked, Parking
 from vqpool.daemon.budget.reclaim_book import (
     DEFAULT_RECLAIM_DEADLINE,
     ReclaimAsk,
     ReclaimBook,
     plan_reclaim,
 )
+from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.protocol import encode_result
-
-if TYPE_CHECKING:
-    from vqpool.daemon.budget.accounting import BudgetAccounting
-    from vqpool.daemon.core.coordinator import Coordinator
 
 log = logging.getLogger("vqpoold")
 
@@ -41,16 +40,16 @@ PLAN_INTERVAL = 0.005
 water-filling, and an ask answered in less than this is not the bottleneck."""
 
 
-class ParkedPoll:
-    """A worker's ``reclaim_poll`` waiting for an ask (``envelope`` set by the server loop)."""
+class ParkedPoll(Parked):
+    """A worker's ``reclaim_poll`` waiting for an ask."""
 
-    __slots__ = ("deadline", "envelope", "rid", "session")
+    __slots__ = ("deadline", "rid", "session")
 
     def __init__(self, session: Session, rid: int, deadline: float) -> None:
+        super().__init__()
         self.session = session
         self.rid = rid
         self.deadline = deadline
-        self.envelope: list[bytes] | None = None
 
 
 class ReclaimService:
@@ -58,18 +57,23 @@ class ReclaimService:
 
     Args:
         coord: The coordinator (sessions, boot id).
-        budget: Its budget accounting (ledger, session holdings, the outbox of late replies).
+        holdings: The sessions' holdings in bytes, and the ledger.
+        parking: The parked allocations (a growth of an asked session is answered at once) and
+            the outbox of late replies.
         deadline: Seconds a worker has to answer an ask.
     """
 
     def __init__(
         self,
         coord: Coordinator,
-        budget: BudgetAccounting,
+        holdings: Holdings,
+        parking: Parking,
         deadline: float = DEFAULT_RECLAIM_DEADLINE,
     ) -> None:
         self._coord = coord
-        self._budget = budget
+        self._holdings = holdings
+        self._ledger = holdings.ledger
+        self._parking = parking
         self.book = ReclaimBook(deadline)
         self.polls: dict[int, ParkedPoll] = {}
         self.listeners: set[int] = set()  # sessions that poll: the only ones ever asked
@@ -102,7 +106,7 @@ class ReclaimService:
 
     def done(self, session: Session, ask_id: int, claimed: int, now: float) -> dict[str, Any]:
         """A ``reclaim_done``: check the answer against the ledger; what counted."""
-        held_now = self._budget.bytes_of_session(session)
+        held_now = self._holdings.bytes_of_session(session)
         ask, freed = self.book.answer(session.sid, ask_id, claimed, held_now, now)
         if ask is None:
             return {"accepted": False, "freed": 0}
@@ -160,7 +164,7 @@ class ReclaimService:
                 if parked.deadline <= now:
                     del self.polls[sid]
                     reply = encode_result(parked.rid, self._coord.boot_id, {"ask": None})
-                    self._send(parked, reply)
+                    self._parking.send(parked, reply)
                 else:
                     next_expiry = min(next_expiry, parked.deadline)
             self._next_poll_expiry = next_expiry
@@ -174,13 +178,13 @@ class ReclaimService:
         book_time = self.book.next_deadline()
         if book_time is not None:
             times.append(book_time)
-        ledger = self._budget.ledger
+        ledger = self._ledger
         if self.listeners and (ledger.n_waiting or ledger.total_held > ledger.budget):
             times.append(max(now, self._next_plan))
         return min(times) if times else None
 
     def _plan(self, now: float) -> None:
-        ledger = self._budget.ledger
+        ledger = self._ledger
         if not ledger.n_waiting and ledger.total_held <= ledger.budget:
             return
 
@@ -188,7 +192,7 @@ class ReclaimService:
             found: dict[str, list[tuple[int, int]]] = {}
             for session in self._coord.sessions:
                 if session.reclaimable and session.model in models:
-                    held = self._budget.bytes_of_session(session)
+                    held = self._holdings.bytes_of_session(session)
                     found.setdefault(session.model, []).append((session.sid, held))
             return found
 
@@ -196,7 +200,7 @@ class ReclaimService:
         for ask in asks:
             # A session asked to give bytes back does not wait for more: its parked growth
             # is answered now, so its worker's generation thread reaches the ask at once.
-            self._budget.refuse_growth_of(ask.sid)
+            self._parking.refuse_growth_of(ask.sid)
             log.info(
                 "reclaim: asking session %s (model %r) for %s by %gs (short %s for %s)",
                 ask.sid,
@@ -208,7 +212,7 @@ class ReclaimService:
             )
             parked = self.polls.pop(ask.sid, None)
             if parked is not None:
-                self._send(parked, self._ask_reply(parked.rid, ask, now))
+                self._parking.send(parked, self._ask_reply(parked.rid, ask, now))
 
     def session_ended(self, session: Session) -> None:
         self.polls.pop(session.sid, None)
@@ -221,10 +225,6 @@ class ReclaimService:
             self._coord.boot_id,
             {"ask": ask.ask_id, "bytes": ask.n_bytes, "deadline": max(0.0, ask.deadline - now)},
         )
-
-    def _send(self, parked: ParkedPoll, reply: bytes) -> None:
-        if parked.envelope is not None:
-            self._budget.outbox.append((parked.envelope, reply))
 
     # -- views ---------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""The memory budget as the wire shows it: the ``budget`` and ``model_list`` admin ops' maps
-and the ``fit`` answer (docs/protocol.md, "Memory budget"). Without a budget (an unlimited
-ledger) the budget, its free bytes and limits that are only the budget's show as None."""
+"""The memory budget as the wire shows it: the ``budget`` and ``model_list`` admin ops' maps,
+the ``fit`` answer, and the error of a request the budget does not grant (docs/protocol.md,
+"Memory budget"). Without a budget (an unlimited ledger) the budget, its free bytes and limits
+that are only the budget's show as None."""
 
 from __future__ import annotations
 
@@ -8,14 +9,28 @@ from collections.abc import Iterable
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
-from vqpool.daemon.budget.types import FitAnswer
+from vqpool.daemon.budget.types import FitAnswer, Outcome, Verdict
 from vqpool.daemon.core.sessions import Session
-from vqpool.shared.byte_sizes import MAX_BYTES
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
+from vqpool.shared.errors import BlockPoolExhaustedError, OverBudgetError
 
 
 def is_limited(ledger: BudgetLedger) -> bool:
     """Whether a real budget is set (the daemon's ledger without one has 1 PiB)."""
     return ledger.budget < MAX_BYTES
+
+
+def budget_text(ledger: BudgetLedger) -> str:
+    """The budget for a message: its size, or "unlimited"."""
+    return format_bytes(ledger.budget) if is_limited(ledger) else "unlimited"
+
+
+def refusal(ledger: BudgetLedger, op: str, verdict: Verdict) -> Exception:
+    """The error of a request that is not granted (now, or ever)."""
+    text = f"{op}: memory budget {budget_text(ledger)}: {verdict.message()}"
+    if verdict.outcome is Outcome.NEVER:
+        return OverBudgetError(text)
+    return BlockPoolExhaustedError(text)
 
 
 def budget_view(ledger: BudgetLedger, now: float, refused: int = 0) -> dict[str, Any]:

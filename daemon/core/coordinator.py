@@ -12,18 +12,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from vqpool.daemon.budget.accounting import BudgetAccounting
-from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
-from vqpool.daemon.budget.types import ModelSettings
 from vqpool.daemon.core.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.core.replies import ReplyCache
 from vqpool.daemon.core.sessions import Session, SessionTable
 from vqpool.daemon.core.timeline import StreamTimeline
-from vqpool.daemon.net.peer_auth import PeerAuthenticator
 from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
     ClaimConflictError,
@@ -39,6 +35,19 @@ from vqpool.shared.protocol import (
 )
 
 log = logging.getLogger("vqpoold")
+
+BlockCounts = dict[str, int]
+"""Blocks per stream: what a free, a claim or a session's end changed, for the budget above to
+price (the coordinator knows blocks, never bytes)."""
+
+
+class SessionEnd(NamedTuple):
+    """What ending a session freed: owners released, blocks freed, and those blocks per stream
+    (counted only when asked)."""
+
+    n_owners: int
+    n_blocks: int
+    by_stream: BlockCounts
 
 
 def new_boot_id() -> str:
@@ -62,8 +71,9 @@ class Coordinator:
             no worker of a previous daemon was alive at start.
         claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
             attribute the request hot path looks at.
-        budget: The memory budget's ledger and the allocations waiting for it
-            (``daemon/budget_accounting.py``); every change of holdings goes through it.
+
+    The memory budget sits above this layer (``daemon/budget/``): it calls the methods that
+    change holdings, and prices what they return (blocks per stream) in bytes.
     """
 
     def __init__(
@@ -74,15 +84,8 @@ class Coordinator:
         run_dir: Path,
         claim_grace: float = 0.0,
         boot_id: str | None = None,
-        budget: int | None = None,
-        models: Mapping[str, ModelSettings] | None = None,
-        lend_reserves: bool = False,
-        reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
     ) -> None:
         self.allocator = BlockPoolAllocator(config)
-        self.budget = BudgetAccounting(
-            self, budget, models, lend_reserves=lend_reserves, reclaim_deadline=reclaim_deadline
-        )
         self.sessions = SessionTable()
         self.replies = ReplyCache()
         self.boot_id = boot_id or new_boot_id()
@@ -105,7 +108,6 @@ class Coordinator:
         self.n_owners_claimed = 0
         self.n_owners_refused = 0
         self.n_blocks_claimed = 0
-        self.peer_auth: PeerAuthenticator | None = None  # set by the server (connection counts)
         expected = read_roll(run_dir) if claim_grace > 0 else {}
         self.claim_period: ClaimPeriod | None = None
         if expected:
@@ -254,16 +256,20 @@ class Coordinator:
             if not allocator.is_active(owner):
                 allocator.register_owner(owner)
 
-    def free(self, session: Session, block_ids: Sequence[int]) -> None:
+    def free(self, session: Session, block_ids: Sequence[int], by_stream: bool) -> BlockCounts:
         """Free blocks by id. Free ids are skipped (as the allocator does); one id held by
-        another session refuses the whole request."""
+        another session refuses the whole request.
+
+        Returns:
+            With ``by_stream``, the blocks freed per stream (each id once); else {}: counting
+            costs a lookup per block, paid only when the caller prices them.
+        """
         allocator = self.allocator
         owner_of = allocator.owner_of
         holder = self._holder
         touched: set[Owner] = set()
-        cost = session.bytes_per_block
-        n_bytes = 0
-        for block_id in dict.fromkeys(block_ids) if cost else block_ids:
+        freed: BlockCounts = {}
+        for block_id in dict.fromkeys(block_ids) if by_stream else block_ids:
             owner = owner_of(block_id)
             if owner is None:
                 continue
@@ -272,21 +278,26 @@ class Coordinator:
                     f"free: block {block_id} is held by another worker session; nothing was freed"
                 )
             touched.add(owner)
-            if cost:
-                n_bytes += cost.get(allocator.stream_of(block_id) or "", 0)
+            if by_stream:
+                stream = allocator.stream_of(block_id) or ""
+                freed[stream] = freed.get(stream, 0) + 1
         allocator.free_ids(block_ids)
-        self.budget.credit(session, n_bytes)
         for owner in touched:
             if not allocator.is_active(owner):
                 self._unbind(owner)
+        return freed
 
-    def free_all(self, session: Session, owner: Owner) -> None:
-        """free_all() of an owner this session holds (an unknown owner is a no-op)."""
+    def free_all(self, session: Session, owner: Owner, by_stream: bool) -> BlockCounts:
+        """free_all() of an owner this session holds (an unknown owner is a no-op); with
+        ``by_stream``, the blocks freed per stream (else {})."""
         self._require_held(session, owner, "free_all")
-        n_bytes = self.budget.bytes_of_owner(session, owner)
+        freed = self._blocks_by_stream(owner) if by_stream else {}
         self.allocator.free_all(owner)
-        self.budget.credit(session, n_bytes)
         self._unbind(owner)
+        return freed
+
+    def _blocks_by_stream(self, owner: Owner) -> BlockCounts:
+        return {stream: n_blocks for stream, (n_blocks, _) in self.allocator.usage(owner).items()}
 
     def register_owner(self, session: Session, owner: Owner) -> None:
         """register_owner(): the owner becomes this session's."""
@@ -342,7 +353,7 @@ class Coordinator:
 
     def claim(
         self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
-    ) -> list[dict[str, Any] | None]:
+    ) -> tuple[list[dict[str, Any] | None], BlockCounts]:
         """Take back what a worker of the previous daemon holds, owner by owner.
 
         Each owner is all or nothing: its blocks are claimed by id (never allocated anew), and
@@ -350,12 +361,16 @@ class Coordinator:
         owner id is already held by another session, none of that owner's claim stands. Per
         owner: None (accepted) or an ``{code, message}`` error. ``done`` ends this worker's
         re-sync, which may end the claim period.
+
+        Returns:
+            The results per owner, and the blocks claimed per stream as the claims name it.
         """
         results: list[dict[str, Any] | None] = []
+        claimed: BlockCounts = {}
         errors = ItemErrors()
         for index, (owner, groups) in enumerate(owners):
             try:
-                self._claim_owner(session, owner, groups)
+                self._claim_owner(session, owner, groups, claimed)
             except (ValueError, VqpoolError) as exc:
                 self.n_owners_refused += 1
                 log.warning(
@@ -373,9 +388,12 @@ class Coordinator:
             self.claiming.note_done(session.pid, session.resumes, time.monotonic())
             if self.claiming.ended is not None:
                 self._claim_period_over()
-        return results
+        return results, claimed
 
-    def _claim_owner(self, session: Session, owner: Owner, groups: list[ClaimGroup]) -> None:
+    def _claim_owner(
+        self, session: Session, owner: Owner, groups: list[ClaimGroup], claimed: BlockCounts
+    ) -> None:
+        """Claim one owner's groups, all or nothing; what stood is added to ``claimed``."""
         holder = self._holder.get(owner)
         if holder is not None and holder is not session:
             raise ClaimConflictError(
@@ -388,25 +406,18 @@ class Coordinator:
         allocator = self.allocator
         if holder is None and not groups:
             allocator.register_owner(owner)
-        claimed: list[tuple[int, ...]] = []
+        taken: list[tuple[int, ...]] = []
         try:
             for stream, fmt, block_ids, fills in groups:
-                claimed.append(allocator.claim_ids(owner, stream, block_ids, fills, fmt))
+                taken.append(allocator.claim_ids(owner, stream, block_ids, fills, fmt))
         except BaseException:
-            for group_ids in claimed:  # all or nothing per owner
+            for group_ids in taken:  # all or nothing per owner
                 allocator.free_ids(group_ids)
             if holder is session and not allocator.is_active(owner):
                 allocator.register_owner(owner)  # it was held with no block: keep it so
             raise
-        cost = session.bytes_per_block
-        if cost:  # charged unconditionally: these blocks are held already (docs/budget.md)
-            self.budget.charge(
-                session,
-                sum(
-                    len(group_ids) * self.budget.block_cost(cost, group[0])
-                    for group, group_ids in zip(groups, claimed, strict=True)
-                ),
-            )
+        for group, group_ids in zip(groups, taken, strict=True):
+            claimed[group[0]] = claimed.get(group[0], 0) + len(group_ids)
         self.n_blocks_claimed += len(ids)
         if holder is None:
             self._bind(owner, session)
@@ -457,41 +468,31 @@ class Coordinator:
 
     # -- session lifecycle -------------------------------------------------------------------------
 
-    def end_session(self, session: Session) -> tuple[int, int]:
-        """Free everything ``session`` holds, release its owners and forget it.
-
-        Returns (owners released, blocks freed).
-        """
+    def end_session(self, session: Session, by_stream: bool) -> SessionEnd:
+        """Free everything ``session`` holds, release its owners and forget it; with
+        ``by_stream``, count the blocks freed per stream."""
         allocator = self.allocator
         owners = list(session.owners)
-        n_blocks = n_bytes = 0
+        n_blocks = 0
+        freed: BlockCounts = {}
         for owner in owners:
             n_blocks += allocator.n_blocks_for(owner)
-            n_bytes += self.budget.bytes_of_owner(session, owner)
+            if by_stream:
+                for stream, n in self._blocks_by_stream(owner).items():
+                    freed[stream] = freed.get(stream, 0) + n
             allocator.free_all(owner)
             self._unbind(owner)
         self.sessions.close(session)
-        self.budget.session_ended(session, n_bytes)
         self.replies.forget(session.sid)
         self._roll_dirty = True
-        return len(owners), n_blocks
+        return SessionEnd(len(owners), n_blocks, freed)
 
-    def reap_dead_sessions(self, now: float) -> None:
-        """End every session whose worker exited or stayed stopped past its lease (one look at
-        each process, however many sessions it holds)."""
+    def dead_sessions(self, now: float) -> Iterator[tuple[Session, str]]:
+        """Every session whose worker exited or stayed stopped past its lease, with why (one
+        look at each process, however many sessions it holds). Lazy: the caller ends each one
+        before the next process is looked at."""
         for process in self.sessions.processes():
-            for session, reason in process.reap_reasons(now, self.lease):
-                n_owners, n_blocks = self.end_session(session)
-                self.n_sessions_reaped += 1
-                log.info(
-                    "reaped session %x (pid %d, model %r): %s; freed %d block(s) of %d owner(s)",
-                    session.sid,
-                    session.pid,
-                    session.model,
-                    reason,
-                    n_blocks,
-                    n_owners,
-                )
+            yield from process.reap_reasons(now, self.lease)
 
     # -- reads for the admin -----------------------------------------------------------------------
 
@@ -514,7 +515,8 @@ class Coordinator:
         return time.monotonic() - self.started_monotonic
 
     def audit(self) -> list[str]:
-        """Every disagreement between the allocator, the owner map and the sessions (O(pool))."""
+        """Every disagreement between the allocator, the owner map and the sessions (O(pool));
+        the budget's own recount is the budget layer's."""
         problems: list[str] = []
         try:
             self.allocator.check_invariants()
@@ -534,4 +536,4 @@ class Coordinator:
             for owner in session.owners:
                 if self._holder.get(owner) is not session:
                     problems.append(f"session {session.sid:x} lists owner {owner!r} it lacks")
-        return problems + self.budget.recount_problems()
+        return problems

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.ops.admin import COMMANDS
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import (
     UnauthorizedError,
     UnknownOpError,
@@ -36,15 +36,15 @@ class AdminRequestHandler:
     """Turns one admin request frame into its reply frame (``last_op``/``last_code``: the op and
     outcome of the request handled last, for the metrics)."""
 
-    def __init__(self, coord: Coordinator) -> None:
-        self._coord = coord
+    def __init__(self, state: DaemonState) -> None:
+        self._state = state
         self._bad_log = PeerLogLimiter()
         self.last_op = ""
         self.last_code = 0
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes:
         """The reply to ``payload`` from admin connection ``peer``."""
-        coord = self._coord
+        coord = self._state.coord
         message: Any = None
         self.last_op = ""
         self.last_code = 0
@@ -64,7 +64,7 @@ class AdminRequestHandler:
             self.last_code = error_code_for(exc)
             return error_reply(request_id_of(message), coord.boot_id, exc)
         try:
-            return encode_result(request.id, coord.boot_id, command.run(coord, args))
+            return encode_result(request.id, coord.boot_id, command.run(self._state, args))
         except Exception as exc:
             self.last_code = error_code_for(exc)
             return error_reply(request.id, coord.boot_id, exc)

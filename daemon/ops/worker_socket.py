@@ -15,16 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from vqpool.daemon.budget.accounting import ParkedRequest
+from vqpool.daemon.budget.parking import ParkedRequest
 from vqpool.daemon.budget.reclaim_service import ParkedPoll
-from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.core.sessions import Session, verify_worker_process
 from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.net.peer_process import RequestPeer
+from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
 from vqpool.shared.errors import (
     BadRequestError,
     DaemonRestartedError,
@@ -63,11 +62,6 @@ from vqpool.shared.protocol import (
 
 log = logging.getLogger("vqpoold")
 
-try:
-    DAEMON_VERSION = version("vqpool")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    DAEMON_VERSION = "unknown"
-
 HEARTBEATS_PER_LEASE = 4
 """The client pings every min(lease, claim grace) / 4: three lost heartbeats in a row still keep
 the lease, and an idle worker notices a restart well inside the claim period."""
@@ -78,29 +72,29 @@ block or owner id that a worker is about to claim back."""
 
 BUDGETED_OPS = frozenset({ALLOCATE, ALLOCATE_MANY})
 """Ops that ask the memory budget first, and may be parked until it grants them
-(``daemon/budget_accounting.py``)."""
+(``daemon/budget/parking.py``)."""
 
-Handler = Callable[[Coordinator, Session, dict[str, Any]], Any]
+Handler = Callable[[DaemonState, Session, dict[str, Any]], Any]
 
 
-def _goodbye(coord: Coordinator, session: Session, args: dict[str, Any]) -> Any:
-    n_owners, n_blocks = coord.end_session(session)
+def _goodbye(state: DaemonState, session: Session, args: dict[str, Any]) -> Any:
+    n_owners, n_blocks = state.budget.end_session(session)
     return {"ended": True, "owners_released": n_owners, "blocks_freed": n_blocks}
 
 
-def _ping(coord: Coordinator, session: Session, args: dict[str, Any]) -> dict[str, Any] | None:
+def _ping(state: DaemonState, session: Session, args: dict[str, Any]) -> dict[str, Any] | None:
     # The lease is refreshed by any request; a ping may also carry the worker's load.
     if args["running"] is not None:
         session.running = args["running"]
     if args["queued"] is not None:
         session.queued = args["queued"]
-    coord.budget.reclaim.note_load(session, args["preemptions"])
+    state.budget.reclaim.note_load(session, args["preemptions"])
     if args["prompt_cache"] is not None:
         session.prompt_cache = args["prompt_cache"]
-    return cache_advice(coord, session)
+    return cache_advice(state, session)
 
 
-def cache_advice(coord: Coordinator, session: Session) -> dict[str, Any] | None:
+def cache_advice(state: DaemonState, session: Session) -> dict[str, Any] | None:
     """What the answer to a load report asks of the worker's prompt cache (None: nothing):
     ``drop_cache`` once after ``cache_drop``; else, while allocations of other sessions wait
     for memory, ``release_bytes`` (what they wait for) from a worker that reports cached bytes.
@@ -110,28 +104,28 @@ def cache_advice(coord: Coordinator, session: Session) -> dict[str, Any] | None:
         return {"drop_cache": True}
     if not session.prompt_cache or not session.prompt_cache["bytes"]:
         return None
-    waiting = sum(p.n_bytes for p in coord.budget.parked.values() if p.session is not session)
+    waiting = state.budget.parking.bytes_waiting_for_others(session)
     return {"release_bytes": waiting} if waiting else None
 
 
 HANDLERS: dict[str, Handler] = {
     GOODBYE: _goodbye,
     "ping": _ping,
-    "free": lambda coord, session, a: coord.free(session, a["block_ids"]),
-    "free_all": lambda coord, session, a: coord.free_all(session, a["owner"]),
-    "register_owner": lambda coord, session, a: coord.register_owner(session, a["owner"]),
-    "release_owner": lambda coord, session, a: coord.release_owner(session, a["owner"]),
-    "blocks_for": lambda coord, session, a: block_rows(coord.blocks_for(session, a["owner"])),
-    "n_free": lambda coord, session, a: coord.allocator.n_free(a["stream"]),
-    "mark_used": lambda coord, session, a: coord.mark_used(session, a["updates"]),
-    "stats": lambda coord, session, a: stats_to_wire(coord.allocator.stats),
-    "history": lambda coord, session, a: [stats_to_wire(s) for s in coord.allocator.history],
-    "metrics": lambda coord, session, a: coord.allocator.stats.to_prometheus(),
-    "claim": lambda coord, session, a: coord.claim(session, a["owners"], a["done"]),
-    FIT: lambda coord, session, a: coord.budget.fit(
+    "free": lambda state, session, a: state.budget.holdings.free(session, a["block_ids"]),
+    "free_all": lambda state, session, a: state.budget.holdings.free_all(session, a["owner"]),
+    "register_owner": lambda state, session, a: state.coord.register_owner(session, a["owner"]),
+    "release_owner": lambda state, session, a: state.coord.release_owner(session, a["owner"]),
+    "blocks_for": lambda state, session, a: block_rows(state.coord.blocks_for(session, a["owner"])),
+    "n_free": lambda state, session, a: state.coord.allocator.n_free(a["stream"]),
+    "mark_used": lambda state, session, a: state.coord.mark_used(session, a["updates"]),
+    "stats": lambda state, session, a: stats_to_wire(state.coord.allocator.stats),
+    "history": lambda state, session, a: [stats_to_wire(s) for s in state.coord.allocator.history],
+    "metrics": lambda state, session, a: state.coord.allocator.stats.to_prometheus(),
+    "claim": lambda state, session, a: state.budget.holdings.claim(session, a["owners"], a["done"]),
+    FIT: lambda state, session, a: state.budget.fit(
         session.model, session.bytes_per_block, a["context"], a["concurrency"]
     ),
-    RECLAIM_DONE: lambda coord, session, a: coord.budget.reclaim.done(
+    RECLAIM_DONE: lambda state, session, a: state.budget.reclaim.done(
         session, a["ask"], a["freed"], time.monotonic()
     ),
 }
@@ -142,13 +136,15 @@ class WorkerRequestHandler:
     """Turns one worker request frame into its reply frame.
 
     ``last_op`` and ``last_code`` tell the op and outcome (0 or the error code) of the request
-    handled last, for the metrics (``daemon/metrics.py``); a cached reply counts as 0.
+    handled last, for the metrics (``daemon/server/metrics.py``); a cached reply counts as 0.
     ``peer`` is the connection of the request being handled (set by the server loop): hello
     checks the pid it declares against the connected process's.
     """
 
-    def __init__(self, coord: Coordinator) -> None:
-        self._coord = coord
+    def __init__(self, state: DaemonState) -> None:
+        self._state = state
+        self._coord = state.coord
+        self._budget = state.budget
         self.peer = RequestPeer()
         self._bad_log = PeerLogLimiter()
         self.last_op = ""
@@ -216,7 +212,7 @@ class WorkerRequestHandler:
                 if coord.claiming is not None and op in CLAIM_PERIOD_REFUSED:
                     coord.claiming.refuse_allocation(op, now)
                     coord.check_claim_period(now)  # its time ran out just now
-                parked = coord.budget.parked
+                parked = self._budget.parking.parked
                 if parked and (session.sid, rid) in parked:  # a resend: answer the newest one
                     return parked[session.sid, rid]
                 cached = coord.replies.lookup(session.sid, rid)
@@ -224,13 +220,13 @@ class WorkerRequestHandler:
                     return cached
             args = parse_args(op, request.args, WORKER_ARGS[op])
             if op in BUDGETED_OPS:
-                result = coord.budget.allocate(session, op, args, rid, now)
+                result = self._budget.allocate(session, op, args, rid, now)
                 if type(result) is ParkedRequest:
                     return result
             elif op == RECLAIM_POLL:
-                return coord.budget.reclaim.poll(session, rid, args["wait"], now)
+                return self._budget.reclaim.poll(session, rid, args["wait"], now)
             else:
-                result = HANDLERS[op](coord, session, args)
+                result = HANDLERS[op](self._state, session, args)
             reply = encode_result(rid, boot, result)
         except RetryLaterError as exc:
             # Not cached: the same request must be served once the claim period is over.
@@ -277,7 +273,7 @@ class WorkerRequestHandler:
             bytes_per_block = args["bytes_per_block"]
             if type(bytes_per_block) is int:
                 bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
-            coord.budget.check_hello(bytes_per_block, coord.allocator.streams)
+            self._budget.check_hello(bytes_per_block, coord.allocator.streams)
             session = coord.sessions.open(
                 process,
                 args["model"],

@@ -35,7 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import ADMIN_OPS, WORKER_OPS
 from vqpool.shared.stats import AllocationStats
@@ -186,8 +186,9 @@ class MetricsSnapshot:
     prompt_caches: dict[str, dict[str, int]]  # model -> its workers' prompt-cache reports, summed
 
     @classmethod
-    def take(cls, coord: Coordinator, requests: RequestMetrics, version: str) -> MetricsSnapshot:
+    def take(cls, state: DaemonState, requests: RequestMetrics, version: str) -> MetricsSnapshot:
         """The daemon's state now. Loop thread only; O(allocations held), paid once per scrape."""
+        coord = state.coord
         allocator = coord.allocator
         now = time.monotonic()
         held: dict[tuple[str, str], tuple[int, int]] = {}
@@ -219,8 +220,8 @@ class MetricsSnapshot:
             uptime=coord.uptime(),
             version=version,
             boot_id=coord.boot_id,
-            budget=coord.budget.view(now),
-            models=coord.budget.model_views(now),
+            budget=state.budget.view(now),
+            models=state.budget.model_views(now),
             prompt_caches=caches,
         )
 
@@ -454,7 +455,7 @@ class MetricsExporter:
     """Serves /metrics on 127.0.0.1 from snapshots the daemon loop publishes on demand.
 
     Args:
-        coord: The daemon state (read by the loop thread only).
+        state: The daemon state (read by the loop thread only).
         requests: The loop's request counters.
         wake: Wakes the daemon loop from another thread (a write to its self-pipe).
         version: Daemon version for ``vqpool_daemon_info``.
@@ -462,12 +463,12 @@ class MetricsExporter:
 
     def __init__(
         self,
-        coord: Coordinator,
+        state: DaemonState,
         requests: RequestMetrics,
         wake: Callable[[], None],
         version: str,
     ) -> None:
-        self._coord = coord
+        self._state = state
         self._requests = requests
         self._wake = wake
         self._version = version
@@ -476,7 +477,7 @@ class MetricsExporter:
         # the latest ticket, so every scrape sees the state from after it began.
         self._requested = 0
         self._published = 0
-        self._snapshot = MetricsSnapshot.take(coord, requests, version)
+        self._snapshot = MetricsSnapshot.take(state, requests, version)
         self._server: Any = None
         self._stopped = False
         self.port: int | None = None
@@ -518,7 +519,7 @@ class MetricsExporter:
         ticket = self._requested  # an unlocked read: a stale one only defers to the next wake
         if ticket == self._published:
             return
-        snap = MetricsSnapshot.take(self._coord, self._requests, self._version)
+        snap = MetricsSnapshot.take(self._state, self._requests, self._version)
         with self._ready:
             self._snapshot = snap
             self._published = ticket

@@ -40,7 +40,8 @@ from vqpool.daemon.net.peer_auth import ADMIN_DOMAIN, WORKER_DOMAIN, PeerAuthent
 from vqpool.daemon.net.peer_log import PeerLogLimiter
 from vqpool.daemon.net.peer_process import RequestPeer
 from vqpool.daemon.ops.admin_socket import AdminRequestHandler
-from vqpool.daemon.ops.worker_socket import DAEMON_VERSION, WorkerRequestHandler
+from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
+from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
 from vqpool.daemon.server.exit_status import ExitStatus
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes, parse_budget
@@ -74,7 +75,7 @@ SHUTDOWN_LINGER_MS = 200
 
 Handle = Callable[[bytes, bytes, float], Any]
 """A socket's request handler: the reply frame, or (worker socket) a
-:class:`~vqpool.daemon.budget.accounting.ParkedRequest` to answer later."""
+:class:`~vqpool.daemon.budget.parking.Parked` request to answer later."""
 
 
 def _input_pending(sock: zmq.Socket[bytes]) -> bool:
@@ -310,7 +311,7 @@ class Server:
         boot_id = new_boot_id()
         lock_fd = take_lock(run_dir / LOCK_FILE_NAME, boot_id)
         # After the lock: the roll of the previous daemon's workers is ours to read only now.
-        coord = Coordinator(
+        state = DaemonState.create(
             pool_config,
             lease=self.settings.lease,
             run_dir=run_dir,
@@ -321,23 +322,24 @@ class Server:
             lend_reserves=self.settings.lend_reserves,
             reclaim_deadline=self.settings.reclaim_deadline,
         )
+        coord = state.coord
         fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
         wake_fd = self._catch_stop_signals()
         # Bound before the sockets it guards: libzmq admits anyone while no ZAP handler is bound.
-        auth = coord.peer_auth = PeerAuthenticator(context)
+        auth = state.peer_auth = PeerAuthenticator(context)
         bound: list[tuple[zmq.Socket[bytes], Path]] = []  # closed and unlinked on the way out
         guard = ConnectionGuard(context, fd_limit)
         try:
-            worker_handler, admin_handler = WorkerRequestHandler(coord), AdminRequestHandler(coord)
+            worker_handler, admin_handler = WorkerRequestHandler(state), AdminRequestHandler(state)
             self._peers = {"worker": worker_handler.peer, "admin": RequestPeer()}
             handle_worker: Handle = worker_handler.handle
             handle_admin: Handle = admin_handler.handle
             # Before binding: a port in use must fail start-up with no socket to close.
             if metrics_port is not None:
                 handle_worker, handle_admin = self._start_metrics(
-                    coord, metrics_port, worker_handler, admin_handler
+                    state, metrics_port, worker_handler, admin_handler
                 )
             # Only now, holding the lock, may a stale socket of a killed daemon be replaced.
             for path in (worker_path, admin_path):
@@ -364,7 +366,7 @@ class Server:
                 fd_limit,
                 describe_limit_change(fd_limit_before, fd_limit),
             )
-            self._loop(coord, wake_fd, auth, guard, (worker, handle_worker), (admin, handle_admin))
+            self._loop(state, wake_fd, auth, guard, (worker, handle_worker), (admin, handle_admin))
             # Answer what was already queued before the signal, then let the replies flush.
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
@@ -387,7 +389,7 @@ class Server:
 
     def _start_metrics(
         self,
-        coord: Coordinator,
+        state: DaemonState,
         port: int,
         worker_handler: WorkerRequestHandler,
         admin_handler: AdminRequestHandler,
@@ -397,7 +399,7 @@ class Server:
         from vqpool.daemon.server.metrics import MetricsExporter, RequestMetrics
 
         requests = RequestMetrics()
-        exporter = MetricsExporter(coord, requests, self._wake_loop, DAEMON_VERSION)
+        exporter = MetricsExporter(state, requests, self._wake_loop, DAEMON_VERSION)
         try:
             served = exporter.start(port)
         except OSError as exc:
@@ -468,7 +470,7 @@ class Server:
 
     def _loop(
         self,
-        coord: Coordinator,
+        state: DaemonState,
         wake_fd: int,
         auth: PeerAuthenticator,
         guard: ConnectionGuard,
@@ -485,7 +487,9 @@ class Server:
             poller.register(cast(int, sock.getsockopt(zmq.FD)), select.POLLIN)
         poller.register(wake_fd, select.POLLIN)
         next_check = time.monotonic() + LIVENESS_INTERVAL
-        budget = coord.budget
+        coord = state.coord
+        budget = state.budget
+        parking = budget.parking
         reclaim = budget.reclaim
         while self._stop_signal is None:
             # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
@@ -498,7 +502,7 @@ class Server:
                 timeout_ms = 0
             else:
                 wake_at = next_check
-                if budget.parked:  # a parked request's deadline may come first
+                if parking.parked:  # a parked request's deadline may come first
                     deadline = budget.ledger.next_deadline()
                     if deadline is not None and deadline < wake_at:
                         wake_at = deadline
@@ -523,18 +527,18 @@ class Server:
                     guard.serve()
             self._serve(worker, handle_worker, coord, "worker")
             self._serve(admin, handle_admin, coord, "admin")
-            if budget.parked:
-                budget.expire(time.monotonic())
-                budget.hand_out()
+            if parking.parked:
+                parking.expire(time.monotonic())
+                parking.hand_out()
             if reclaim.active:
                 reclaim.tick(time.monotonic())
-            if budget.outbox:
-                self._send_late_replies(worker, coord)
+            if parking.outbox:
+                self._send_late_replies(worker, parking.outbox, coord)
             if self._metrics is not None:
                 self._metrics.publish_if_wanted()
             now = time.monotonic()
             if now >= next_check:
-                coord.reap_dead_sessions(now)
+                budget.reap_dead_sessions(now)
                 guard.check()
                 coord.check_claim_period(now)
                 coord.write_roll_if_changed()
@@ -582,9 +586,10 @@ class Server:
                 coord.n_replies_dropped += 1
 
     @staticmethod
-    def _send_late_replies(sock: zmq.Socket[bytes], coord: Coordinator) -> None:
-        """Send the replies of parked requests that were granted, expired or refused."""
-        outbox = coord.budget.outbox
+    def _send_late_replies(
+        sock: zmq.Socket[bytes], outbox: list[tuple[list[bytes], bytes]], coord: Coordinator
+    ) -> None:
+        """Send the late replies of parked requests (``budget/parking.py``)."""
         for envelope, reply in outbox:
             try:
                 sock.send_multipart([*envelope, reply], zmq.NOBLOCK)

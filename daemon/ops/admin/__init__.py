@@ -1,7 +1,8 @@
 """Admin commands of vqpoold, one module each (the module docstring is its help).
 
 Every module defines ``PARAMS`` (a tuple of :class:`vqpool.shared.protocol.Field`: the op's
-arguments, their checks and help) and ``run(coord, args)`` returning a msgpack-able result.
+arguments, their checks and help) and ``run(state, args)`` returning a msgpack-able result
+(``state``: the :class:`~vqpool.daemon.ops.state.DaemonState`).
 :data:`COMMANDS` maps each admin op name to its module; ``vqpoolctl`` can build its sub-commands
 and their help from it.
 """

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field
 
 PARAMS: tuple[Field, ...] = ()
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
-    problems = coord.audit()
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
+    problems = coord.audit() + state.budget.recount_problems()
     stats = coord.allocator.stats
     return {
         "ok": not problems,

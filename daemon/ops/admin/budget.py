@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.byte_sizes import MAX_BYTES
 from vqpool.shared.protocol import Field, check_int
 
@@ -23,7 +23,7 @@ PARAMS = (
 )
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
-    budget = coord.budget
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    budget = state.budget
     refused = budget.set_budget(args["bytes"]) if args["bytes"] else 0
     return budget.view(time.monotonic(), refused)

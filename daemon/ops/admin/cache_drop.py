@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field, check_str
 
 log = logging.getLogger("vqpoold")
@@ -16,7 +16,8 @@ log = logging.getLogger("vqpoold")
 PARAMS = (Field("model", check_str, help="the model name its workers give in hello"),)
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
     model = args["model"]
     sessions = [s for s in coord.sessions if s.model == model]
     if not sessions:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import NoSessionError
 from vqpool.shared.protocol import Field, check_int
 
@@ -16,11 +16,12 @@ log = logging.getLogger("vqpoold")
 PARAMS = (Field("sid", check_int, help="session id, as `sessions` lists it"),)
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
     session = coord.sessions.get(args["sid"])
     if session is None:
         raise NoSessionError(f"evict_session: no session {args['sid']}")
-    n_owners, n_blocks = coord.end_session(session)
+    n_owners, n_blocks = state.budget.end_session(session)
     coord.n_sessions_evicted += 1
     log.warning(
         "evicted session %x (pid %d, model %r): freed %d block(s) of %d owner(s)",

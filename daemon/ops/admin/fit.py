@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import FIT, WORKER_ARGS, Field, check_str
 
 PARAMS = (
@@ -16,11 +16,12 @@ PARAMS = (
 )
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
     model = args["model"]
     priced = [s for s in coord.sessions if s.model == model and s.bytes_per_block]
     if not priced:
         raise ValueError(
             f"no worker of model {model} is connected; its bytes per block are unknown"
         )
-    return coord.budget.fit(model, priced[0].bytes_per_block, args["context"], args["concurrency"])
+    return state.budget.fit(model, priced[0].bytes_per_block, args["context"], args["concurrency"])

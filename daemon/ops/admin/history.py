@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field, check_bool, check_int, stats_to_wire
 
 PARAMS = (
@@ -27,7 +27,8 @@ PARAMS = (
 )
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> list[dict[str, Any]]:
+def run(state: DaemonState, args: dict[str, Any]) -> list[dict[str, Any]]:
+    coord = state.coord
     if args["timeline"]:
         return coord.timeline.to_wire(args["limit"])
     snapshots = list(coord.allocator.history)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field
 
 PARAMS: tuple[Field, ...] = ()
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> str:
+def run(state: DaemonState, args: dict[str, Any]) -> str:
+    coord = state.coord
     return coord.allocator.stats.to_prometheus()

@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field
 
 PARAMS: tuple[Field, ...] = ()
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     now = time.monotonic()
-    return {"budget": coord.budget.view(now), "models": coord.budget.model_views(now)}
+    return {"budget": state.budget.view(now), "models": state.budget.model_views(now)}

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from vqpool.daemon.budget.settings import model_settings
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.protocol import Field, check_int, check_number, check_str
 
 PARAMS = (
@@ -37,7 +37,7 @@ PARAMS = (
 )
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     model = args["model"]
     fields: dict[str, Any] = {
         k: args[k] for k in ("reserve", "limit", "weight") if args[k] is not None
@@ -48,7 +48,7 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
         fields["limit"] = None
     elif fields.get("limit", 0) < 0:
         raise ValueError(f"model {model!r}: limit must be >= 0 bytes, or -1 for none")
-    budget = coord.budget
+    budget = state.budget
     settings = model_settings(fields, budget.ledger.settings_of(model), where=f"model {model!r}")
     budget.set_model(model, settings)
     return budget.model_view(model, time.monotonic())

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.views import owner_view
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import NoSessionError
 from vqpool.shared.protocol import Field, check_int
 
 PARAMS = (Field("sid", check_int, required=False, help="only this session's owners"),)
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> list[dict[str, Any]]:
+def run(state: DaemonState, args: dict[str, Any]) -> list[dict[str, Any]]:
+    coord = state.coord
     if args["sid"] is None:
         sessions = list(coord.sessions)
     else:

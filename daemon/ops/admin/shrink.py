@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import RetryLaterError
 from vqpool.shared.protocol import Field, check_int, check_tag
 
@@ -20,7 +20,8 @@ PARAMS = (
 )
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
     if coord.claiming is not None:
         raise RetryLaterError(
             "shrink: vqpoold restarted and is taking back blocks its workers still hold; "

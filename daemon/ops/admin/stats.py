@@ -8,13 +8,14 @@ import time
 from typing import Any
 
 from vqpool.daemon.core.coordinator import Coordinator
-from vqpool.daemon.ops.worker_socket import DAEMON_VERSION
+from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
 from vqpool.shared.protocol import PROTOCOL_VERSION, Field, config_to_wire, stats_to_wire
 
 PARAMS: tuple[Field, ...] = ()
 
 
-def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
+def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
+    coord = state.coord
     allocator = coord.allocator
     stats = allocator.stats
     return {
@@ -52,10 +53,10 @@ def run(coord: Coordinator, args: dict[str, Any]) -> dict[str, Any]:
             "bytes_total": coord.replies.bytes_total,
         },
         "claims": claims_view(coord),
-        "budget": coord.budget.view(time.monotonic()),
+        "budget": state.budget.view(time.monotonic()),
         "connections": {
-            "accepted": coord.peer_auth.n_accepted if coord.peer_auth else 0,
-            "refused": coord.peer_auth.n_refused if coord.peer_auth else 0,
+            "accepted": state.peer_auth.n_accepted if state.peer_auth else 0,
+            "refused": state.peer_auth.n_refused if state.peer_auth else 0,
         },
     }
 
