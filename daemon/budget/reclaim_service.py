@@ -82,8 +82,10 @@ class ReclaimService:
 
     # -- the worker ops ------------------------------------------------------------------------
 
-    def poll(self, session: Session, rid: int, wait: float, now: float) -> bytes | ParkedPoll:
-        """The reply to a ``reclaim_poll``: the session's open ask at once, or a parked poll
+    def poll(
+        self, session: Session, rid: int, wait: float, now: float
+    ) -> dict[str, Any] | ParkedPoll:
+        """The result of a ``reclaim_poll``: the session's open ask at once, or a parked poll
         (answered with an ask or, at ``now + wait``, with none). One poll per session: a new
         one replaces the old, whose client has moved on; a resend of the parked one (same
         request id) keeps its place."""
@@ -92,14 +94,14 @@ class ReclaimService:
         ask = self.book.open_ask(session.sid)
         if ask is not None:
             self.polls.pop(session.sid, None)
-            return self._ask_reply(rid, ask, now)
+            return self._ask_result(ask, now)
         parked = self.polls.get(session.sid)
         if parked is not None and parked.rid == rid:
             parked.deadline = now + wait
             return parked
         if wait <= 0:
             self.polls.pop(session.sid, None)
-            return encode_result(rid, self._coord.boot_id, {"ask": None})
+            return {"ask": None}
         parked = self.polls[session.sid] = ParkedPoll(session, rid, now + wait)
         self._next_poll_expiry = min(self._next_poll_expiry, parked.deadline)
         return parked
@@ -212,19 +214,17 @@ class ReclaimService:
             )
             parked = self.polls.pop(ask.sid, None)
             if parked is not None:
-                self._parking.send(parked, self._ask_reply(parked.rid, ask, now))
+                reply = encode_result(parked.rid, self._coord.boot_id, self._ask_result(ask, now))
+                self._parking.send(parked, reply)
 
     def session_ended(self, session: Session) -> None:
         self.polls.pop(session.sid, None)
         self.listeners.discard(session.sid)
         self.book.session_ended(session.sid)
 
-    def _ask_reply(self, rid: int, ask: ReclaimAsk, now: float) -> bytes:
-        return encode_result(
-            rid,
-            self._coord.boot_id,
-            {"ask": ask.ask_id, "bytes": ask.n_bytes, "deadline": max(0.0, ask.deadline - now)},
-        )
+    @staticmethod
+    def _ask_result(ask: ReclaimAsk, now: float) -> dict[str, Any]:
+        return {"ask": ask.ask_id, "bytes": ask.n_bytes, "deadline": max(0.0, ask.deadline - now)}
 
     # -- views ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The admin socket's request handler: one dispatcher over the command modules.
+"""The admin socket's request handler: the dispatcher over the admin op table.
 
 Admin requests use the worker envelope without ``sid`` or ``boot``. Only admin ops are served
 here; a worker op sent to the admin socket is UNAUTHORIZED, as an admin op sent to the worker
@@ -11,7 +11,7 @@ from typing import Any
 
 from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.net.peer_log import PeerLogLimiter
-from vqpool.daemon.ops.admin import COMMANDS
+from vqpool.daemon.ops.admin import ADMIN_TABLE
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import (
     UnauthorizedError,
@@ -20,7 +20,6 @@ from vqpool.shared.errors import (
     error_code_for,
 )
 from vqpool.shared.protocol import (
-    ADMIN_OPS,
     WORKER_OPS,
     decode_request,
     encode_result,
@@ -28,8 +27,6 @@ from vqpool.shared.protocol import (
     parse_envelope,
     request_id_of,
 )
-
-assert COMMANDS.keys() == ADMIN_OPS
 
 
 class AdminRequestHandler:
@@ -52,19 +49,21 @@ class AdminRequestHandler:
             message = decode_request(payload)
             request = parse_envelope(message)
             self.last_op = request.op
-            command = COMMANDS.get(request.op)
-            if command is None:
+            op = ADMIN_TABLE.get(request.op)
+            if op is None:
                 if request.op in WORKER_OPS:
                     raise UnauthorizedError(f"{request.op!r} is a worker op: use the worker socket")
-                raise UnknownOpError(f"unknown admin op {request.op!r} (known: {sorted(COMMANDS)})")
-            args = parse_args(request.op, request.args, command.PARAMS)
+                raise UnknownOpError(
+                    f"unknown admin op {request.op!r} (known: {sorted(ADMIN_TABLE)})"
+                )
+            args = parse_args(request.op, request.args, op.params)
         except (VqpoolError, ValueError) as exc:
             coord.n_bad_requests += 1
             self._bad_log.note(peer, "admin", str(exc))
             self.last_code = error_code_for(exc)
             return error_reply(request_id_of(message), coord.boot_id, exc)
         try:
-            return encode_result(request.id, coord.boot_id, command.run(self._state, args))
+            return encode_result(request.id, coord.boot_id, op.handler(self._state, args))
         except Exception as exc:
             self.last_code = error_code_for(exc)
             return error_reply(request.id, coord.boot_id, exc)

@@ -4,7 +4,8 @@ Every module defines ``PARAMS`` (a tuple of :class:`vqpool.shared.protocol.Field
 arguments, their checks and help) and ``run(state, args)`` returning a msgpack-able result
 (``state``: the :class:`~vqpool.daemon.ops.state.DaemonState`).
 :data:`COMMANDS` maps each admin op name to its module; ``vqpoolctl`` can build its sub-commands
-and their help from it.
+and their help from it. :data:`ADMIN_TABLE` is the admin socket's op table (see
+``ops/op_table.py``), built the same way as the worker socket's.
 """
 
 from types import ModuleType
@@ -25,6 +26,8 @@ from vqpool.daemon.ops.admin import (
     shrink,
     stats,
 )
+from vqpool.daemon.ops.op_table import AdminHandler, Op, op_table
+from vqpool.shared.protocol import ADMIN_OPS
 
 COMMANDS: dict[str, ModuleType] = {
     module.__name__.rsplit(".", 1)[-1]: module
@@ -45,3 +48,9 @@ COMMANDS: dict[str, ModuleType] = {
         cache_drop,
     )
 }
+
+ADMIN_TABLE: dict[str, Op[AdminHandler]] = op_table(
+    ADMIN_OPS,
+    {name: module.PARAMS for name, module in COMMANDS.items()},
+    {name: module.run for name, module in COMMANDS.items()},
+)
