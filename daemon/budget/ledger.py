@@ -25,16 +25,19 @@ Typical wiring (the integrator's side)::
 
 A model's name is the ``model`` a worker gives in ``hello``; every session of one model shares
 its settings and its holdings here.
+
+This module is the policy (requests, who waits, who is granted next, what reclaim must take
+back); the holdings and the three rules are the book's (``budget/model_book.py``), the queue's
+order and indices ``budget/waiting.py``'s, the fair shares ``budget/shares.py``'s.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
+from vqpool.daemon.budget.model_book import ModelBook, check_budget, never_reason
+from vqpool.daemon.budget.shares import water_fill
 from vqpool.daemon.budget.types import (
     DEFAULT_SETTINGS,
     GRANTED,
@@ -49,7 +52,8 @@ from vqpool.daemon.budget.types import (
     Ticket,
     Verdict,
 )
-from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
+from vqpool.daemon.budget.waiting import CANDIDATE, ModelRecord, Waiter, WaitQueue
+from vqpool.shared.byte_sizes import MAX_BYTES
 
 __all__ = [
     "DEFAULT_MAX_WAITING",
@@ -117,112 +121,11 @@ def bytes_for_context(
     return total
 
 
-def water_fill(capacity: float, shares: Sequence[tuple[float, float, float]]) -> list[float]:
-    """Weighted max-min shares of ``capacity``: ``shares`` holds (floor, cap, weight) per party.
-
-    Each party gets ``min(cap, max(floor, level * weight))`` for the one ``level`` at which the
-    total is ``capacity``, or its cap if all caps fit. Floors must fit the capacity together and
-    each floor must be at most its cap (the ledger's reserves and limits guarantee both).
-    O(n log n).
-    """
-    base = float(sum(floor for floor, _, _ in shares))
-    if base >= capacity:
-        return [floor for floor, _, _ in shares]
-    if sum(cap for _, cap, _ in shares) <= capacity:
-        return [cap for _, cap, _ in shares]
-    # Sweep the level upwards over the points where a party starts growing (floor/weight) or
-    # stops (cap/weight). Between two points the total is base + slope * level.
-    events: list[tuple[float, int, int]] = []  # (level, 0 = starts / 1 = stops, party)
-    for i, (floor, cap, weight) in enumerate(shares):
-        if cap > floor:
-            events.append((floor / weight, 0, i))
-            events.append((cap / weight, 1, i))
-    events.sort()
-    slope = 0.0
-    for at, kind, i in events:
-        if slope > 0 and base + slope * at >= capacity:
-            break
-        floor, cap, weight = shares[i]
-        if kind == 0:
-            slope += weight
-            base -= floor
-        else:
-            slope -= weight
-            base += cap
-    else:  # only float rounding gets here: the caps were checked to be over the capacity
-        return [cap for _, cap, _ in shares]
-    level = (capacity - base) / slope
-    return [min(cap, max(floor, level * weight)) for floor, cap, weight in shares]
-
-
-class _Waiter:
-    """One request the ledger decides on, and keeps while it waits. ``growth`` marks a growth
-    of held memory, queued ahead of its model's other requests; ``key`` is its growing party
-    (None for a try_grant candidate); ``seq`` its place in arrival order, set when queued."""
-
-    __slots__ = ("deadline", "enqueued_at", "growth", "key", "model", "n_bytes", "seq", "ticket")
-
-    def __init__(
-        self,
-        ticket: Ticket,
-        model: _Model,
-        n_bytes: int,
-        deadline: float,
-        now: float,
-        growth: bool = False,
-        key: Hashable | None = None,
-    ) -> None:
-        self.ticket = ticket
-        self.model = model
-        self.n_bytes = n_bytes
-        self.deadline = deadline
-        self.seq = 0
-        self.enqueued_at = now
-        self.growth = growth
-        self.key = key
-
-
-class _Model:
-    """One model's settings in effect, holdings and queue."""
-
-    __slots__ = (
-        "configured",
-        "held",
-        "limit",
-        "n_growth",
-        "name",
-        "queue",
-        "reserve",
-        "settings",
-        "waiting_bytes",
-        "weight",
-    )
-
-    def __init__(self, name: str, settings: ModelSettings, budget: int) -> None:
-        self.name = name
-        self.settings = settings
-        self.configured = False
-        self.reserve = settings.reserve
-        self.limit = budget if settings.limit is None else min(settings.limit, budget)
-        self.weight = float(settings.weight)
-        self.held = 0
-        self.queue: OrderedDict[Ticket, _Waiter] = OrderedDict()
-        """Growths first (in arrival order), then the other requests (in arrival order)."""
-        self.n_growth = 0  # growths at the front of the queue
-        self.waiting_bytes = 0
-
-    def head(self) -> _Waiter:
-        return next(iter(self.queue.values()))
-
-
-_CANDIDATE = object()
-"""The ticket of a request tried against the queue without joining it (try_grant)."""
-
-
 class BudgetLedger:
     """Bytes held per model against one budget, and the queue of requests waiting for bytes.
 
-    A request of ``n`` bytes by model ``m`` fits when all three hold:
+    A request of ``n`` bytes by model ``m`` fits when all three hold (the book of holdings,
+    :class:`~vqpool.daemon.budget.model_book.ModelBook`, keeps them):
 
     - ``total_held + n <= budget``;
     - ``held(m) + n <= limit(m)`` (its limit, or the budget if smaller);
@@ -258,51 +161,36 @@ class BudgetLedger:
         max_waiting: int = DEFAULT_MAX_WAITING,
         lend_reserves: bool = False,
     ) -> None:
-        _check_budget(budget)
+        check_budget(budget)
         for name, value in (
             ("max_waiting_per_model", max_waiting_per_model),
             ("max_waiting", max_waiting),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        configured = dict(models or {})
-        for name, settings in configured.items():
-            _check_model_name(name)
-            if not isinstance(settings, ModelSettings):
-                raise ValueError(
-                    f"model {name!r}: settings must be ModelSettings, got {settings!r}"
-                )
-        reserved = sum(s.reserve for s in configured.values())
-        if reserved > budget:
-            raise ValueError(_reserves_over_budget(reserved, budget))
-        self._budget = budget
-        self._models: dict[str, _Model] = {}
-        self._total_held = 0
-        self._reserved = reserved
-        self._protected = reserved  # nothing is held yet: every reserve is unused
-        self._waiters: dict[Ticket, _Waiter] = {}
-        self._growth_keys: dict[Hashable, _Waiter] = {}  # the one waiting growth of each party
-        self._queued_models: dict[_Model, None] = {}  # the models with waiting requests
-        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._book = ModelBook(budget, models, lend_reserves)
+        self._queue = WaitQueue()
+        # The book's records and the queue's index, read on every request (the same dicts).
+        self._models = self._book.models
+        self._waiters = self._queue.waiters
         self._pending: list[Ticket] = []
         self._settled = True  # no waiting request could be granted now (see _settle)
-        self._seq = 0
         self.max_waiting_per_model = max_waiting_per_model
         self.max_waiting = max_waiting
-        self.lend_reserves = bool(lend_reserves)
-        for name, settings in configured.items():
-            model = self._models[name] = _Model(name, settings, budget)
-            model.configured = True
 
     # -- reading --------------------------------------------------------------------------
 
     @property
     def budget(self) -> int:
-        return self._budget
+        return self._book.budget
 
     @property
     def total_held(self) -> int:
-        return self._total_held
+        return self._book.total_held
+
+    @property
+    def lend_reserves(self) -> bool:
+        return self._book.lend_reserves
 
     @property
     def n_waiting(self) -> int:
@@ -311,14 +199,12 @@ class BudgetLedger:
 
     def held(self, model: str) -> int:
         """Bytes ``model`` holds (0 for a model never seen)."""
-        found = self._models.get(model)
-        return 0 if found is None else found.held
+        return self._book.held(model)
 
     def settings_of(self, model: str) -> ModelSettings:
         """The settings in effect for ``model`` (the defaults for an unconfigured one); change one
         field with ``dataclasses.replace(ledger.settings_of(m), reserve=...)``."""
-        found = self._models.get(model)
-        return DEFAULT_SETTINGS if found is None else found.settings
+        return self._book.settings_of(model)
 
     def is_waiting(self, ticket: Ticket) -> bool:
         return ticket in self._waiters
@@ -331,7 +217,7 @@ class BudgetLedger:
         the budget; then nothing is granted until holdings are back under it."""
         _check_amount(n_bytes)
         found = self._models.get(model)
-        self._add(self._model(model) if found is None else found, n_bytes)
+        self._add(self._book.record(model) if found is None else found, n_bytes)
 
     def credit(self, model: str, n_bytes: int) -> None:
         """Take ``n_bytes`` off ``model``'s holdings (its blocks were freed). Call :meth:`grants`
@@ -353,16 +239,9 @@ class BudgetLedger:
             )
         self._add(found, -n_bytes)
 
-    def _add(self, model: _Model, n_bytes: int) -> None:
-        """Holdings of ``model`` += ``n_bytes`` (either sign), keeping the total and the sum of
-        unused reserves current without looking at any other model."""
-        held = model.held
-        reserve = model.reserve
-        unused_before = reserve - held if held < reserve else 0
-        held += n_bytes
-        model.held = held
-        self._total_held += n_bytes
-        self._protected += (reserve - held if held < reserve else 0) - unused_before
+    def _add(self, model: ModelRecord, n_bytes: int) -> None:
+        """Holdings of ``model`` += ``n_bytes`` (either sign): waiting requests may go now."""
+        self._book.add(model, n_bytes)
         self._settled = False
 
     # -- requests -------------------------------------------------------------------------
@@ -384,23 +263,14 @@ class BudgetLedger:
         if rec is None:
             return self._as_new_model(model, lambda: self.try_grant(model, n_bytes, growth=growth))
         if self._waiters:
-            candidate = _Waiter(_CANDIDATE, rec, n_bytes, math.inf, 0.0, growth)
+            candidate = Waiter(CANDIDATE, rec, n_bytes, math.inf, 0.0, growth)
             return self._decide(candidate, queue=False)
-        # The hot path: the three rules of the class docstring, inlined.
-        held = rec.held
-        if held + n_bytes <= rec.limit:
-            reserve = rec.reserve
-            unused_own = reserve - held if held < reserve else 0
-            protected = 0 if self.lend_reserves else self._protected - unused_own
-            if n_bytes <= self._budget - self._total_held - protected:
-                held += n_bytes
-                rec.held = held
-                self._total_held += n_bytes
-                self._protected += (reserve - held if held < reserve else 0) - unused_own
-                return GRANTED
-        if n_bytes > self._ceiling(rec):
-            return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
-        return self._refusal(rec, n_bytes, self._shortage(rec, n_bytes), queued=False)
+        book = self._book
+        if book.take(rec, n_bytes):  # the hot path: the three rules, inlined
+            return GRANTED
+        if n_bytes > book.ceiling(rec):
+            return self._refusal(rec, n_bytes, never_reason(rec, n_bytes), queued=False)
+        return self._refusal(rec, n_bytes, book.shortage(rec, n_bytes), queued=False)
 
     def request(
         self,
@@ -466,18 +336,18 @@ class BudgetLedger:
             if verdict.outcome is not Outcome.WAIT:
                 return verdict
         rec = self._models[model]
-        if is_growth and growth in self._growth_keys:
+        if is_growth and growth in self._queue.growth_keys:
             verdict = self.try_grant(model, n_bytes, growth=True)
             if verdict.outcome is Outcome.WAIT:
                 return self._refusal(rec, n_bytes, Reason.GROWTH_WAITING, queued=False)
             return verdict
-        request = _Waiter(ticket, rec, n_bytes, deadline, now, is_growth, growth)
+        request = Waiter(ticket, rec, n_bytes, deadline, now, is_growth, growth)
         return self._decide(request, queue=True)
 
     def _as_new_model(self, model: str, call: Callable[[], Verdict]) -> Verdict:
         """``call()`` for a model seen for the first time, whose record is kept only if the
         request was granted or queued: a refusal leaves no trace."""
-        self._model(model)
+        self._book.record(model)
         try:
             verdict = call()
         finally:
@@ -486,14 +356,14 @@ class BudgetLedger:
                 del self._models[model]
         return verdict
 
-    def _decide(self, request: _Waiter, queue: bool) -> Verdict:
+    def _decide(self, request: Waiter, queue: bool) -> Verdict:
         """The slow path: NEVER, or where the policy puts ``request`` (not queued yet) among
         the waiting ones; ``queue``: whether it may wait."""
         rec, n_bytes = request.model, request.n_bytes
         if n_bytes == 0:
             return GRANTED
-        if n_bytes > self._ceiling(rec):
-            return self._refusal(rec, n_bytes, _never_reason(rec, n_bytes), queued=False)
+        if n_bytes > self._book.ceiling(rec):
+            return self._refusal(rec, n_bytes, never_reason(rec, n_bytes), queued=False)
         # First come first served within a model; a growth only after earlier growths.
         if rec.n_growth if request.growth else rec.queue:
             return self._wait(request, queue, Reason.BEHIND_WAITERS)
@@ -502,17 +372,17 @@ class BudgetLedger:
         # the policy order, or within its share past a blocked head: let the policy decide.
         # A growth goes in front of its model's other waiting requests: with them it may
         # settle anew.
-        if not self._settled or self._fits(rec, n_bytes):
-            self._enqueue(request)
+        if not self._settled or self._book.fits(rec, n_bytes):
+            self._queue.enqueue(request)
             self._settle()
             if request.ticket not in self._waiters:  # granted by the policy just now
-                if request.ticket is not _CANDIDATE:
+                if request.ticket is not CANDIDATE:
                     self._pending.remove(request.ticket)
                 return GRANTED
-            self._remove(request)
-        return self._wait(request, queue, self._shortage(rec, n_bytes))
+            self._queue.remove(request)
+        return self._wait(request, queue, self._book.shortage(rec, n_bytes))
 
-    def _wait(self, request: _Waiter, queue: bool, reason: Reason) -> Verdict:
+    def _wait(self, request: Waiter, queue: bool, reason: Reason) -> Verdict:
         """Queue ``request`` if it may wait and there is room, and say why it waits."""
         rec, n_bytes = request.model, request.n_bytes
         if not queue:
@@ -524,51 +394,17 @@ class BudgetLedger:
             full = Reason.ALL_QUEUES_FULL
         if full is not None:
             return self._refusal(rec, n_bytes, full, queued=False, outcome=Outcome.QUEUE_FULL)
-        self._enqueue(request)
-        if request.growth and rec.held + n_bytes > self._entitlements().get(rec, 0.0):
+        self._queue.enqueue(request)
+        if request.growth and rec.held + n_bytes > self._book.entitlements().get(rec, 0.0):
             # Not owed: no reclaim would be planned for it, and others may be owed first.
-            self._remove(request)
+            self._queue.remove(request)
             return self._refusal(rec, n_bytes, Reason.ABOVE_SHARE, queued=False)
-        heapq.heappush(self._deadlines, (request.deadline, request.seq, request))
+        self._queue.add_deadline(request)
         return self._refusal(rec, n_bytes, reason, queued=True)
-
-    def _shortage(self, rec: _Model, n_bytes: int) -> Reason:
-        """Why ``n_bytes`` does not go to ``rec`` now (BEHIND_WAITERS if it would fit)."""
-        held = rec.held
-        if held + n_bytes > rec.limit:
-            return Reason.OWN_LIMIT
-        free = self._budget - self._total_held
-        if n_bytes > free:
-            return Reason.BUDGET_FULL
-        if n_bytes > free - self._protected_from(rec):
-            return Reason.RESERVES_PROTECTED
-        return Reason.BEHIND_WAITERS
-
-    def _fits(self, rec: _Model, n_bytes: int) -> bool:
-        """The three rules (budget, own limit, others' unused reserves), queue aside."""
-        return (
-            rec.held + n_bytes <= rec.limit
-            and n_bytes <= self._budget - self._total_held - self._protected_from(rec)
-        )
-
-    def _protected_from(self, rec: _Model) -> int:
-        """Unused reserves of the models other than ``rec`` that it may not take (none when
-        reserves are lent)."""
-        if self.lend_reserves:
-            return 0
-        held, reserve = rec.held, rec.reserve
-        return self._protected - (reserve - held if held < reserve else 0)
-
-    def _ceiling(self, rec: _Model) -> int:
-        """The most ``rec`` could ever hold: min(limit, budget - other models' reserves), or
-        its limit when reserves are lent (what it holds beyond the first may be taken back)."""
-        if self.lend_reserves:
-            return rec.limit
-        return max(0, min(rec.limit, self._budget - (self._reserved - rec.reserve)))
 
     def _refusal(
         self,
-        rec: _Model,
+        rec: ModelRecord,
         n_bytes: int,
         reason: Reason,
         queued: bool,
@@ -584,49 +420,13 @@ class BudgetLedger:
             n_bytes,
             rec.held,
             rec.limit,
-            self._ceiling(rec),
-            self._budget,
-            self._total_held,
-            self._protected_from(rec),
+            self._book.ceiling(rec),
+            self._book.budget,
+            self._book.total_held,
+            self._book.protected_from(rec),
         )
 
     # -- the queue ------------------------------------------------------------------------
-
-    def _enqueue(self, waiter: _Waiter) -> None:
-        """Queue ``waiter`` (numbered here: its place in arrival order)."""
-        self._seq += 1
-        waiter.seq = self._seq
-        rec, ticket = waiter.model, waiter.ticket
-        if not rec.queue:
-            self._queued_models[rec] = None
-        queue = rec.queue
-        if waiter.growth:
-            # In front of the model's other requests, behind its earlier growths (few: one
-            # per party).
-            earlier = list(itertools.islice(queue, rec.n_growth))
-            queue[ticket] = waiter
-            queue.move_to_end(ticket, last=False)
-            for earlier_ticket in reversed(earlier):
-                queue.move_to_end(earlier_ticket, last=False)
-            rec.n_growth += 1
-            if waiter.key is not None:
-                self._growth_keys[waiter.key] = waiter
-        else:
-            queue[ticket] = waiter
-        rec.waiting_bytes += waiter.n_bytes
-        self._waiters[ticket] = waiter
-
-    def _remove(self, waiter: _Waiter) -> None:
-        rec = waiter.model
-        del rec.queue[waiter.ticket]
-        del self._waiters[waiter.ticket]
-        rec.waiting_bytes -= waiter.n_bytes
-        if waiter.growth:
-            rec.n_growth -= 1
-            if waiter.key is not None:
-                del self._growth_keys[waiter.key]
-        if not rec.queue:
-            del self._queued_models[rec]
 
     def cancel(self, ticket: Ticket) -> bool:
         """Stop waiting for ``ticket`` (its client gave up or its session ended). Returns whether
@@ -639,37 +439,22 @@ class BudgetLedger:
         waiter = self._waiters.get(ticket)
         if waiter is None:
             return False
-        self._remove(waiter)
+        self._queue.remove(waiter)
         self._settled = False
-        self._compact_deadlines()
+        self._queue.compact()
         return True
 
     def expire(self, now: float) -> list[Ticket]:
         """Remove and return the waiting tickets whose deadline is ``<= now``, earliest first.
         Call :meth:`grants` afterwards when any expired (see :meth:`cancel`)."""
-        expired: list[Ticket] = []
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, _, waiter = heapq.heappop(heap)
-            if self._waiters.get(waiter.ticket) is waiter:
-                self._remove(waiter)
-                expired.append(waiter.ticket)
-                self._settled = False
+        expired = self._queue.expire(now)
+        if expired:
+            self._settled = False
         return expired
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a waiting request (for the caller's poll timeout)."""
-        heap = self._deadlines
-        while heap and self._waiters.get(heap[0][2].ticket) is not heap[0][2]:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
-
-    def _compact_deadlines(self) -> None:
-        """Drop deadline entries of requests no longer waiting once they outnumber the live
-        ones, so granted and cancelled requests do not pile up in the heap."""
-        if len(self._deadlines) > 2 * len(self._waiters) + 64:
-            self._deadlines = [(w.deadline, w.seq, w) for w in self._waiters.values()]
-            heapq.heapify(self._deadlines)
+        return self._queue.next_deadline()
 
     def grants(self) -> list[Ticket]:
         """Grant what the policy allows now, and return the tickets granted (each already
@@ -701,16 +486,16 @@ class BudgetLedger:
             return []
         granted = self._pending
         self._pending = []
-        self._compact_deadlines()
+        self._queue.compact()
         return granted
 
     def _settle(self) -> None:
         """Grant waiting heads in policy order until none can go (see :meth:`grants`); granted
         tickets are appended to ``_pending``."""
-        entitlement: dict[_Model, float] | None = None
+        entitlement: dict[ModelRecord, float] | None = None
         while True:
             heads = []
-            for rec in self._queued_models:
+            for rec in self._queue.queued_models:
                 head = next(iter(rec.queue.values()))
                 if rec.held + head.n_bytes <= rec.limit:  # else it waits for its own bytes
                     heads.append((_policy_key(rec, head), head))
@@ -718,12 +503,12 @@ class BudgetLedger:
             blocked_ahead = False
             for _, head in heads:
                 rec = head.model
-                if self._fits(rec, head.n_bytes):
+                if self._book.fits(rec, head.n_bytes):
                     if blocked_ahead and rec.held >= rec.reserve:
                         if entitlement is None:
                             # Demand (held + waiting) does not change while granting: a grant
                             # moves bytes from waiting to held. One computation serves the pass.
-                            entitlement = self._entitlements()
+                            entitlement = self._book.entitlements()
                         if rec.held + head.n_bytes > entitlement.get(rec, 0.0):
                             continue
                     self._grant(head)
@@ -733,34 +518,15 @@ class BudgetLedger:
                 self._settled = True
                 return
 
-    def _grant(self, waiter: _Waiter) -> None:
+    def _grant(self, waiter: Waiter) -> None:
         rec = waiter.model
-        self._remove(waiter)
+        self._queue.remove(waiter)
         self._add(rec, waiter.n_bytes)
-        assert rec.held <= rec.limit and self._total_held <= self._budget, (
+        assert rec.held <= rec.limit and self._book.total_held <= self._book.budget, (
             f"granted {waiter.n_bytes} to {rec.name!r} beyond its limit or the budget"
         )
-        if waiter.ticket is not _CANDIDATE:
+        if waiter.ticket is not CANDIDATE:
             self._pending.append(waiter.ticket)
-
-    def _entitlements(self, wanting_all: _Model | None = None) -> dict[_Model, float]:
-        """Each model's water-filling share for demand = held + waiting bytes (see
-        :class:`ModelBudgetView`). The capacity shared is the budget less the reserves that sit
-        idle (reserve above demand): other models never get those bytes, unless reserves are
-        lent, when the capacity is the whole budget. ``wanting_all``'s demand is taken as its
-        limit (its full share, for :meth:`reclaim_need`'s margin)."""
-        recs = []
-        shares = []
-        idle_reserves = 0
-        for rec in self._models.values():
-            demand = rec.limit if rec is wanting_all else rec.held + rec.waiting_bytes
-            if demand < rec.reserve:
-                idle_reserves += rec.reserve - demand
-            if demand:
-                recs.append(rec)
-                shares.append((min(demand, rec.reserve), min(demand, rec.limit), rec.weight))
-        capacity = self._budget if self.lend_reserves else self._budget - idle_reserves
-        return dict(zip(recs, water_fill(capacity, shares), strict=True))
 
     def reclaim_need(self, up_to_share: bool = True, margin: float = 0.0) -> ReclaimNeed:
         """What must be taken back now, and from whom (see :class:`ReclaimNeed`).
@@ -785,17 +551,18 @@ class BudgetLedger:
         """
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
-        over = max(0, self._total_held - self._budget)
+        book = self._book
+        over = max(0, book.total_held - book.budget)
         if not self._waiters and not over:
             return ReclaimNeed(0, {}, [])
-        entitlement = self._entitlements()
+        entitlement = book.entitlements()
         wanted: dict[str, int] = {}
         unused_of_wanting = 0
-        for rec in self._queued_models:
+        for rec in self._queue.queued_models:
             share = entitlement.get(rec, 0.0)
             owed_share = up_to_share and rec.held < share
             if owed_share and margin:
-                owed_share = rec.held < (1.0 - margin) * self._entitlements(rec).get(rec, 0.0)
+                owed_share = rec.held < (1.0 - margin) * book.entitlements(rec).get(rec, 0.0)
             target = min(share, rec.limit if owed_share else rec.reserve)
             want = 0
             for waiter in rec.queue.values():
@@ -807,8 +574,8 @@ class BudgetLedger:
                 unused_of_wanting += rec.reserve - rec.held if rec.held < rec.reserve else 0
         if wanted:
             # The wanting models may take free bytes and their own unused reserves.
-            protected_others = 0 if self.lend_reserves else self._protected - unused_of_wanting
-            usable = self._budget - self._total_held - protected_others
+            protected_others = 0 if book.lend_reserves else book.protected - unused_of_wanting
+            usable = book.budget - book.total_held - protected_others
             short = max(0, sum(wanted.values()) - usable)
         else:
             short = over
@@ -829,14 +596,14 @@ class BudgetLedger:
         refused = []
         for waiter in list(self._waiters.values()):
             rec = waiter.model
-            if waiter.n_bytes > self._ceiling(rec):
-                self._remove(waiter)
-                reason = _never_reason(rec, waiter.n_bytes)
+            if waiter.n_bytes > self._book.ceiling(rec):
+                self._queue.remove(waiter)
+                reason = never_reason(rec, waiter.n_bytes)
                 refused.append(
                     (waiter.ticket, self._refusal(rec, waiter.n_bytes, reason, queued=False))
                 )
         if refused:
-            self._compact_deadlines()
+            self._queue.compact()
         return refused
 
     # -- settings -------------------------------------------------------------------------
@@ -853,14 +620,8 @@ class BudgetLedger:
         Raises:
             ValueError: Not an int in [1, 2**50], or below the sum of the reserves.
         """
-        _check_budget(budget)
-        if self._reserved > budget:
-            raise ValueError(_reserves_over_budget(self._reserved, budget))
-        self._budget = budget
+        self._book.set_budget(budget)
         self._settled = False
-        for rec in self._models.values():
-            limit = rec.settings.limit
-            rec.limit = budget if limit is None else min(limit, budget)
         return self._refuse_impossible()
 
     def set_model(self, model: str, settings: ModelSettings) -> list[tuple[Ticket, Verdict]]:
@@ -875,24 +636,7 @@ class BudgetLedger:
             ValueError: ``settings`` is not ModelSettings, or the reserves would sum over the
                 budget (nothing changed).
         """
-        _check_model_name(model)
-        if not isinstance(settings, ModelSettings):
-            raise ValueError(f"model {model!r}: settings must be ModelSettings, got {settings!r}")
-        found = self._models.get(model)
-        old_reserve = 0 if found is None else found.reserve
-        reserved = self._reserved - old_reserve + settings.reserve
-        if reserved > self._budget:
-            raise ValueError(_reserves_over_budget(reserved, self._budget, model))
-        rec = self._model(model) if found is None else found
-        held = rec.held
-        unused_before = old_reserve - held if held < old_reserve else 0
-        rec.settings = settings
-        rec.configured = True
-        rec.reserve = settings.reserve
-        rec.limit = self._budget if settings.limit is None else min(settings.limit, self._budget)
-        rec.weight = float(settings.weight)
-        self._reserved = reserved
-        self._protected += (rec.reserve - held if held < rec.reserve else 0) - unused_before
+        self._book.set_model(model, settings)
         self._settled = False
         return self._refuse_impossible()
 
@@ -900,19 +644,7 @@ class BudgetLedger:
         """Drop an unconfigured model that holds nothing and waits for nothing (its last session
         ended), so names of workers long gone do not pile up. Configured models are kept: their
         settings outlive their workers. Returns whether it was dropped."""
-        found = self._models.get(model)
-        if found is None or found.configured or found.held or found.queue:
-            return False
-        del self._models[model]
-        return True
-
-    def _model(self, name: str) -> _Model:
-        """The record of ``name``, created with the default settings on first use."""
-        found = self._models.get(name)
-        if found is None:
-            _check_model_name(name)
-            found = self._models[name] = _Model(name, DEFAULT_SETTINGS, self._budget)
-        return found
+        return self._book.forget(model)
 
     # -- answers for people ---------------------------------------------------------------
 
@@ -930,76 +662,12 @@ class BudgetLedger:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        found = self._models.get(model)
-        rec = _Model(model, DEFAULT_SETTINGS, self._budget) if found is None else found
-        need = bytes_per_sequence * concurrency
-        held = rec.held
-        room_in_limit = max(0, rec.limit - held)
-        available_now = max(
-            0, min(room_in_limit, self._budget - self._total_held - self._protected_from(rec))
-        )
-        others_reserves = self._reserved - rec.reserve
-        after_return = max(0, min(room_in_limit, self._budget - held - others_reserves))
-        most_ever = self._ceiling(rec)
-        verdict: FitVerdict
-        if need <= available_now:
-            verdict = "now"
-        elif need <= rec.reserve:
-            verdict = "within_reserve"
-        elif need <= most_ever:
-            verdict = "after_others_return"
-        else:
-            verdict = "never"
-        return FitAnswer(
-            verdict,
-            need,
-            held,
-            available_now,
-            after_return,
-            most_ever,
-            rec.reserve,
-            rec.limit,
-            available_now // bytes_per_sequence,
-            most_ever // bytes_per_sequence,
-        )
+        return self._book.fit(model, bytes_per_sequence, concurrency)
 
     def snapshot(self, now: float | None = None) -> BudgetSnapshot:
         """Everything an operator sees: the budget and, per model, holdings, settings, borrowed
         bytes, entitlement and waiting demand. ``now`` (monotonic) adds waiting ages."""
-        entitlement = self._entitlements()
-        protected = self._protected
-        lent = min(protected, max(0, self._total_held + protected - self._budget))
-        models = {}
-        for name, rec in self._models.items():
-            oldest = None
-            if rec.queue and now is not None:
-                oldest = max(0.0, now - rec.head().enqueued_at)
-            models[name] = ModelBudgetView(
-                held=rec.held,
-                reserve=rec.reserve,
-                limit=rec.settings.limit,
-                effective_limit=rec.limit,
-                weight=rec.weight,
-                borrowed=max(0, rec.held - rec.reserve),
-                entitlement=int(entitlement.get(rec, 0.0)),
-                waiting=len(rec.queue),
-                waiting_bytes=rec.waiting_bytes,
-                oldest_wait_s=oldest,
-                configured=rec.configured,
-                lent=lent * max(0, rec.reserve - rec.held) // protected if lent else 0,
-            )
-        return BudgetSnapshot(
-            budget=self._budget,
-            total_held=self._total_held,
-            free=max(0, self._budget - self._total_held),
-            over_budget=max(0, self._total_held - self._budget),
-            reserved=self._reserved,
-            protected=self._protected,
-            waiting=len(self._waiters),
-            models=models,
-            lend_reserves=self.lend_reserves,
-            lent=lent,
-        )
+        return self._book.snapshot(len(self._waiters), now)
 
     def check_invariants(self) -> None:
         """Recount everything kept incrementally and check the queue against its indices.
@@ -1007,53 +675,16 @@ class BudgetLedger:
         Raises:
             AssertionError: With what disagrees (a bug in this module).
         """
+        self._book.check_totals()
         recs = list(self._models.values())
-        total = sum(r.held for r in recs)
-        assert self._total_held == total, f"total_held {self._total_held} != sum of held {total}"
-        reserved = sum(r.reserve for r in recs)
-        assert self._reserved == reserved, (
-            f"reserved {self._reserved} != sum of reserves {reserved}"
-        )
-        assert reserved <= self._budget, f"reserves {reserved} over the budget {self._budget}"
-        protected = sum(max(0, r.reserve - r.held) for r in recs)
-        assert self._protected == protected, f"protected {self._protected} != recount {protected}"
-        n_queued = 0
         for rec in recs:
-            assert rec.held >= 0, f"model {rec.name!r} holds {rec.held} bytes"
-            s = rec.settings
-            assert (rec.reserve, rec.weight) == (s.reserve, float(s.weight)), rec.name
-            want_limit = self._budget if s.limit is None else min(s.limit, self._budget)
-            assert rec.limit == want_limit, f"{rec.name!r}: limit {rec.limit} != {want_limit}"
-            flags = [w.growth for w in rec.queue.values()]
-            assert flags == sorted(flags, reverse=True), f"{rec.name!r}: a growth behind others"
-            assert rec.n_growth == sum(flags), f"{rec.name!r}: n_growth {rec.n_growth} off"
-            waiters = list(rec.queue.values())
-            for part_waiters in (waiters[: rec.n_growth], waiters[rec.n_growth :]):
-                seqs = [w.seq for w in part_waiters]
-                assert seqs == sorted(seqs), f"{rec.name!r}: queue out of arrival order"
-            for waiter in waiters:
-                if waiter.key is not None:
-                    assert waiter.growth, f"{waiter.ticket!r}: a growth key on a non-growth"
-                    assert self._growth_keys.get(waiter.key) is waiter, "growth key misindexed"
-            for ticket, waiter in rec.queue.items():
-                assert waiter.ticket == ticket and waiter.model is rec, f"misfiled {ticket!r}"
-                assert self._waiters.get(ticket) is waiter, f"{ticket!r} missing from the index"
-            waiting_bytes = sum(w.n_bytes for w in rec.queue.values())
-            assert rec.waiting_bytes == waiting_bytes, f"{rec.name!r}: waiting bytes off"
-            n_queued += len(rec.queue)
+            self._book.check_record(rec)
+            self._queue.check_model(rec)
             assert self._models.get(rec.name) is rec
-        assert n_queued == len(self._waiters), f"{len(self._waiters)} indexed, {n_queued} queued"
-        keyed = sum(1 for w in self._waiters.values() if w.key is not None)
-        assert keyed == len(self._growth_keys), "growth keys of waiters no longer waiting"
-        queued_models = {rec for rec in recs if rec.queue}
-        assert set(self._queued_models) == queued_models, "models with waiters misindexed"
-        in_heap = {id(w) for _, _, w in self._deadlines}
-        for waiter in self._waiters.values():
-            assert id(waiter) in in_heap, f"{waiter.ticket!r} waits with no deadline entry"
-            assert waiter.ticket is not _CANDIDATE, "a try_grant candidate was left queued"
+        self._queue.check_indices(recs)
 
 
-def _policy_key(rec: _Model, head: _Waiter) -> tuple[int, float, int]:
+def _policy_key(rec: ModelRecord, head: Waiter) -> tuple[int, float, int]:
     """Sort key of a waiting model: below its reserve first (by arrival of its head), then the
     smallest (held + head) / weight (ties by arrival).
 
@@ -1066,17 +697,8 @@ def _policy_key(rec: _Model, head: _Waiter) -> tuple[int, float, int]:
     return (1, (rec.held + head.n_bytes) / rec.weight, head.seq)
 
 
-def _first(item: tuple[tuple[int, float, int], _Waiter]) -> tuple[int, float, int]:
+def _first(item: tuple[tuple[int, float, int], Waiter]) -> tuple[int, float, int]:
     return item[0]
-
-
-def _never_reason(rec: _Model, n_bytes: int) -> Reason:
-    return Reason.OVER_LIMIT if n_bytes > rec.limit else Reason.OVER_CEILING
-
-
-def _check_budget(budget: int) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BYTES:
-        raise ValueError(f"budget must be an int in [1, {MAX_BYTES}] bytes, got {budget!r}")
 
 
 def _check_amount(n_bytes: int) -> None:
@@ -1088,16 +710,3 @@ def _refuse_request_size(n_bytes: object) -> None:
     # A request may ask for any size (a huge one is NEVER, with the numbers); only its type and
     # sign are errors.
     raise ValueError(f"a request must be for an int >= 0 bytes, got {n_bytes!r}")
-
-
-def _check_model_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise ValueError(f"a model name must be a str, got {name!r}")
-
-
-def _reserves_over_budget(reserved: int, budget: int, model: str | None = None) -> str:
-    which = f" with model {model!r}'s new reserve" if model is not None else ""
-    return (
-        f"the reserves{which} sum to {format_bytes(reserved)}, over the budget "
-        f"{format_bytes(budget)}: lower some reserves or raise the budget"
-    )
