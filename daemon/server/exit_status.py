@@ -1,5 +1,5 @@
 """vqpoold's exit statuses: one per reason it refuses to start, so a service manager or a script
-can tell them apart without parsing the message."""
+can tell them apart without parsing the message; and the error that carries one out of start-up."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def exit_status_help() -> str:
         textwrap.fill(meaning, 79, initial_indent=f"  {status.value}  ", subsequent_indent=" " * 5)
         for status, meaning in MEANINGS.items()
     )
+
+
+class StartupError(Exception):
+    """vqpoold cannot start; the message says why and what to do. Exit status in ``status``."""
+
+    def __init__(self, message: str, status: ExitStatus = ExitStatus.BAD_SETTINGS) -> None:
+        super().__init__(message)
+        self.status = status
