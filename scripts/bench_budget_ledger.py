@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the byte budget's checks (daemon/budget.py) on the allocation path.
+"""Cost of the byte budget's checks (daemon/budget/ledger.py) on the allocation path.
 
 Prints the median of several runs, in ns per call, of:
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Does elastic memory pay? Tier 1: a simulator with a virtual clock driving the daemon's real
-ledger (daemon/budget.py) and reclaim book (daemon/reclaim.py) in process, no sleeps.
+ledger (daemon/budget/ledger.py) and reclaim book (daemon/budget/reclaim_book.py) in process,
+no sleeps.
 
 One seeded trace of three models sharing one KV budget:
 

@@ -1,4 +1,4 @@
-"""Growth requests in the byte budget ledger (daemon/budget.py): a growth of held memory goes
+"""Growth requests in the byte budget ledger (daemon/budget/ledger.py): a growth of held memory goes
 ahead of its model's waiting admissions, waits only while its model is owed it (below its fair
 share), and at most one growth of each party waits; the queue's invariants hold throughout. And
 the worker's bound on how long a step's growths may wait (``--growth-wait``)."""

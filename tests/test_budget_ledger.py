@@ -1,5 +1,6 @@
-"""The byte budget ledger (daemon/budget.py): each grant rule and refusal, the waiting queue's
-policy, live setting changes, "will it fit?", and a model-based test of all of them together."""
+"""The byte budget ledger (daemon/budget/ledger.py): each grant rule and refusal, the waiting
+queue's policy, live setting changes, "will it fit?", and a model-based test of all of them
+together."""
 
 from __future__ import annotations
 

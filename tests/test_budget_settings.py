@@ -1,4 +1,4 @@
-"""Budget settings from TOML tables and vqpoolctl fields (daemon/budget_settings.py)."""
+"""Budget settings from TOML tables and vqpoolctl fields (daemon/budget/settings.py)."""
 
 from __future__ import annotations
 

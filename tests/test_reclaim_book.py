@@ -1,6 +1,6 @@
-"""The reclaim book (daemon/reclaim.py), in process: asks never exceed what the ledger says is
-short, one open ask per session, the ledger's holdings decide what an answer gave back, and a
-late ask is counted, handed to others, and its session left alone for a cool-down."""
+"""The reclaim book (daemon/budget/reclaim_book.py), in process: asks never exceed what the ledger
+says is short, one open ask per session, the ledger's holdings decide what an answer gave back,
+and a late ask is counted, handed to others, and its session left alone for a cool-down."""
 
 from __future__ import annotations
 

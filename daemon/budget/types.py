@@ -1,4 +1,4 @@
-"""What the byte budget ledger (``daemon/budget.py``) takes and gives: per-model settings,
+"""What the byte budget ledger (``daemon/budget/ledger.py``) takes and gives: per-model settings,
 the verdict on a request, the answer to "will it fit?", and the snapshot an operator reads.
 
 All sizes are bytes. See ``docs/budget.md`` for the rules behind them.

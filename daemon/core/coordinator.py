@@ -67,7 +67,7 @@ class Coordinator:
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
         run_dir: Where the sockets live (for the admin's eyes).
         timeline: Blocks in use per stream over time, sampled by the server loop.
-        claim_period: The claim period of this start (see ``daemon/claims.py``), or None when
+        claim_period: The claim period of this start (see ``daemon/core/claims.py``), or None when
             no worker of a previous daemon was alive at start.
         claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
             attribute the request hot path looks at.

@@ -1,5 +1,5 @@
 """Worker sessions: who a worker is, what it owns, and whether it lives (its recent replies are
-in ``daemon/replies.py``).
+in ``daemon/core/replies.py``).
 
 A session starts with ``hello`` and is named by a random session id the worker sends with every
 request, not by its ZeroMQ connection: a client that reopens its socket (Lazy Pirate) keeps its
@@ -64,8 +64,8 @@ class Session:
             answer to its next ping, then cleared.
         resumes: The session id this client held under the previous daemon lifetime, named in
             its hello after a restart (the claim period waits for every such session).
-        on_roll: Whether the roll of workers (``daemon/claims.py``) lists this session yet.
-        reclaimable: Whether it polls for reclaim asks (``daemon/reclaim_service.py``): only
+        on_roll: Whether the roll of workers (``daemon/core/claims.py``) lists this session yet.
+        reclaimable: Whether it polls for reclaim asks (``daemon/budget/reclaim_service.py``): only
             such sessions are ever asked to give bytes back.
         preemptions: The worker's last reported running count of preemptions.
     """

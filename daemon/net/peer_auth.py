@@ -18,7 +18,7 @@ Why ZAP rather than a hello-first rule in the request handler: ZAP runs inside l
 handshake, once per connection, so garbage never reaches the decoder at all and costs the
 request hot path nothing; and it is the one place where the kernel's peer credentials are
 available per connection (checking the per-message ``Peer-Address`` property instead would
-cost a property lookup on every request; only hello reads it, see ``daemon/peer_process.py``).
+cost a property lookup on every request; only hello reads it, see ``daemon/net/peer_process.py``).
 
 The handler is a REP socket on ``inproc://zeromq.zap.01`` in the daemon's context, served by
 the daemon's own poll loop: no thread. It must be bound before the sockets it guards, since

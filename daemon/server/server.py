@@ -290,7 +290,7 @@ class Server:
         """
         sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        # Every connection is authenticated by the ZAP handler (daemon/peer_auth.py) before
+        # Every connection is authenticated by the ZAP handler (daemon/net/peer_auth.py) before
         # any of its messages reaches us: peers of another uid and non-ZMTP-3 bytes stay out.
         sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain)
         # Unroutable or queue-full sends fail (and are counted) instead of vanishing silently;
@@ -415,7 +415,7 @@ class Server:
         for _ in range(MAX_MESSAGES_PER_WAKE):
             try:
                 # Zero-copy for the routing-id frame only: it carries the connection's
-                # properties (the peer's pid, which hello checks: daemon/peer_process.py).
+                # properties (the peer's pid, which hello checks: daemon/net/peer_process.py).
                 routing_id = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
