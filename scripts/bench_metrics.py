@@ -26,6 +26,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
+from vqpool.daemon.budget.accounting import BudgetAccounting
+from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
 from vqpool.daemon.server.metrics import MetricsSnapshot, RequestMetrics, metric_families
@@ -73,7 +75,8 @@ def time_pairs(handle: Handle, sid: int, boot: str, first_id: int, n: int) -> fl
 
 
 def bench_requests(rounds: int, n: int) -> None:
-    state = DaemonState.create(PoolConfig(n_blocks=4096), lease=10.0, run_dir=Path("/tmp"))
+    coord = Coordinator(PoolConfig(n_blocks=4096), lease=10.0, run_dir=Path("/tmp"))
+    state = DaemonState(coord, BudgetAccounting(coord, None))
     plain_handler = WorkerRequestHandler(state)
     counted_handler = WorkerRequestHandler(state)
     plain = plain_handler.handle
@@ -109,7 +112,8 @@ class _Fixed(Collector):
 
 
 def bench_scrapes(rounds: int, held: int) -> None:
-    state = DaemonState.create(PoolConfig(n_blocks=2 * held + 64), lease=10.0, run_dir=Path("/tmp"))
+    coord = Coordinator(PoolConfig(n_blocks=2 * held + 64), lease=10.0, run_dir=Path("/tmp"))
+    state = DaemonState(coord, BudgetAccounting(coord, None))
     handler = WorkerRequestHandler(state)
     requests = RequestMetrics()
     handle = requests.instrument("worker", handler)
@@ -122,7 +126,7 @@ def bench_scrapes(rounds: int, held: int) -> None:
                 args = {"stream": stream, "n_tokens": 8 * 16, "owner": f"{i}-{owner}"}
                 handle(encode_request(rid, "allocate", args, sid, boot), b"peer", 0.0)
                 rid += 1
-    assert state.coord.allocator.stats.blocks_in_use() == held, state.coord.allocator.stats
+    assert coord.allocator.stats.blocks_in_use() == held, coord.allocator.stats
     take, render = [], []
     for _ in range(rounds):
         started = time.perf_counter()

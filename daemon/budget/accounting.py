@@ -17,7 +17,7 @@ from typing import Any
 
 from vqpool.daemon.budget.holdings import Holdings, Items
 from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
-from vqpool.daemon.budget.parking import Parking
+from vqpool.daemon.budget.parking import ParkedRequest, Parking
 from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
 from vqpool.daemon.budget.types import ModelSettings, Outcome
@@ -135,7 +135,8 @@ class BudgetAccounting:
                 growth=session.sid if growth else None,
             )
             if verdict.queued:
-                return self.parking.park(session, op, items, rid, n_bytes, wait, now, growth)
+                parked = ParkedRequest(session, op, items, rid, n_bytes, wait, now, growth)
+                return self.parking.park(parked)
         else:
             verdict = ledger.try_grant(session.model, n_bytes, growth=growth)
         if verdict.outcome is not Outcome.GRANT:

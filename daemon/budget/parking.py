@@ -98,21 +98,9 @@ class Parking:
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Late replies ready to send: (envelope, reply frame)."""
 
-    def park(
-        self,
-        session: Session,
-        op: str,
-        items: Items,
-        rid: int,
-        n_bytes: int,
-        wait: float,
-        now: float,
-        growth: bool,
-    ) -> ParkedRequest:
-        """Keep an allocation the ledger queued under ticket (session id, ``rid``)."""
-        parked = self.parked[session.sid, rid] = ParkedRequest(
-            session, op, items, rid, n_bytes, wait, now, growth
-        )
+    def park(self, parked: ParkedRequest) -> ParkedRequest:
+        """Keep an allocation the ledger queued, under its ticket (session id, request id)."""
+        self.parked[parked.session.sid, parked.rid] = parked
         return parked
 
     def bytes_waiting_for_others(self, session: Session) -> int:

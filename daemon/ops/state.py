@@ -3,17 +3,12 @@ version."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 from vqpool.daemon.budget.accounting import BudgetAccounting
-from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
-from vqpool.daemon.budget.types import ModelSettings
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.net.peer_auth import PeerAuthenticator
-from vqpool.shared.allocator import PoolConfig
 
 try:
     DAEMON_VERSION = version("vqpool")
@@ -37,31 +32,3 @@ class DaemonState:
     coord: Coordinator
     budget: BudgetAccounting
     peer_auth: PeerAuthenticator | None = None
-
-    @classmethod
-    def create(
-        cls,
-        config: PoolConfig,
-        *,
-        lease: float,
-        run_dir: Path,
-        claim_grace: float = 0.0,
-        boot_id: str | None = None,
-        budget: int | None = None,
-        models: Mapping[str, ModelSettings] | None = None,
-        lend_reserves: bool = False,
-        reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
-    ) -> DaemonState:
-        """A coordinator over a new pool of ``config`` (see :class:`Coordinator`), and its
-        budget (see :class:`BudgetAccounting`).
-
-        Raises:
-            ValueError: Bad budget settings.
-        """
-        coord = Coordinator(
-            config, lease=lease, run_dir=run_dir, claim_grace=claim_grace, boot_id=boot_id
-        )
-        accounting = BudgetAccounting(
-            coord, budget, models, lend_reserves=lend_reserves, reclaim_deadline=reclaim_deadline
-        )
-        return cls(coord, accounting)

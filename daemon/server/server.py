@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 import zmq
+from vqpool.daemon.budget.accounting import BudgetAccounting
 from vqpool.daemon.budget.ledger import BudgetLedger
 from vqpool.daemon.budget.settings import models_from_toml
 from vqpool.daemon.budget.types import ModelSettings
@@ -169,18 +170,21 @@ class Server:
         boot_id = new_boot_id()
         lock_fd = take_lock(run_dir / LOCK_FILE_NAME, boot_id)
         # After the lock: the roll of the previous daemon's workers is ours to read only now.
-        state = DaemonState.create(
+        coord = Coordinator(
             pool_config,
             lease=self.settings.lease,
             run_dir=run_dir,
             claim_grace=self.settings.claim_grace,
             boot_id=boot_id,
-            budget=budget,
-            models=models,
+        )
+        accounting = BudgetAccounting(
+            coord,
+            budget,
+            models,
             lend_reserves=self.settings.lend_reserves,
             reclaim_deadline=self.settings.reclaim_deadline,
         )
-        coord = state.coord
+        state = DaemonState(coord, accounting)
         fd_limit_before, fd_limit = raise_open_file_limit()
         context: zmq.Context[Any] = zmq.Context()
         # Handlers go in before the start line: a signal sent on seeing it must stop us cleanly.
