@@ -12,10 +12,14 @@ in it the envelope of its newest send. It is answered later, from here, in one o
   (:meth:`Parking.refuse_growth_of`): POOL_EXHAUSTED;
 - a live settings change made it impossible (:meth:`Parking.answer_refused`): OVER_BUDGET.
 
-Each late reply is remembered in the reply cache (a resend gets it) and put in
-:attr:`Parking.outbox`, which the server loop sends non-blocking; a parked request of a session
-that ended is dropped unanswered. A worker's ``reclaim_poll`` waiting for an ask is parked the
-same way (``budget/reclaim_service.py``) and sent from the same outbox. See docs/budget.md and
+Each late reply is remembered in the reply cache (a resend after it gets it from there) and put
+in :attr:`Parking.outbox`, which the server loop sends non-blocking. A resend while it is still
+parked is not applied again: the worker socket finds it in :attr:`Parking.parked` and returns
+it, and the loop keeps the resend's envelope, so the late reply goes to the newest send. A parked
+request of a session that ended is dropped unanswered.
+
+A worker's ``reclaim_poll`` waiting for an ask is parked the same way
+(``budget/reclaim_service.py``) and sent from the same outbox. See docs/budget.md and
 docs/protocol.md.
 """
 
