@@ -74,7 +74,10 @@ class Holdings:
     @staticmethod
     def _bytes_held(counts: BlockCounts, cost: Mapping[str, int]) -> int:
         """Bytes of blocks counted per stream they are held in."""
-        return sum(n * cost.get(stream, 0) for stream, n in counts.items())
+        n_bytes = 0
+        for stream, n in counts.items():  # a loop, not sum(): this is on every free's path
+            n_bytes += n * cost.get(stream, 0)
+        return n_bytes
 
     # -- allocations ---------------------------------------------------------------------------
 
