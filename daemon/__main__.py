@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from vqpool.daemon.exit_status import ExitStatus, exit_status_help
-from vqpool.daemon.server import Server, StartupError
+from vqpool.daemon.server.exit_status import ExitStatus, StartupError, exit_status_help
+from vqpool.daemon.server.server import Server
 from vqpool.shared.config import RUN_DIR_ENV, DaemonSettings, load_settings_file
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the byte budget's checks (daemon/budget.py) on the allocation path.
+"""Cost of the byte budget's checks (daemon/budget/ledger.py) on the allocation path.
 
 Prints the median of several runs, in ns per call, of:
 
@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Hashable
 
-from vqpool.daemon.budget import BudgetLedger, ModelSettings
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
 GiB = 2**30

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Does elastic memory pay? Tier 1: a simulator with a virtual clock driving the daemon's real
-ledger (daemon/budget.py) and reclaim book (daemon/reclaim.py) in process, no sleeps.
+ledger (daemon/budget/ledger.py) and reclaim book (daemon/budget/reclaim_book.py) in process,
+no sleeps.
 
 One seeded trace of three models sharing one KV budget:
 
@@ -63,8 +64,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
-from vqpool.daemon.reclaim import ReclaimAsk, ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome
+from vqpool.daemon.budget.reclaim_book import ReclaimAsk, ReclaimBook, plan_reclaim
 
 STEP_BASE = 1.29e-3
 DECODE_PER_SEQ = 0.092e-3

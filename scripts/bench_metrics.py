@@ -26,9 +26,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
-from vqpool.daemon.coordinator import Coordinator
-from vqpool.daemon.metrics import MetricsSnapshot, RequestMetrics, metric_families
-from vqpool.daemon.worker_ops import WorkerRequestHandler
+from vqpool.daemon.budget.accounting import BudgetAccounting
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.ops.state import DaemonState
+from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
+from vqpool.daemon.server.metrics import MetricsSnapshot, RequestMetrics, metric_families
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.protocol import decode_reply, encode_request
 
@@ -74,8 +76,9 @@ def time_pairs(handle: Handle, sid: int, boot: str, first_id: int, n: int) -> fl
 
 def bench_requests(rounds: int, n: int) -> None:
     coord = Coordinator(PoolConfig(n_blocks=4096), lease=10.0, run_dir=Path("/tmp"))
-    plain_handler = WorkerRequestHandler(coord)
-    counted_handler = WorkerRequestHandler(coord)
+    state = DaemonState(coord, BudgetAccounting(coord, None))
+    plain_handler = WorkerRequestHandler(state)
+    counted_handler = WorkerRequestHandler(state)
     plain = plain_handler.handle
     counted = RequestMetrics().instrument("worker", counted_handler)
     sessions = {
@@ -110,7 +113,8 @@ class _Fixed(Collector):
 
 def bench_scrapes(rounds: int, held: int) -> None:
     coord = Coordinator(PoolConfig(n_blocks=2 * held + 64), lease=10.0, run_dir=Path("/tmp"))
-    handler = WorkerRequestHandler(coord)
+    state = DaemonState(coord, BudgetAccounting(coord, None))
+    handler = WorkerRequestHandler(state)
     requests = RequestMetrics()
     handle = requests.instrument("worker", handler)
     per_session = held // 4
@@ -126,7 +130,7 @@ def bench_scrapes(rounds: int, held: int) -> None:
     take, render = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        snap = MetricsSnapshot.take(coord, requests, "bench")
+        snap = MetricsSnapshot.take(state, requests, "bench")
         take.append(time.perf_counter() - started)
         registry = CollectorRegistry()
         registry.register(_Fixed(snap))

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from vqpool.daemon.claims import ROLL_FILE_NAME
-from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
+from vqpool.daemon.core.claims import ROLL_FILE_NAME
+from vqpool.daemon.core.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.worker.testing.launch import DaemonProcess

@@ -1,7 +1,7 @@
 """Access control: who may reach vqpoold's sockets, and what reaches its request handlers.
 
 * Peers of another user id are refused on the worker and the admin socket by the ZAP handler
-  (daemon/peer_auth.py), even when they can reach the socket file. Tested with real users: when
+  (daemon/net/peer_auth.py), even when they can reach the socket file. Tested with real users: when
   the suite runs as root, the test creates temporary users, runs the daemon as one of them and
   connects as root (root can enter any directory, so only the peer-uid check stops it), as the
   same user (served) and as a third user (stopped by the 0700 run directory). Skipped otherwise.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import RawClient, remove_tree, short_tmpdir
-from vqpool.daemon.peer_auth import peer_pid, peer_uid
+from vqpool.daemon.net.peer_auth import peer_pid, peer_uid
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode

@@ -1,4 +1,4 @@
-"""Growth requests in the byte budget ledger (daemon/budget.py): a growth of held memory goes
+"""Growth requests in the byte budget ledger (daemon/budget/ledger.py): a growth of held memory goes
 ahead of its model's waiting admissions, waits only while its model is owed it (below its fair
 share), and at most one growth of each party waits; the queue's invariants hold throughout. And
 the worker's bound on how long a step's growths may wait (``--growth-wait``)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome, Reason
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome, Reason
 from vqpool.worker.serve import build_parser
 
 

@@ -1,5 +1,6 @@
-"""The byte budget ledger (daemon/budget.py): each grant rule and refusal, the waiting queue's
-policy, live setting changes, "will it fit?", and a model-based test of all of them together."""
+"""The byte budget ledger (daemon/budget/ledger.py): each grant rule and refusal, the waiting
+queue's policy, live setting changes, "will it fit?", and a model-based test of all of them
+together."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from vqpool.daemon.budget import (
+from vqpool.daemon.budget.ledger import (
     DEFAULT_SETTINGS,
     GRANTED,
     BudgetLedger,

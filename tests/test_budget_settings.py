@@ -1,4 +1,4 @@
-"""Budget settings from TOML tables and vqpoolctl fields (daemon/budget_settings.py)."""
+"""Budget settings from TOML tables and vqpoolctl fields (daemon/budget/settings.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import tomllib
 from typing import Any
 
 import pytest
-from vqpool.daemon.budget import ModelSettings
-from vqpool.daemon.budget_settings import model_settings, models_from_toml
+from vqpool.daemon.budget.ledger import ModelSettings
+from vqpool.daemon.budget.settings import model_settings, models_from_toml
 
 GiB = 2**30
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import RawClient, remove_tree, short_tmpdir
-from vqpool.daemon.claims import ROLL_FILE_NAME
+from vqpool.daemon.core.claims import ROLL_FILE_NAME
 from vqpool.shared.config import ADMIN_SOCKET_NAME, LOCK_FILE_NAME, WORKER_SOCKET_NAME
 from vqpool.worker.testing.launch import DaemonProcess
 

@@ -1,13 +1,13 @@
-"""The reclaim book (daemon/reclaim.py), in process: asks never exceed what the ledger says is
-short, one open ask per session, the ledger's holdings decide what an answer gave back, and a
-late ask is counted, handed to others, and its session left alone for a cool-down."""
+"""The reclaim book (daemon/budget/reclaim_book.py), in process: asks never exceed what the ledger
+says is short, one open ask per session, the ledger's holdings decide what an answer gave back,
+and a late ask is counted, handed to others, and its session left alone for a cool-down."""
 
 from __future__ import annotations
 
 import pytest
-from vqpool.daemon.budget import BudgetLedger, ModelSettings, Outcome
-from vqpool.daemon.budget_types import ReclaimNeed
-from vqpool.daemon.reclaim import ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings, Outcome
+from vqpool.daemon.budget.reclaim_book import ReclaimBook, plan_reclaim
+from vqpool.daemon.budget.types import ReclaimNeed
 
 
 def test_plan_asks_at_most_what_is_short_largest_excess_first() -> None:

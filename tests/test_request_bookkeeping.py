@@ -11,9 +11,9 @@ from typing import Any
 import psutil
 import pytest
 from daemon_harness import remove_tree, short_tmpdir
-from vqpool.daemon.coordinator import Coordinator
-from vqpool.daemon.replies import ReplyCache
-from vqpool.daemon.sessions import Session
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.core.replies import ReplyCache
+from vqpool.daemon.core.sessions import Session
 from vqpool.shared import PoolConfig
 from vqpool.shared.errors import BadRequestError
 

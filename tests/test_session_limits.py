@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon_harness import RawClient, WorkerProcess, wait_until
-from vqpool.daemon.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
+from vqpool.daemon.core.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.launch import DaemonProcess

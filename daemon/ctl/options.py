@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vqpool.daemon.commands import COMMANDS as ADMIN_COMMANDS
+from vqpool.daemon.ops.admin import COMMANDS as ADMIN_COMMANDS
 from vqpool.shared.config import RUN_DIR_ENV
 
 DEFAULT_TIMEOUT = 3.0

@@ -1,0 +1,254 @@
+"""The byte budget wired into the daemon: the layer the ops call for every change of holdings.
+
+The ledger (``budget/ledger.py``) knows bytes per model; the holdings (``budget/holdings.py``)
+price blocks in bytes and keep the ledger in step as the coordinator hands blocks out and takes
+them back; allocations that wait for bytes are parked (``budget/parking.py``); workers are asked
+to give bytes back by reclaim (``budget/reclaim_service.py``). :class:`BudgetAccounting` holds
+them together, and does what needs several of them: an allocation that may wait, the end of a
+session, a live settings change, the views. The coordinator below never calls up into any of
+them. See docs/budget.md and docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vqpool.daemon.budget.holdings import Holdings, Items
+from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
+from vqpool.daemon.budget.parking import ParkedRequest, Parking
+from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
+from vqpool.daemon.budget.reclaim_service import ReclaimService
+from vqpool.daemon.budget.types import ModelSettings, Outcome
+from vqpool.daemon.budget.views import (
+    budget_view,
+    fit_to_wire,
+    is_limited,
+    model_views,
+    refusal,
+)
+from vqpool.daemon.core.coordinator import Coordinator
+from vqpool.daemon.core.sessions import Session
+from vqpool.shared.byte_sizes import MAX_BYTES
+from vqpool.shared.protocol import ALLOCATE
+
+log = logging.getLogger("vqpoold")
+
+
+class BudgetAccounting:
+    """The daemon's ledger, the sessions' holdings in bytes, the parked allocations and reclaim.
+
+    Args:
+        coord: The coordinator whose allocator and sessions hold the blocks.
+        budget: Bytes all models may hold together, or None for no budget (an unlimited ledger
+            that still counts, so per-model limits and views work).
+        models: Settings of the configured models.
+        lend_reserves: Let models borrow other models' unused reserves (taken back by reclaim).
+        reclaim_deadline: Seconds a worker has to answer a reclaim ask.
+
+    Raises:
+        ValueError: Reserves summing over the budget, or bad settings.
+    """
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        budget: int | None,
+        models: Mapping[str, ModelSettings] | None = None,
+        *,
+        lend_reserves: bool = False,
+        reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
+    ) -> None:
+        self._coord = coord
+        self.ledger = BudgetLedger(
+            MAX_BYTES if budget is None else budget, models, lend_reserves=lend_reserves
+        )
+        self.holdings = Holdings(coord, self.ledger)
+        self.parking = Parking(self.holdings, coord.replies, coord.boot_id)
+        self.reclaim = ReclaimService(coord, self.holdings, self.parking, reclaim_deadline)
+
+    @property
+    def limited(self) -> bool:
+        """Whether a real budget is set (else every view shows ``budget: null``)."""
+        return is_limited(self.ledger)
+
+    # -- hello ---------------------------------------------------------------------------------
+
+    def check_hello(self, bytes_per_block: Mapping[str, int], streams: Sequence[str]) -> None:
+        """Refuse a session that the budget could not bound while a budget is set.
+
+        Raises:
+            ValueError: A pool stream without bytes per block.
+        """
+        if self.limited:
+            missing = [s for s in streams if s not in bytes_per_block]
+            if missing:
+                raise ValueError(
+                    f"hello: a memory budget is set, so bytes_per_block must be declared for "
+                    f"every pool stream ({'+'.join(streams)}); missing: {missing}"
+                )
+
+    # -- allocations ---------------------------------------------------------------------------
+
+    def allocate(
+        self, session: Session, op: str, args: dict[str, Any], rid: int, now: float
+    ) -> Any:
+        """``allocate`` / ``allocate_many`` of ``session`` under the budget: the result, or the
+        :class:`~vqpool.daemon.budget.parking.ParkedRequest` when it waits (no reply now).
+
+        Raises:
+            OverBudgetError: It can never fit.
+            BlockPoolExhaustedError: Not now and not waiting (``wait`` 0, queues full).
+        """
+        cost = session.bytes_per_block
+        if not cost:  # not bounded by the budget: nothing to count (the hot path without one)
+            if op == ALLOCATE:
+                return self._coord.allocate(
+                    session, args["stream"], args["n_tokens"], args["owner"], args["format"]
+                )
+            return self._coord.allocate_many(session, args["items"])
+        holdings = self.holdings
+        if op == ALLOCATE:
+            self._coord.check_allocate(session, args["n_tokens"], args["owner"])
+            if not args["wait"]:
+                return holdings.allocate_now(session, args, cost)
+        items: Items
+        if op == ALLOCATE:
+            items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
+        else:
+            items = args["items"]
+        n_bytes = holdings.bytes_of(items, cost)
+        if not n_bytes:
+            return holdings.perform(session, op, items, 0)
+        ledger = self.ledger
+        wait = args["wait"]
+        growth = args["growth"]
+        if wait > 0:
+            # A growth's party is its session: one growth of each session waits at a time.
+            verdict = ledger.request(
+                session.model,
+                n_bytes,
+                (session.sid, rid),
+                now + wait,
+                now,
+                growth=session.sid if growth else None,
+            )
+            if verdict.queued:
+                parked = ParkedRequest(session, op, items, rid, n_bytes, wait, now, growth)
+                return self.parking.park(parked)
+        else:
+            verdict = ledger.try_grant(session.model, n_bytes, growth=growth)
+        if verdict.outcome is not Outcome.GRANT:
+            raise refusal(ledger, op, verdict)
+        return holdings.perform(session, op, items, n_bytes)
+
+    # -- sessions ending -----------------------------------------------------------------------
+
+    def end_session(self, session: Session) -> tuple[int, int]:
+        """End ``session``: its blocks freed and credited, its owners released, its reclaim
+        state and parked allocations dropped (never answered: nobody is left to read them), and
+        a model no session serves any more forgotten unless configured.
+
+        Returns (owners released, blocks freed).
+        """
+        ended = self.holdings.end_session(session)
+        self.reclaim.session_ended(session)
+        self.parking.session_ended(session)
+        if not any(s.model == session.model for s in self._coord.sessions):
+            self.ledger.forget_model(session.model)
+        return ended.n_owners, ended.n_blocks
+
+    def reap_dead_sessions(self, now: float) -> None:
+        """End every session whose worker exited or stayed stopped past its lease."""
+        coord = self._coord
+        for session, reason in coord.dead_sessions(now):
+            n_owners, n_blocks = self.end_session(session)
+            coord.n_sessions_reaped += 1
+            log.info(
+                "reaped session %x (pid %d, model %r): %s; freed %d block(s) of %d owner(s)",
+                session.sid,
+                session.pid,
+                session.model,
+                reason,
+                n_blocks,
+                n_owners,
+            )
+
+    # -- settings ------------------------------------------------------------------------------
+
+    def set_budget(self, budget: int) -> int:
+        """Change the budget live; parked allocations it made impossible are answered (how
+        many)."""
+        refused = self.parking.answer_refused(self.ledger.set_budget(budget))
+        self.parking.hand_out()
+        return refused
+
+    def set_model(self, model: str, settings: ModelSettings) -> int:
+        """Change a model's settings live; as :meth:`set_budget`."""
+        refused = self.parking.answer_refused(self.ledger.set_model(model, settings))
+        self.parking.hand_out()
+        return refused
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def view(self, now: float, refused: int = 0) -> dict[str, Any]:
+        """The ``budget`` admin op's answer, with the reclaim counters."""
+        return {**budget_view(self.ledger, now, refused), "reclaim": self.reclaim.view()}
+
+    def model_views(self, now: float) -> list[dict[str, Any]]:
+        """The ``model_list`` admin op's views."""
+        return model_views(self.ledger, self._coord.sessions, now)
+
+    def model_view(self, name: str, now: float) -> dict[str, Any]:
+        """The view of one model the ledger knows or a session serves."""
+        return next(v for v in self.model_views(now) if v["model"] == name)
+
+    def fit(
+        self, model: str, bytes_per_block: Mapping[str, int], context: int, concurrency: int
+    ) -> dict[str, Any]:
+        """The fit answer for ``concurrency`` sequences of ``context`` tokens of ``model``."""
+        allocator = self._coord.allocator
+        per_sequence = bytes_for_context(
+            context, allocator.config.block_size, bytes_per_block, allocator.streams
+        )
+        if per_sequence == 0:
+            raise ValueError(
+                f"fit: model {model!r} declared 0 bytes per block: the budget does not bound it"
+            )
+        return fit_to_wire(
+            self.ledger, self.ledger.fit(model, per_sequence, concurrency), per_sequence
+        )
+
+    def recount_problems(self) -> list[str]:
+        """Disagreements between the ledger's bytes per model and a recount from the allocator's
+        usage and the sessions' bytes per block (for ``audit``). Granted-but-not-handed-out
+        bytes of parked allocations count as held."""
+        recount: dict[str, int] = {}
+        allocator = self._coord.allocator
+        for session in self._coord.sessions:
+            cost = session.bytes_per_block
+            n = 0
+            if cost:
+                for owner in session.owners:
+                    for stream, (n_blocks, _) in allocator.usage(owner).items():
+                        n += n_blocks * cost.get(stream, 0)
+            recount[session.model] = recount.get(session.model, 0) + n
+        ledger = self.ledger
+        for parked in self.parking.parked.values():
+            if not ledger.is_waiting((parked.session.sid, parked.rid)):
+                model = parked.session.model
+                recount[model] = recount.get(model, 0) + parked.n_bytes
+        problems = []
+        for model in sorted(recount.keys() | ledger.snapshot().models.keys()):
+            counted, held = recount.get(model, 0), ledger.held(model)
+            if counted != held:
+                problems.append(
+                    f"budget: model {model!r} holds {held} bytes in the ledger but {counted} "
+                    "by recount"
+                )
+        try:
+            ledger.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"budget ledger: {exc}")
+        return problems

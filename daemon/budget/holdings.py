@@ -1,0 +1,195 @@
+"""The sessions' holdings in bytes: what blocks cost, and the ledger kept in step as the
+coordinator hands blocks out and takes them back.
+
+A block of stream ``s`` costs the holding session's ``bytes_per_block[s]`` (0 when undeclared:
+such a session is not bounded by the budget). Each change of holdings that moves bytes is done
+here: an allocation the ledger granted (:meth:`Holdings.perform`), a free, a claim after a
+restart, the end of a session. This layer calls the coordinator for the blocks, which answers in
+blocks per stream, and charges or credits the ledger their bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vqpool.daemon.budget.ledger import BudgetLedger
+from vqpool.daemon.budget.types import GRANTED, Outcome
+from vqpool.daemon.budget.views import refusal
+from vqpool.daemon.core.coordinator import BlockCounts, Coordinator, SessionEnd
+from vqpool.daemon.core.sessions import Session
+from vqpool.shared.allocator import Owner
+from vqpool.shared.protocol import ALLOCATE, ClaimGroup
+
+log = logging.getLogger("vqpoold")
+
+Items = Sequence[tuple[str, int, Owner, str]]
+"""The items of an allocation: (stream, n_tokens, owner, format) each."""
+
+
+class Holdings:
+    """Blocks priced in bytes, and every change of them charged or credited to the ledger.
+
+    Args:
+        coord: The coordinator whose allocator and sessions hold the blocks.
+        ledger: The budget's ledger.
+    """
+
+    def __init__(self, coord: Coordinator, ledger: BudgetLedger) -> None:
+        self._coord = coord
+        self.ledger = ledger
+        self._block_size = coord.allocator.config.block_size
+        # A shared-kv pool puts every allocation in its one stream whatever name it was asked
+        # under ("k" included): blocks are priced by that stream, as they are when freed.
+        self._one_stream = None if coord.allocator.config.separate_kv else "kv"
+
+    # -- prices --------------------------------------------------------------------------------
+
+    def block_cost(self, cost: Mapping[str, int], stream: str) -> int:
+        """Bytes one block costs a session declaring ``cost``, asked for under ``stream``."""
+        return cost.get(self._one_stream or stream, 0)
+
+    def bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
+        """Bytes the blocks of an allocation's ``items`` cost."""
+        block_size = self._block_size
+        return sum(
+            -(-n_tokens // block_size) * self.block_cost(cost, stream)
+            for stream, n_tokens, _, _ in items
+            if n_tokens > 0
+        )
+
+    def bytes_of_owner(self, session: Session, owner: Owner) -> int:
+        """Bytes the blocks of ``owner`` (held by ``session``) cost now."""
+        cost = session.bytes_per_block
+        if not cost:
+            return 0
+        usage = self._coord.allocator.usage(owner)
+        return sum(n * cost.get(stream, 0) for stream, (n, _) in usage.items())
+
+    def bytes_of_session(self, session: Session) -> int:
+        """Bytes the blocks ``session`` holds cost now (O(its owners))."""
+        return sum(self.bytes_of_owner(session, owner) for owner in session.owners)
+
+    @staticmethod
+    def _bytes_held(counts: BlockCounts, cost: Mapping[str, int]) -> int:
+        """Bytes of blocks counted per stream they are held in."""
+        n_bytes = 0
+        for stream, n in counts.items():  # a loop, not sum(): this is on every free's path
+            n_bytes += n * cost.get(stream, 0)
+        return n_bytes
+
+    # -- allocations ---------------------------------------------------------------------------
+
+    def allocate_now(
+        self, session: Session, args: dict[str, Any], cost: Mapping[str, int]
+    ) -> list[int]:
+        """One ``allocate`` that does not wait (the hot path with a budget): its blocks, all
+        ceil(n_tokens / block_size) of them when it succeeds, cost exactly what is charged.
+
+        Raises:
+            OverBudgetError: It can never fit.
+            BlockPoolExhaustedError: Not now.
+        """
+        stream, n_tokens = args["stream"], args["n_tokens"]
+        n_bytes = 0
+        if n_tokens > 0:
+            n_bytes = -(-n_tokens // self._block_size) * self.block_cost(cost, stream)
+        ledger = self.ledger
+        if n_bytes:
+            verdict = ledger.try_grant(session.model, n_bytes, growth=args["growth"])
+            if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
+                raise refusal(ledger, ALLOCATE, verdict)
+        try:
+            return self._coord.allocate(session, stream, n_tokens, args["owner"], args["format"])
+        except BaseException:
+            if n_bytes:
+                ledger.credit(session.model, n_bytes)
+            raise
+
+    def perform(self, session: Session, op: str, items: Items, charged: int) -> Any:
+        """Do the allocation whose ``charged`` bytes the ledger granted; credit back what the
+        allocator did not hand out (failed items, a refused request)."""
+        coord = self._coord
+        try:
+            if op == ALLOCATE:
+                stream, n_tokens, owner, fmt = items[0]
+                result: Any = coord.allocate(session, stream, n_tokens, owner, fmt)
+                held = [(stream, result)]
+            else:
+                result = coord.allocate_many(session, items)
+                held = [
+                    (item[0], ids)
+                    for item, ids in zip(items, result, strict=True)
+                    if type(ids) is list
+                ]
+        except BaseException:
+            if charged:
+                self.ledger.credit(session.model, charged)
+            raise
+        if charged or session.bytes_per_block:
+            cost = session.bytes_per_block
+            spent = (
+                sum(len(ids) * self.block_cost(cost, stream) for stream, ids in held) if cost else 0
+            )
+            if spent < charged:
+                self.ledger.credit(session.model, charged - spent)
+            elif spent > charged:  # a session with bytes: never happens in practice
+                self.ledger.charge(session.model, spent - charged)
+        return result
+
+    # -- frees, claims and ends ----------------------------------------------------------------
+
+    def free(self, session: Session, block_ids: Sequence[int]) -> None:
+        """``free`` of blocks by id (see :meth:`Coordinator.free`), credited."""
+        cost = session.bytes_per_block
+        freed = self._coord.free(session, block_ids, bool(cost))
+        if cost:
+            self.credit(session, self._bytes_held(freed, cost))
+
+    def free_all(self, session: Session, owner: Owner) -> None:
+        """``free_all`` of an owner (see :meth:`Coordinator.free_all`), credited."""
+        cost = session.bytes_per_block
+        freed = self._coord.free_all(session, owner, bool(cost))
+        if cost:
+            self.credit(session, self._bytes_held(freed, cost))
+
+    def claim(
+        self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
+    ) -> list[dict[str, Any] | None]:
+        """``claim`` (see :meth:`Coordinator.claim`): the blocks that stood are charged
+        unconditionally, since they are held already (docs/budget.md)."""
+        results, claimed = self._coord.claim(session, owners, done)
+        cost = session.bytes_per_block
+        if cost:
+            self.charge(
+                session, sum(n * self.block_cost(cost, stream) for stream, n in claimed.items())
+            )
+        return results
+
+    def end_session(self, session: Session) -> SessionEnd:
+        """End ``session`` in the coordinator (its blocks freed, its owners released), credited."""
+        cost = session.bytes_per_block
+        ended = self._coord.end_session(session, bool(cost))
+        if cost:
+            self.credit(session, self._bytes_held(ended.by_stream, cost))
+        return ended
+
+    def credit(self, session: Session, n_bytes: int) -> None:
+        """``session``'s blocks worth ``n_bytes`` were freed.
+
+        The blocks are gone whatever the ledger says: a ledger out of step with them (a
+        daemon bug, which ``audit`` reports) is logged and credited what it holds, never
+        allowed to fail a free, a goodbye or the reaping of a dead worker."""
+        if n_bytes:
+            ledger = self.ledger
+            try:
+                ledger.credit(session.model, n_bytes)
+            except ValueError as exc:
+                log.error("budget ledger out of step with the pool: %s", exc)
+                ledger.credit(session.model, ledger.held(session.model))
+
+    def charge(self, session: Session, n_bytes: int) -> None:
+        """``session`` holds blocks worth ``n_bytes`` that it did not allocate (claims)."""
+        if n_bytes:
+            self.ledger.charge(session.model, n_bytes)

@@ -1,0 +1,539 @@
+"""The daemon's state and its ownership rules: one allocator shared by every worker session.
+
+The allocator knows owners; this layer knows which session each owner belongs to, and enforces
+what the allocator alone cannot: an owner id is held by one session at a time, and a session may
+only touch the blocks and owners it holds. Every check of a request runs before any change, so a
+refused request leaves no trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from vqpool.daemon.core.claims import ClaimPeriod, read_roll, write_roll
+from vqpool.daemon.core.replies import ReplyCache
+from vqpool.daemon.core.sessions import Session, SessionTable
+from vqpool.daemon.core.timeline import StreamTimeline
+from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
+from vqpool.shared.errors import (
+    ClaimConflictError,
+    NotOwnerError,
+    OwnerAlreadyActiveError,
+    VqpoolError,
+)
+from vqpool.shared.protocol import (
+    MAX_BLOCKS_PER_ALLOCATE,
+    MAX_BLOCKS_PER_REQUEST,
+    ClaimGroup,
+    ItemErrors,
+)
+
+log = logging.getLogger("vqpoold")
+
+BlockCounts = dict[str, int]
+"""Blocks per stream: what a free, a claim or a session's end changed, for the budget above to
+price (the coordinator knows blocks, never bytes)."""
+
+
+class SessionEnd(NamedTuple):
+    """What ending a session freed: owners released, blocks freed, and those blocks per stream
+    (counted only when asked)."""
+
+    n_owners: int
+    n_blocks: int
+    by_stream: BlockCounts
+
+
+def new_boot_id() -> str:
+    """A random id for one daemon lifetime."""
+    return secrets.token_hex(8)
+
+
+class Coordinator:
+    """The allocator, the sessions, and who holds what.
+
+    Attributes:
+        allocator: The one pool every worker draws from.
+        sessions: Live worker sessions.
+        replies: Recent replies to mutating requests of every session, for resends.
+        boot_id: Random id of this daemon lifetime, stamped on every reply; a client that sees
+            it change knows its blocks belong to a previous lifetime.
+        lease: Seconds a stopped worker keeps its blocks after it was last heard from.
+        run_dir: Where the sockets live (for the admin's eyes).
+        timeline: Blocks in use per stream over time, sampled by the server loop.
+        claim_period: The claim period of this start (see ``daemon/core/claims.py``), or None when
+            no worker of a previous daemon was alive at start.
+        claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
+            attribute the request hot path looks at.
+
+    The memory budget sits above this layer (``daemon/budget/``): it calls the methods that
+    change holdings, and prices what they return (blocks per stream) in bytes.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        lease: float,
+        run_dir: Path,
+        claim_grace: float = 0.0,
+        boot_id: str | None = None,
+    ) -> None:
+        self.allocator = BlockPoolAllocator(config)
+        self.sessions = SessionTable()
+        self.replies = ReplyCache()
+        self.boot_id = boot_id or new_boot_id()
+        self.lease = lease
+        self.claim_grace = claim_grace
+        self.run_dir = run_dir
+        self.pid = os.getpid()
+        self.started = time.time()
+        self.started_monotonic = time.monotonic()
+        self.timeline = StreamTimeline(self.allocator.streams)
+        self._holder: dict[Owner, Session] = {}
+        self._max_tokens = MAX_BLOCKS_PER_ALLOCATE * config.block_size
+        # Counters for the admin's stats; plain ints so the hot path pays one add.
+        self.n_requests = 0
+        self.n_bad_requests = 0
+        self.n_replies_dropped = 0
+        self.n_sessions_opened = 0
+        self.n_sessions_reaped = 0
+        self.n_sessions_evicted = 0
+        self.n_owners_claimed = 0
+        self.n_owners_refused = 0
+        self.n_blocks_claimed = 0
+        expected = read_roll(run_dir) if claim_grace > 0 else {}
+        self.claim_period: ClaimPeriod | None = None
+        if expected:
+            self.claim_period = ClaimPeriod(expected, claim_grace, self.started_monotonic)
+            log.info(
+                "%d session(s) of the previous daemon's workers are alive (pids %s): taking "
+                "their claims for up to %gs before serving allocations",
+                len(expected),
+                sorted({pid for pid, _ in expected}),
+                claim_grace,
+            )
+        self.claiming: ClaimPeriod | None = self.claim_period
+        self._roll_dirty = False
+        self.write_roll()
+
+    # -- owners ------------------------------------------------------------------------------------
+
+    def holder_of(self, owner: Owner) -> Session | None:
+        """The session holding ``owner``, or None if no session does."""
+        return self._holder.get(owner)
+
+    def _bind(self, owner: Owner, session: Session) -> None:
+        self._holder[owner] = session
+        session.owners.add(owner)
+
+    def _unbind(self, owner: Owner) -> None:
+        session = self._holder.pop(owner, None)
+        if session is not None:
+            session.owners.discard(owner)
+
+    @staticmethod
+    def _owner_taken(owner: Owner, holder: Session) -> OwnerAlreadyActiveError:
+        return OwnerAlreadyActiveError(
+            f"owner {owner!r} is active in another worker session (pid {holder.pid}, "
+            f"model {holder.model!r}); owner ids are global across workers: use another id"
+        )
+
+    def _require_held(self, session: Session, owner: Owner, what: str) -> Session | None:
+        """The holder of ``owner`` if it is ``session`` or nobody; NotOwnerError otherwise."""
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise NotOwnerError(
+                f"{what}: owner {owner!r} belongs to another worker session (pid {holder.pid}); "
+                "nothing was changed"
+            )
+        return holder
+
+    # -- worker ops --------------------------------------------------------------------------------
+
+    def allocate(
+        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
+    ) -> list[int]:
+        """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
+        return list(self._allocate(session, stream, n_tokens, owner, fmt))
+
+    def check_allocate(self, session: Session, n_tokens: int, owner: Owner) -> Session | None:
+        """The checks of an allocate that need no pool: the owner is free or ``session``'s (its
+        holder is returned) and ``n_tokens`` within one allocation. The budget asks them before
+        its ledger, so such a request is refused as what it is, never parked.
+
+        Raises:
+            OwnerAlreadyActiveError: Another session holds ``owner``.
+            ValueError: ``n_tokens`` needs more than MAX_BLOCKS_PER_ALLOCATE blocks.
+        """
+        holder = self._holder.get(owner)
+        if holder is not session and holder is not None:
+            raise self._owner_taken(owner, holder)
+        if n_tokens > self._max_tokens:
+            raise ValueError(
+                f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
+                "allocate in steps"
+            )
+        return holder
+
+    def _allocate(
+        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
+    ) -> tuple[int, ...]:
+        """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
+        (an exhausted pool included, unlike the local allocator) leaves no owner bound or
+        registered that was not before."""
+        holder = self.check_allocate(session, n_tokens, owner)
+        if holder is not None:  # already ours: the allocator alone decides
+            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
+        try:
+            self._bind(owner, session)
+            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
+        except BaseException:
+            # An exhausted allocate registers the owner (seed behaviour); it held nothing before.
+            self.allocator.release_owner(owner)
+            self._unbind(owner)
+            raise
+
+    def allocate_many(
+        self, session: Session, items: Sequence[tuple[str, int, Owner, str]]
+    ) -> list[list[int] | dict[str, Any]]:
+        """allocate() per item; each result is the block ids or an error entry (see
+        :class:`~vqpool.shared.protocol.ItemErrors`). Items fail on their own; anything else
+        raised undoes the whole request.
+
+        Raises:
+            ValueError: The items ask for more than MAX_BLOCKS_PER_REQUEST blocks in all.
+        """
+        block_size = self.allocator.config.block_size
+        n_blocks = sum(-(-n_tokens // block_size) for _, n_tokens, _, _ in items if n_tokens > 0)
+        if n_blocks > MAX_BLOCKS_PER_REQUEST:
+            raise ValueError(
+                f"allocate_many: the items ask for {n_blocks} blocks in all; at most "
+                f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
+            )
+        results: list[list[int] | dict[str, Any]] = []
+        done: list[tuple[Owner, tuple[int, ...]]] = []  # (owner, ids) allocated so far
+        bound: list[Owner] = []  # owners this request bound to the session
+        holder = self._holder
+        errors = ItemErrors()
+        allocate = self._allocate
+        try:
+            for index, (stream, n_tokens, owner, fmt) in enumerate(items):
+                unbound = owner not in holder
+                try:
+                    ids = allocate(session, stream, n_tokens, owner, fmt)
+                except (ValueError, VqpoolError) as exc:
+                    results.append(errors.entry(index, exc))
+                    continue
+                done.append((owner, ids))
+                if unbound:
+                    bound.append(owner)
+                results.append(list(ids))
+        except BaseException:
+            self._undo_allocations(done, bound)
+            raise
+        return results
+
+    def _undo_allocations(
+        self, done: list[tuple[Owner, tuple[int, ...]]], bound: list[Owner]
+    ) -> None:
+        """Free what an interrupted allocate_many allocated, unbind the owners it bound, and
+        keep registered the owners the session held before (freeing their last block released
+        them)."""
+        allocator = self.allocator
+        for _, ids in reversed(done):
+            allocator.free_ids(ids)
+        for owner in bound:
+            allocator.release_owner(owner)
+            self._unbind(owner)
+        for owner in {owner for owner, _ in done}.difference(bound):
+            if not allocator.is_active(owner):
+                allocator.register_owner(owner)
+
+    def free(self, session: Session, block_ids: Sequence[int], by_stream: bool) -> BlockCounts:
+        """Free blocks by id. Free ids are skipped (as the allocator does); one id held by
+        another session refuses the whole request.
+
+        Returns:
+            With ``by_stream``, the blocks freed per stream (each id once); else {}: counting
+            costs a lookup per block, paid only when the caller prices them.
+        """
+        allocator = self.allocator
+        owner_of = allocator.owner_of
+        holder = self._holder
+        touched: set[Owner] = set()
+        freed: BlockCounts = {}
+        for block_id in dict.fromkeys(block_ids) if by_stream else block_ids:
+            owner = owner_of(block_id)
+            if owner is None:
+                continue
+            if holder.get(owner) is not session:
+                raise NotOwnerError(
+                    f"free: block {block_id} is held by another worker session; nothing was freed"
+                )
+            touched.add(owner)
+            if by_stream:
+                stream = allocator.stream_of(block_id) or ""
+                freed[stream] = freed.get(stream, 0) + 1
+        allocator.free_ids(block_ids)
+        for owner in touched:
+            if not allocator.is_active(owner):
+                self._unbind(owner)
+        return freed
+
+    def free_all(self, session: Session, owner: Owner, by_stream: bool) -> BlockCounts:
+        """free_all() of an owner this session holds (an unknown owner is a no-op); with
+        ``by_stream``, the blocks freed per stream (else {})."""
+        self._require_held(session, owner, "free_all")
+        freed = self._blocks_by_stream(owner) if by_stream else {}
+        self.allocator.free_all(owner)
+        self._unbind(owner)
+        return freed
+
+    def _blocks_by_stream(self, owner: Owner) -> BlockCounts:
+        return {stream: n_blocks for stream, (n_blocks, _) in self.allocator.usage(owner).items()}
+
+    def register_owner(self, session: Session, owner: Owner) -> None:
+        """register_owner(): the owner becomes this session's."""
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise self._owner_taken(owner, holder)
+        self.allocator.register_owner(owner)
+        self._bind(owner, session)
+
+    def release_owner(self, session: Session, owner: Owner) -> None:
+        """release_owner() of an owner this session holds that holds no block.
+
+        Unlike the local allocator, an owner that still holds blocks is refused: releasing it
+        would let another worker take an id whose blocks are still in use here.
+        """
+        if self._require_held(session, owner, "release_owner") is None:
+            return
+        n_held = self.allocator.n_blocks_for(owner)
+        if n_held:
+            raise ValueError(
+                f"release_owner: owner {owner!r} still holds {n_held} block(s); free them or "
+                "call free_all(owner)"
+            )
+        self.allocator.release_owner(owner)
+        self._unbind(owner)
+
+    def blocks_for(self, session: Session, owner: Owner) -> list[Block]:
+        """blocks_for() of an owner this session holds (an unknown owner has none)."""
+        if self._require_held(session, owner, "blocks_for") is None:
+            return []
+        return self.allocator.blocks_for(owner)
+
+    def mark_used(self, session: Session, updates: Sequence[tuple[int, int]]) -> None:
+        """mark_used() for several blocks, all checked before any is applied."""
+        allocator = self.allocator
+        block_size = allocator.config.block_size
+        for _, n_used in updates:
+            if not 0 <= n_used <= block_size:
+                raise ValueError(
+                    f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}"
+                )
+        holder = self._holder
+        for block_id, _ in updates:
+            owner = allocator.owner_of(block_id)
+            if owner is not None and holder.get(owner) is not session:
+                raise NotOwnerError(
+                    f"mark_used: block {block_id} is held by another worker session; "
+                    "nothing was changed"
+                )
+        allocator.mark_used_many([(Block(block_id), n_used) for block_id, n_used in updates])
+
+    # -- restart claims ----------------------------------------------------------------------------
+
+    def claim(
+        self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
+    ) -> tuple[list[dict[str, Any] | None], BlockCounts]:
+        """Take back what a worker of the previous daemon holds, owner by owner.
+
+        Each owner is all or nothing: its blocks are claimed by id (never allocated anew), and
+        if one of them is not free (another owner claimed it first) or not in this pool, or the
+        owner id is already held by another session, none of that owner's claim stands. Per
+        owner: None (accepted) or an ``{code, message}`` error. ``done`` ends this worker's
+        re-sync, which may end the claim period.
+
+        Returns:
+            The results per owner, and the blocks claimed per stream as the claims name it.
+        """
+        results: list[dict[str, Any] | None] = []
+        claimed: BlockCounts = {}
+        errors = ItemErrors()
+        for index, (owner, groups) in enumerate(owners):
+            try:
+                self._claim_owner(session, owner, groups, claimed)
+            except (ValueError, VqpoolError) as exc:
+                self.n_owners_refused += 1
+                log.warning(
+                    "claim refused: owner %r of session %x (pid %d): %s",
+                    owner,
+                    session.sid,
+                    session.pid,
+                    exc,
+                )
+                results.append(errors.entry(index, exc))
+            else:
+                self.n_owners_claimed += 1
+                results.append(None)
+        if done and self.claiming is not None:
+            self.claiming.note_done(session.pid, session.resumes, time.monotonic())
+            if self.claiming.ended is not None:
+                self._claim_period_over()
+        return results, claimed
+
+    def _claim_owner(
+        self, session: Session, owner: Owner, groups: list[ClaimGroup], claimed: BlockCounts
+    ) -> None:
+        """Claim one owner's groups, all or nothing; what stood is added to ``claimed``."""
+        holder = self._holder.get(owner)
+        if holder is not None and holder is not session:
+            raise ClaimConflictError(
+                f"claim: owner {owner!r} is already held by another worker session (pid "
+                f"{holder.pid}); this worker's blocks of it were not taken back"
+            )
+        ids = [block_id for group in groups for block_id in group[2]]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"claim: owner {owner!r} lists a block id twice")
+        allocator = self.allocator
+        if holder is None and not groups:
+            allocator.register_owner(owner)
+        taken: list[tuple[int, ...]] = []
+        try:
+            for stream, fmt, block_ids, fills in groups:
+                taken.append(allocator.claim_ids(owner, stream, block_ids, fills, fmt))
+        except BaseException:
+            for group_ids in taken:  # all or nothing per owner
+                allocator.free_ids(group_ids)
+            if holder is session and not allocator.is_active(owner):
+                allocator.register_owner(owner)  # it was held with no block: keep it so
+            raise
+        for group, group_ids in zip(groups, taken, strict=True):
+            claimed[group[0]] = claimed.get(group[0], 0) + len(group_ids)
+        self.n_blocks_claimed += len(ids)
+        if holder is None:
+            self._bind(owner, session)
+
+    def check_claim_period(self, now: float) -> None:
+        """End the claim period once it is over (called by the server loop's tick)."""
+        claiming = self.claiming
+        if claiming is not None and claiming.check(now):
+            self._claim_period_over()
+
+    def _claim_period_over(self) -> None:
+        self.claiming = None
+        self._roll_dirty = True  # drop expected sessions that never came back
+
+    def write_roll(self) -> None:
+        """Write the roll now: every session, and while claims are taken the expected sessions
+        not resumed by one of them (a restart now must still wait for those)."""
+        sessions = list(self.sessions)
+        entries = [(session.process, session.sid) for session in sessions]
+        if self.claiming is not None:
+            resumed = {(s.pid, s.resumes) for s in sessions if s.resumes is not None}
+            entries += [
+                (process, sid)
+                for (pid, sid), process in self.claiming.expected.items()
+                if (pid, sid) not in resumed
+            ]
+        write_roll(self.run_dir, entries)
+        for session in sessions:
+            session.on_roll = True
+        self._roll_dirty = False
+
+    def write_roll_if_changed(self) -> None:
+        """Write the roll if sessions opened or ended since it was last written (called by the
+        server loop's tick: a burst of hellos or goodbyes costs one write, not one each)."""
+        if self._roll_dirty:
+            self.write_roll()
+
+    def session_opened(self, session: Session, resumes: int | None) -> None:
+        """Count a new session; it goes on the roll at the next tick, or before its first
+        mutating request if that comes first (see ``WorkerRequestHandler``).
+
+        Args:
+            resumes: The session id the client held under the previous daemon lifetime.
+        """
+        self.n_sessions_opened += 1
+        session.resumes = resumes
+        self._roll_dirty = True
+
+    # -- session lifecycle -------------------------------------------------------------------------
+
+    def end_session(self, session: Session, by_stream: bool) -> SessionEnd:
+        """Free everything ``session`` holds, release its owners and forget it; with
+        ``by_stream``, count the blocks freed per stream."""
+        allocator = self.allocator
+        owners = list(session.owners)
+        n_blocks = 0
+        freed: BlockCounts = {}
+        for owner in owners:
+            n_blocks += allocator.n_blocks_for(owner)
+            if by_stream:
+                for stream, n in self._blocks_by_stream(owner).items():
+                    freed[stream] = freed.get(stream, 0) + n
+            allocator.free_all(owner)
+            self._unbind(owner)
+        self.sessions.close(session)
+        self.replies.forget(session.sid)
+        self._roll_dirty = True
+        return SessionEnd(len(owners), n_blocks, freed)
+
+    def dead_sessions(self, now: float) -> Iterator[tuple[Session, str]]:
+        """Every session whose worker exited or stayed stopped past its lease, with why (one
+        look at each process, however many sessions it holds). Lazy: the caller ends each one
+        before the next process is looked at."""
+        for process in self.sessions.processes():
+            yield from process.reap_reasons(now, self.lease)
+
+    # -- reads for the admin -----------------------------------------------------------------------
+
+    def usage_by(self, session: Session) -> dict[Owner, dict[str, tuple[int, int]]]:
+        """Each owner of ``session`` with its blocks and used token slots per stream
+        (O(allocations held), no Block objects: admin views and metrics)."""
+        return {owner: self.allocator.usage(owner) for owner in session.owners}
+
+    def blocks_by_model(self) -> dict[str, int]:
+        """Blocks the sessions of each model hold now, all streams together (O(chunks held):
+        for the timeline's tick, never per request)."""
+        held: dict[str, int] = {}
+        for session in self.sessions:
+            n = sum(self.allocator.n_blocks_for(owner) for owner in session.owners)
+            held[session.model] = held.get(session.model, 0) + n
+        return held
+
+    def uptime(self) -> float:
+        """Seconds since the daemon started."""
+        return time.monotonic() - self.started_monotonic
+
+    def audit(self) -> list[str]:
+        """Every disagreement between the allocator, the owner map and the sessions (O(pool));
+        the budget's own recount is the budget layer's."""
+        problems: list[str] = []
+        try:
+            self.allocator.check_invariants()
+        except AssertionError as exc:
+            problems.append(f"allocator: {exc}")
+        active = set(self.allocator.active_owners())
+        held = set(self._holder)
+        problems += [f"owner {o!r} is active but held by no session" for o in active - held]
+        problems += [f"owner {o!r} is held by a session but inactive" for o in held - active]
+        live = {id(s) for s in self.sessions}
+        for owner, session in self._holder.items():
+            if id(session) not in live:
+                problems.append(f"owner {owner!r} is held by ended session {session.sid:x}")
+            elif owner not in session.owners:
+                problems.append(f"owner {owner!r} is missing from session {session.sid:x}")
+        for session in self.sessions:
+            for owner in session.owners:
+                if self._holder.get(owner) is not session:
+                    problems.append(f"session {session.sid:x} lists owner {owner!r} it lacks")
+        return problems

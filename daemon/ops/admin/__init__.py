@@ -1,0 +1,56 @@
+"""Admin commands of vqpoold, one module each (the module docstring is its help).
+
+Every module defines ``PARAMS`` (a tuple of :class:`vqpool.shared.protocol.Field`: the op's
+arguments, their checks and help) and ``run(state, args)`` returning a msgpack-able result
+(``state``: the :class:`~vqpool.daemon.ops.state.DaemonState`).
+:data:`COMMANDS` maps each admin op name to its module; ``vqpoolctl`` can build its sub-commands
+and their help from it. :data:`ADMIN_TABLE` is the admin socket's op table (see
+``ops/op_table.py``), built the same way as the worker socket's.
+"""
+
+from types import ModuleType
+
+from vqpool.daemon.ops.admin import (
+    audit,
+    budget,
+    cache_drop,
+    evict_session,
+    fit,
+    history,
+    metrics,
+    model_list,
+    model_set,
+    owners,
+    ping,
+    sessions,
+    shrink,
+    stats,
+)
+from vqpool.daemon.ops.op_table import AdminHandler, Op, op_table
+from vqpool.shared.protocol import ADMIN_OPS
+
+COMMANDS: dict[str, ModuleType] = {
+    module.__name__.rsplit(".", 1)[-1]: module
+    for module in (
+        shrink,
+        sessions,
+        owners,
+        evict_session,
+        stats,
+        history,
+        metrics,
+        audit,
+        ping,
+        budget,
+        model_set,
+        model_list,
+        fit,
+        cache_drop,
+    )
+}
+
+ADMIN_TABLE: dict[str, Op[AdminHandler]] = op_table(
+    ADMIN_OPS,
+    {name: module.PARAMS for name, module in COMMANDS.items()},
+    {name: module.run for name, module in COMMANDS.items()},
+)

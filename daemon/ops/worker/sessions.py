@@ -1,0 +1,110 @@
+"""Worker ops of the session's life: ``hello`` opens it (or returns it, for a repeated nonce),
+``ping`` keeps its lease and reports the worker's load, ``goodbye`` ends it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vqpool.daemon.core.sessions import Session, verify_worker_process
+from vqpool.daemon.net.peer_process import RequestPeer
+from vqpool.daemon.ops.op_table import Args
+from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
+from vqpool.shared.errors import BadRequestError, UnauthorizedError
+from vqpool.shared.protocol import PROTOCOL_VERSION, config_to_wire
+
+log = logging.getLogger("vqpoold")
+
+HEARTBEATS_PER_LEASE = 4
+"""The client pings every min(lease, claim grace) / 4: three lost heartbeats in a row still keep
+the lease, and an idle worker notices a restart well inside the claim period."""
+
+
+def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
+    """``hello``: served before any session check (it opens the session), so it takes the
+    connection ``peer`` instead of a session: the pid it declares must be the connected one."""
+    coord = state.coord
+    session = coord.sessions.by_nonce(args["nonce"])
+    if session is None:
+        process = verify_worker_process(args["pid"])
+        connected = peer.pid()
+        if connected is not None and connected != process.pid:
+            raise UnauthorizedError(
+                f"hello: pid {process.pid} is not the process connected ({connected}); "
+                "a session follows the process that opens it"
+            )
+        bytes_per_block = args["bytes_per_block"]
+        if type(bytes_per_block) is int:
+            bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
+        state.budget.check_hello(bytes_per_block, coord.allocator.streams)
+        session = coord.sessions.open(
+            process,
+            args["model"],
+            bytes_per_block,
+            args["client_version"],
+            args["nonce"],
+            now,
+        )
+        coord.session_opened(session, args["resumes"])
+        log.info(
+            "session %x opened: pid %d, model %r, client %s%s",
+            session.sid,
+            session.pid,
+            session.model,
+            session.client_version or "?",
+            "" if session.resumes is None else f", resumes session {session.resumes:x}",
+        )
+    elif session.pid != args["pid"]:
+        raise BadRequestError("hello: this nonce belongs to another process's session")
+    session.last_heard = now
+    lease = coord.lease
+    return {
+        "sid": session.sid,
+        "boot": coord.boot_id,
+        "protocol": PROTOCOL_VERSION,
+        "config": config_to_wire(coord.allocator.config),
+        "streams": list(coord.allocator.streams),
+        "lease": lease,
+        "heartbeat": min(lease, coord.claim_grace or lease) / HEARTBEATS_PER_LEASE,
+        "claim_grace": coord.claim_grace,
+        "daemon_pid": coord.pid,
+        "daemon_version": DAEMON_VERSION,
+        "started": coord.started,
+        "time": time.time(),
+    }
+
+
+def goodbye(
+    state: DaemonState, session: Session, args: Args, rid: int, now: float
+) -> dict[str, Any]:
+    n_owners, n_blocks = state.budget.end_session(session)
+    return {"ended": True, "owners_released": n_owners, "blocks_freed": n_blocks}
+
+
+def ping(
+    state: DaemonState, session: Session, args: Args, rid: int, now: float
+) -> dict[str, Any] | None:
+    # The lease is refreshed by any request; a ping may also carry the worker's load.
+    if args["running"] is not None:
+        session.running = args["running"]
+    if args["queued"] is not None:
+        session.queued = args["queued"]
+    state.budget.reclaim.note_load(session, args["preemptions"])
+    if args["prompt_cache"] is not None:
+        session.prompt_cache = args["prompt_cache"]
+    return cache_advice(state, session)
+
+
+def cache_advice(state: DaemonState, session: Session) -> dict[str, Any] | None:
+    """What the answer to a load report asks of the worker's prompt cache (None: nothing):
+    ``drop_cache`` once after ``cache_drop``; else, while allocations of other sessions wait
+    for memory, ``release_bytes`` (what they wait for) from a worker that reports cached bytes.
+    """
+    if session.drop_cache:
+        session.drop_cache = False
+        return {"drop_cache": True}
+    if not session.prompt_cache or not session.prompt_cache["bytes"]:
+        return None
+    waiting = state.budget.parking.bytes_waiting_for_others(session)
+    return {"release_bytes": waiting} if waiting else None
