@@ -1,9 +1,9 @@
-"""Admin commands of vqpoold, one module each (the module docstring is its help).
+"""Admin commands of vqpoold, one module each.
 
-Every module defines ``PARAMS`` (a tuple of :class:`vqpool.shared.protocol.Field`: the op's
-arguments, their checks and help) and ``run(coord, args)`` returning a msgpack-able result.
-:data:`COMMANDS` maps each admin op name to its module; ``vqpoolctl`` can build its sub-commands
-and their help from it.
+Every module defines ``PARAMS`` (its op's arguments, their checks and help, as
+:mod:`vqpool.shared.protocol.admin_ops` declares them with what the op does) and
+``run(coord, args)`` returning a msgpack-able result. :data:`COMMANDS` maps each admin op name to
+its module.
 """
 
 from types import ModuleType
