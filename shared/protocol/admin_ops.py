@@ -18,7 +18,7 @@ from vqpool.shared.protocol.checks import (
     number_in,
 )
 from vqpool.shared.protocol.ops import Field, OpSpec, args_of, op_table
-from vqpool.shared.protocol.worker_ops import FIT, FIT_FIELDS, HISTORY, METRICS, PING, STATS
+from vqpool.shared.protocol.worker_ops import FIT, FIT_ARGS, HISTORY, METRICS, PING, STATS
 
 SHRINK = "shrink"
 SESSIONS = "sessions"
@@ -171,7 +171,7 @@ ADMIN_OP_SPECS = op_table(
         "``within_reserve``, ``after_others_return`` or ``never``, with the numbers behind it "
         "and the largest concurrency that fits now and ever. Priced with the bytes per block a "
         "live worker of that model declared.",
-        (MODEL_FIELD, *FIT_FIELDS),
+        (MODEL_FIELD, *FIT_ARGS),
     ),
     OpSpec(
         CACHE_DROP,

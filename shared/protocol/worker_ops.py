@@ -71,7 +71,7 @@ GROWTH_FIELD = Field(
 OWNER_ARGS = (Field("owner", check_owner),)
 """The one argument of the ops on one owner."""
 
-FIT_FIELDS = (
+FIT_ARGS = (
     Field("context", int_in(1), help="tokens per sequence: prompt plus tokens to generate"),
     Field(
         "concurrency",
@@ -205,7 +205,7 @@ WORKER_OP_SPECS = op_table(
         FIT,
         "Would concurrency sequences of context tokens of the session's model fit the memory "
         "budget? Priced with the session's bytes per block.",
-        FIT_FIELDS,
+        FIT_ARGS,
     ),
     OpSpec(
         RECLAIM_POLL,
