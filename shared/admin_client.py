@@ -17,8 +17,8 @@ DEFAULT_ADMIN_TIMEOUT = 5.0
 
 
 class AdminClient:
-    """Calls admin ops (``shrink``, ``sessions``, ``owners``, ``evict_session``, ``stats``,
-    ``history``, ``metrics``, ``audit``, ``ping``) and returns their results.
+    """Calls admin ops (:data:`~vqpool.shared.protocol.ADMIN_OP_SPECS` declares them) and
+    returns their results.
 
     Errors come back as the exception classes of :mod:`vqpool.shared.errors`. Retries after a
     lost reply are safe in effect: ``shrink`` to a target is idempotent, and a repeated

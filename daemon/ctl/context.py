@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from vqpool.daemon.ctl.exits import CtlError, Exit
-from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.protocol import session_label
+
+if TYPE_CHECKING:
+    from vqpool.shared.admin_client import AdminClient
 
 
 class Ctl:
@@ -55,6 +57,10 @@ class Ctl:
                     f"vqpoold is not running: no {ADMIN_SOCKET_NAME} in {self.run_dir}",
                     Exit.NOT_RUNNING,
                 )
+            # Imported here: pyzmq takes ~20 ms to import, which --help and usage errors need
+            # not pay.
+            from vqpool.shared.admin_client import AdminClient
+
             self._client = AdminClient(self.run_dir, timeout=self.timeout)
         try:
             return self._client.call(op, **args)

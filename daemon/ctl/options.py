@@ -1,11 +1,11 @@
-"""Options several vqpoolctl commands share, and argument help taken from the admin ops."""
+"""Options several vqpoolctl commands share, and argument help from the admin ops' declarations."""
 
 from __future__ import annotations
 
 import argparse
 
-from vqpool.daemon.ops.admin import COMMANDS as ADMIN_COMMANDS
 from vqpool.shared.config import RUN_DIR_ENV
+from vqpool.shared.protocol import ADMIN_OP_SPECS
 
 DEFAULT_TIMEOUT = 3.0
 """Seconds to wait for the daemon's reply (it answers in well under a millisecond)."""
@@ -35,11 +35,9 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 
 
 def op_help(op: str, field: str) -> str:
-    """The help the daemon's admin op ``op`` gives for its argument ``field``."""
-    for param in ADMIN_COMMANDS[op].PARAMS:
-        if param.name == field:
-            return str(param.help)
-    raise KeyError(f"admin op {op!r} has no argument {field!r}")
+    """The help the admin op ``op`` declares for its argument ``field``: for an option that
+    takes the same value as that argument."""
+    return ADMIN_OP_SPECS[op].param(field).help
 
 
 def non_negative_int(text: str) -> int:

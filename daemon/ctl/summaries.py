@@ -10,8 +10,8 @@ def per_model(sessions: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     bytes_total, running, queued, prompt_cache}}`` with ``blocks`` and ``bytes`` per stream, and
     the requests running and queued as the workers last reported them (None when none of the
     model's workers reports them); ``prompt_cache`` sums the workers' prompt-cache reports
-    (bytes, blocks, entries, lookups, hits, tokens_reused, tokens_prefilled, evictions; its
-    bytes are part of ``bytes_total``; None when none reports one), models in name order."""
+    (:data:`~vqpool.shared.protocol.PROMPT_CACHE_COUNTERS`; its bytes are part of
+    ``bytes_total``; None when none reports one), models in name order."""
     models: dict[str, dict[str, Any]] = {}
     for session in sessions:
         model = models.setdefault(

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import ErrorCode
-from vqpool.shared.protocol import ADMIN_OPS, WORKER_OPS
+from vqpool.shared.protocol import ADMIN_OPS, PROMPT_CACHE_FIGURES, WORKER_OPS
 from vqpool.shared.stats import AllocationStats
 
 log = logging.getLogger("vqpoold")
@@ -351,45 +351,15 @@ _MODEL_GAUGES = (
 )
 
 
-_PROMPT_CACHE_GAUGES = (
-    ("vqpool_model_prompt_cache_bytes", "bytes", "Bytes the workers' prompt caches hold."),
-    (
-        "vqpool_model_prompt_cache_blocks",
-        "blocks",
-        "Blocks the workers' prompt caches hold (part of vqpool_model_blocks_held).",
-    ),
-    ("vqpool_model_prompt_cache_entries", "entries", "Entries of the workers' prompt caches."),
-)
-_PROMPT_CACHE_COUNTERS = (
-    ("vqpool_model_prompt_cache_lookups", "lookups", "Requests that looked up a prompt cache."),
-    ("vqpool_model_prompt_cache_hits", "hits", "Lookups that reused a cached prefix."),
-    (
-        "vqpool_model_prompt_cache_tokens_reused",
-        "tokens_reused",
-        "Prompt tokens taken from a prompt cache instead of being prefilled.",
-    ),
-    (
-        "vqpool_model_prompt_cache_tokens_prefilled",
-        "tokens_prefilled",
-        "Prompt tokens prefilled by requests that looked up a prompt cache.",
-    ),
-    ("vqpool_model_prompt_cache_evictions", "evictions", "Prompt-cache entries given back."),
-)
-
-
 def _prompt_cache_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     """Per model, the prompt caches of its live workers as they last reported them (counters
     restart with a worker)."""
-    for name, key, doc in _PROMPT_CACHE_GAUGES:
-        gauge = GaugeMetricFamily(name, doc, labels=["model"])
+    for figure in PROMPT_CACHE_FIGURES:
+        kind = CounterMetricFamily if figure.running_count else GaugeMetricFamily
+        family = kind(f"vqpool_model_prompt_cache_{figure.name}", figure.help, labels=["model"])
         for model, cache in sorted(snap.prompt_caches.items()):
-            gauge.add_metric([model], cache[key])
-        yield gauge
-    for name, key, doc in _PROMPT_CACHE_COUNTERS:
-        counter = CounterMetricFamily(name, doc, labels=["model"])
-        for model, cache in sorted(snap.prompt_caches.items()):
-            counter.add_metric([model], cache[key])
-        yield counter
+            family.add_metric([model], cache[figure.name])
+        yield family
 
 
 def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:

@@ -51,23 +51,12 @@ from typing import Any
 
 import mlx.core as mx
 from vqpool.shared.pool import BlockPool
+from vqpool.shared.protocol import PROMPT_CACHE_COUNTERS
 from vqpool.worker.defaults import DEFAULT_PROMPT_CACHE_BYTES
 from vqpool.worker.kv.cache import PooledSequence
 from vqpool.worker.kv.storage import MLXBlockStorage
 
 log = logging.getLogger("vqpool.worker")
-
-_REPORTED = (
-    "bytes",
-    "blocks",
-    "entries",
-    "lookups",
-    "hits",
-    "tokens_reused",
-    "tokens_prefilled",
-    "evictions",
-)
-"""What :meth:`PromptCache.report` sends the daemon (the load report's ``prompt_cache``)."""
 
 
 def block_keys(tokens: Sequence[int], n_blocks: int, block_size: int) -> list[int]:
@@ -101,7 +90,7 @@ class PromptCache:
         storage: The worker's storage for this model (requests' sequences live there too).
         owner_prefix: Entry owner ids are ``{owner_prefix}-cache-{n}``.
         max_bytes: Most bytes the entries may hold; 0 keeps nothing.
-        report: Called with the counters (:data:`_REPORTED`) after each change, without
+        report: Called with the counters (:data:`PROMPT_CACHE_COUNTERS`) after each change, without
             blocking (``PoolClient.report_prompt_cache`` sends them with the next heartbeat).
         lost_owners: The pool's owners that are no longer this worker's (``PoolClient``).
     """
@@ -379,4 +368,4 @@ class PromptCache:
         """Pass the counters the daemon shows to ``report`` (if any)."""
         if self._report is not None:
             snapshot = self.snapshot()
-            self._report({name: snapshot[name] for name in _REPORTED})
+            self._report({name: snapshot[name] for name in PROMPT_CACHE_COUNTERS})

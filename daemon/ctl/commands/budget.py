@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import psutil
 from vqpool.daemon.ctl.budgets import budget_fields, budget_line, size
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
@@ -26,6 +25,10 @@ from vqpool.shared.byte_sizes import parse_budget
 
 def budget_size(text: str) -> int:
     """An argparse type: a budget in bytes, a size or a percentage of physical memory."""
+    # Imported here: psutil takes ~20 ms to import, which every other command (and --help)
+    # would pay at start-up.
+    import psutil
+
     try:
         return parse_budget(text, psutil.virtual_memory().total)
     except ValueError as exc:

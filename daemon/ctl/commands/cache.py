@@ -17,9 +17,10 @@ import argparse
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, Exit
-from vqpool.daemon.ctl.options import add_json, common_options
+from vqpool.daemon.ctl.options import add_json, common_options, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import per_model
+from vqpool.shared.protocol import CACHE_DROP
 
 LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
 
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
-    dropping.add_argument("name", metavar="MODEL", help="the model's full name")
+    dropping.add_argument("name", metavar="MODEL", help=op_help(CACHE_DROP, "model"))
     add_json(dropping)
 
 

@@ -26,8 +26,9 @@ from typing import Any
 from vqpool.daemon.ctl.budgets import size
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.options import add_json, positive_int
+from vqpool.daemon.ctl.options import add_json, op_help, positive_int
 from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.protocol import FIT
 
 VERDICTS: dict[str, tuple[str, Exit]] = {
     "now": ("fits now", Exit.OK),
@@ -46,20 +47,20 @@ VERDICTS: dict[str, tuple[str, Exit]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="NAME", help="the model's full name")
+    parser.add_argument("--model", required=True, metavar="NAME", help=op_help(FIT, "model"))
     parser.add_argument(
         "--context",
         required=True,
         type=positive_int,
         metavar="N",
-        help="tokens per sequence: prompt plus tokens to generate",
+        help=op_help(FIT, "context"),
     )
     parser.add_argument(
         "--concurrency",
         type=positive_int,
         default=1,
         metavar="C",
-        help="sequences at once (default 1)",
+        help=op_help(FIT, "concurrency"),
     )
     add_json(parser)
 

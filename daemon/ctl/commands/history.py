@@ -19,10 +19,11 @@ from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json, op_help, positive_int
 from vqpool.daemon.ctl.plot import plot_timeline
 from vqpool.daemon.ctl.render import table
+from vqpool.shared.protocol import HISTORY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--limit", type=positive_int, metavar="N", help=op_help("history", "limit"))
+    parser.add_argument("--limit", type=positive_int, metavar="N", help=op_help(HISTORY, "limit"))
     parser.add_argument(
         "--plot",
         type=Path,

@@ -27,13 +27,11 @@ from vqpool.daemon.ctl.budgets import budget_report, size, weight
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, CtlError, Exit
 from vqpool.daemon.ctl.labels import model_labels
-from vqpool.daemon.ctl.options import add_json, common_options
+from vqpool.daemon.ctl.options import add_json, common_options, op_help
 from vqpool.shared.byte_sizes import parse_bytes
+from vqpool.shared.protocol import MODEL_SET, NO_MODEL_LIMIT
 
 LIST_HELP, SET_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
-
-NO_LIMIT = -1
-"""``model_set``'s ``limit`` for "no limit of its own"."""
 
 DEFAULTS = {"reserve": 0, "limit": None, "weight": 1.0}
 """The settings of a model nobody configured (docs/budget.md)."""
@@ -48,7 +46,7 @@ def _reserve(text: str) -> int:
 
 def _limit(text: str) -> int:
     if text.strip().lower() == "none":
-        return NO_LIMIT
+        return NO_MODEL_LIMIT
     try:
         return parse_bytes(text, what="limit", allow_zero=True)
     except ValueError as exc:
@@ -82,12 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
-    setting.add_argument("name", metavar="NAME", help="the model's full name")
+    setting.add_argument("name", metavar="NAME", help=op_help(MODEL_SET, "model"))
     setting.add_argument(
         "--reserve",
         type=_reserve,
         metavar="SIZE",
-        help="bytes kept for this model that no other model may take (e.g. 2GiB; 0 for none)",
+        help=f"{op_help(MODEL_SET, 'reserve')} (e.g. 2GiB; 0 for none)",
     )
     setting.add_argument(
         "--limit",
@@ -99,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight",
         type=_weight,
         metavar="W",
-        help="its share of spare bytes while models wait, relative to others (default 1)",
+        help=op_help(MODEL_SET, "weight"),
     )
     add_json(setting)
 

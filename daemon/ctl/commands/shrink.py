@@ -17,6 +17,7 @@ import sys
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json, non_negative_int, op_help
+from vqpool.shared.protocol import SHRINK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=non_negative_int,
         metavar="N",
-        help=op_help("shrink", "target_free"),
+        help=op_help(SHRINK, "target_free"),
     )
     add_json(parser)
 

@@ -1,11 +1,11 @@
-"""Admin commands of vqpoold, one module each (the module docstring is its help).
+"""Admin commands of vqpoold, one module each.
 
-Every module defines ``PARAMS`` (a tuple of :class:`vqpool.shared.protocol.Field`: the op's
-arguments, their checks and help) and ``run(state, args)`` returning a msgpack-able result
-(``state``: the :class:`~vqpool.daemon.ops.state.DaemonState`).
-:data:`COMMANDS` maps each admin op name to its module; ``vqpoolctl`` can build its sub-commands
-and their help from it. :data:`ADMIN_TABLE` is the admin socket's op table (see
-``ops/op_table.py``), built the same way as the worker socket's.
+Every module defines ``PARAMS`` (its op's arguments, their checks and help, as
+:mod:`vqpool.shared.protocol.admin_ops` declares them with what the op does) and
+``run(state, args)`` returning a msgpack-able result (``state``: the
+:class:`~vqpool.daemon.ops.state.DaemonState`). :data:`COMMANDS` maps each admin op name to its
+module; :data:`ADMIN_TABLE` is the admin socket's op table (see ``ops/op_table.py``), built the
+same way as the worker socket's.
 """
 
 from types import ModuleType

@@ -1,15 +1,14 @@
-"""Recount the whole pool and cross-check it: free plus in use equals total per stream, no block
-free twice or held by two owners, every active owner held by exactly one live session. Returns
-ok and the list of problems found (empty when all is well). O(pool size)."""
+"""The daemon's side of the admin op ``audit``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field
+from vqpool.shared.protocol import ADMIN_ARGS, AUDIT
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[AUDIT]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

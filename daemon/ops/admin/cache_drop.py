@@ -1,7 +1,5 @@
-"""Make the workers of MODEL drop their prompt cache: every cached entry's blocks go back to the
-pool. The daemon never waits for a worker: each is told in the answer to its next load report
-(its heartbeat, within a quarter of the lease), so the bytes come back within that time; the
-answer says how many sessions were told and the cached bytes they last reported."""
+"""The daemon's side of the admin op ``cache_drop``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -9,11 +7,11 @@ import logging
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field, check_str
+from vqpool.shared.protocol import ADMIN_ARGS, CACHE_DROP
 
 log = logging.getLogger("vqpoold")
 
-PARAMS = (Field("model", check_str, help="the model name its workers give in hello"),)
+PARAMS = ADMIN_ARGS[CACHE_DROP]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

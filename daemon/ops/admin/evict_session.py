@@ -1,6 +1,5 @@
-"""Force-end a worker session: free every block of every owner it holds and release the owner
-ids. The worker's next call fails with a no-session error. Use for a hung worker that is still
-running (the daemon never reaps a running process on its own)."""
+"""The daemon's side of the admin op ``evict_session``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -9,11 +8,11 @@ from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import NoSessionError
-from vqpool.shared.protocol import Field, check_int
+from vqpool.shared.protocol import ADMIN_ARGS, EVICT_SESSION
 
 log = logging.getLogger("vqpoold")
 
-PARAMS = (Field("sid", check_int, help="session id, as `sessions` lists it"),)
+PARAMS = ADMIN_ARGS[EVICT_SESSION]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,19 +1,14 @@
-"""Would CONCURRENCY sequences of CONTEXT tokens of MODEL fit? Verdict ``now``,
-``within_reserve``, ``after_others_return`` or ``never``, with the numbers behind it and the
-largest concurrency that fits now and ever. Priced with the bytes per block a live worker of
-that model declared."""
+"""The daemon's side of the admin op ``fit``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import FIT, WORKER_ARGS, Field, check_str
+from vqpool.shared.protocol import ADMIN_ARGS, FIT
 
-PARAMS = (
-    Field("model", check_str, help="the model name its workers give in hello"),
-    *WORKER_ARGS[FIT],  # context and concurrency, as the worker op takes them
-)
+PARAMS = ADMIN_ARGS[FIT]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

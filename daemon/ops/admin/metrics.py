@@ -1,15 +1,14 @@
-"""The pool's gauges and counters in the Prometheus text exposition format (blocks total, in
-use and peak, fragmentation; blocks allocated, freed, reused, grown and retired, allocations
-refused), named veloxquant_block_pool_* as the VeloxQuant block pool exports them."""
+"""The daemon's side of the admin op ``metrics``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field
+from vqpool.shared.protocol import ADMIN_ARGS, METRICS
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[METRICS]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> str:

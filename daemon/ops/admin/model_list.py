@@ -1,6 +1,5 @@
-"""Every model the budget knows (configured, or served by a live worker): bytes held, reserve,
-limit, weight, borrowed (held above the reserve), entitlement, waiting requests and their bytes,
-and its workers' sessions and load; with the budget's own view."""
+"""The daemon's side of the admin op ``model_list``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -8,9 +7,9 @@ import time
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field
+from vqpool.shared.protocol import ADMIN_ARGS, MODEL_LIST
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[MODEL_LIST]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,40 +1,16 @@
-"""Set one model's budget settings live: RESERVE (bytes kept for it), LIMIT (bytes it may hold
-at most; -1: no limit of its own) and WEIGHT (its share of spare bytes). Fields not given keep
-their value. Invalid settings (reserves over the budget, a reserve over the limit, a weight
-outside [0.001, 1000]) are refused and nothing changes. Returns the model's view, as in
-``model_list``."""
+"""The daemon's side of the admin op ``model_set``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 from vqpool.daemon.budget.settings import model_settings
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field, check_int, check_number, check_str
+from vqpool.shared.protocol import ADMIN_ARGS, MODEL_SET
 
-PARAMS = (
-    Field("model", check_str, help="the model name its workers give in hello"),
-    Field(
-        "reserve",
-        check_int,
-        required=False,
-        help="bytes kept for the model",
-    ),
-    Field(
-        "limit",
-        check_int,
-        required=False,
-        help="most bytes the model may hold (-1: no limit of its own)",
-    ),
-    Field(
-        "weight",
-        lambda v, n: check_number(v, n, -math.inf, math.inf),
-        required=False,
-        help="the model's share of spare bytes against the others'",
-    ),
-)
+PARAMS = ADMIN_ARGS[MODEL_SET]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

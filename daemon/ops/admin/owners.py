@@ -1,6 +1,5 @@
-"""List active owners: session, pid and model holding each, blocks per stream, token slots of
-its sequence marked used (K and V counted once) and fill (those slots / the slots of the blocks
-holding the sequence). With SID, only that session's owners."""
+"""The daemon's side of the admin op ``owners``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ from typing import Any
 from vqpool.daemon.core.views import owner_view
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import NoSessionError
-from vqpool.shared.protocol import Field, check_int
+from vqpool.shared.protocol import ADMIN_ARGS, OWNERS
 
-PARAMS = (Field("sid", check_int, required=False, help="only this session's owners"),)
+PARAMS = ADMIN_ARGS[OWNERS]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,13 +1,14 @@
-"""Check that the daemon answers: its boot id, pid and uptime."""
+"""The daemon's side of the admin op ``ping``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field
+from vqpool.shared.protocol import ADMIN_ARGS, PING
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[PING]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

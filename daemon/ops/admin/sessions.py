@@ -1,5 +1,5 @@
-"""List worker sessions: pid, model, process state, blocks and bytes held per stream, owners,
-seconds since last heard and lease state."""
+"""The daemon's side of the admin op ``sessions``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 from vqpool.daemon.core.views import session_view
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.shared.protocol import Field
+from vqpool.shared.protocol import ADMIN_ARGS, SESSIONS
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[SESSIONS]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,10 +1,5 @@
-"""Retire free blocks of one stream until at most TARGET_FREE stay free.
-
-Blocks in use are never touched; retired block ids never come back, so workers may drop their
-buffers. Returns how many blocks were retired and the stream's free and total counts after.
-Refused (retry later) during a restarted daemon's claim period: a free block may be one a
-worker is about to claim back.
-"""
+"""The daemon's side of the admin op ``shrink``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -12,12 +7,9 @@ from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import RetryLaterError
-from vqpool.shared.protocol import Field, check_int, check_tag
+from vqpool.shared.protocol import ADMIN_ARGS, SHRINK
 
-PARAMS = (
-    Field("stream", check_tag, help='stream to shrink: "k", "v" (or "kv" in a shared-kv pool)'),
-    Field("target_free", check_int, help="free blocks to keep in that stream"),
-)
+PARAMS = ADMIN_ARGS[SHRINK]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,5 @@
-"""Pool and daemon state: allocator counters, free and total blocks per stream, pool config,
-boot id, pid, version, uptime, sessions and owners, request and error counters, and what a
-restart's claim period took back."""
+"""The daemon's side of the admin op ``stats``; what it does and takes is declared in
+:mod:`vqpool.shared.protocol.admin_ops`."""
 
 from __future__ import annotations
 
@@ -9,9 +8,15 @@ from typing import Any
 
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
-from vqpool.shared.protocol import PROTOCOL_VERSION, Field, config_to_wire, stats_to_wire
+from vqpool.shared.protocol import (
+    ADMIN_ARGS,
+    PROTOCOL_VERSION,
+    STATS,
+    config_to_wire,
+    stats_to_wire,
+)
 
-PARAMS: tuple[Field, ...] = ()
+PARAMS = ADMIN_ARGS[STATS]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,60 @@
+"""Figures a worker reports to the daemon in its load report, declared once for both ends.
+
+The worker's prompt cache sends them (``ping``'s ``prompt_cache``), the daemon checks them
+(:func:`check_prompt_cache`) and exports them as metrics, ``vqpoolctl`` sums them per model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vqpool.shared.errors import BadRequestError
+from vqpool.shared.protocol.checks import check_int, short_repr
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedFigure:
+    """One figure of a report: its name on the wire, whether it is a running count (it only
+    grows, and starts over with the worker) or a level (what is held now), and what it says."""
+
+    name: str
+    running_count: bool
+    help: str
+
+
+PROMPT_CACHE_FIGURES: tuple[ReportedFigure, ...] = (
+    ReportedFigure("bytes", False, "Bytes the workers' prompt caches hold."),
+    ReportedFigure(
+        "blocks",
+        False,
+        "Blocks the workers' prompt caches hold (part of vqpool_model_blocks_held).",
+    ),
+    ReportedFigure("entries", False, "Entries of the workers' prompt caches."),
+    ReportedFigure("lookups", True, "Requests that looked up a prompt cache."),
+    ReportedFigure("hits", True, "Lookups that reused a cached prefix."),
+    ReportedFigure(
+        "tokens_reused", True, "Prompt tokens taken from a prompt cache instead of being prefilled."
+    ),
+    ReportedFigure(
+        "tokens_prefilled",
+        True,
+        "Prompt tokens prefilled by requests that looked up a prompt cache.",
+    ),
+    ReportedFigure("evictions", True, "Prompt-cache entries given back."),
+)
+"""What a worker's load report may say of its prompt cache (``ping``'s ``prompt_cache``)."""
+
+PROMPT_CACHE_COUNTERS = tuple(figure.name for figure in PROMPT_CACHE_FIGURES)
+"""The names of :data:`PROMPT_CACHE_FIGURES`, in order."""
+
+
+def check_prompt_cache(value: Any, name: str = "prompt_cache") -> dict[str, int]:
+    """A worker's prompt-cache report: a map of names of PROMPT_CACHE_COUNTERS to ints >= 0
+    (absent names read 0)."""
+    if type(value) is not dict:
+        raise BadRequestError(f"{name} must be a map, got {short_repr(value)}")
+    unknown = sorted(str(k) for k in value.keys() - set(PROMPT_CACHE_COUNTERS))
+    if unknown:
+        raise BadRequestError(f"{name}: unknown counter(s) {unknown}")
+    return {k: check_int(value.get(k, 0), f"{name}.{k}", 0) for k in PROMPT_CACHE_COUNTERS}
