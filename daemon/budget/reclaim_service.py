@@ -1,7 +1,7 @@
 """The reclaim path wired into the daemon: workers' long-polls for asks, their answers, and the
 loop's turn that plans new asks.
 
-A worker that can give bytes back (a :class:`~vqpool.worker.client.PoolClient` with a reclaim
+A worker that can give bytes back (a :class:`~vqpool.worker.pool.client.PoolClient` with a reclaim
 handler) keeps one ``reclaim_poll`` parked here, on a socket of its own. When the ledger says
 bytes are short (:meth:`BudgetLedger.reclaim_need`), :class:`ReclaimBook` picks the sessions to
 ask and each ask is the reply to that session's parked poll, sent non-blocking from the loop's

@@ -7,7 +7,7 @@ sessions by bytes (:data:`REPLY_BYTES_TOTAL`), oldest replies evicted first. A s
 reply is never evicted: a client with one call in flight can only resend that one, so a
 well-behaved client never loses a reply to another session's traffic. The total is therefore
 REPLY_BYTES_TOTAL plus at most one reply per session (a reply is bounded by the request limits of
-``shared/protocol.py``).
+``shared/protocol/limits.py``).
 
 Once a reply is evicted, every request id up to it is refused (BAD_REQUEST) rather than applied:
 the daemon can no longer tell whether it was.

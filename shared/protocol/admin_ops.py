@@ -1,7 +1,7 @@
 """The admin ops: what ``vqpoolctl`` (and any AdminClient) asks of vqpoold on the admin socket.
 
 Declared as the worker ops are (:class:`~vqpool.shared.protocol.ops.OpSpec`); the daemon serves
-each from one module of ``daemon/commands/``. docs/protocol.md, "Admin ops", has their results.
+each from one module of ``daemon/ops/admin/``. docs/protocol.md, "Admin ops", has their results.
 """
 
 from __future__ import annotations
