@@ -16,7 +16,8 @@ from typing import Any
 
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError, exit_status_help
 from vqpool.daemon.server.server import Server
-from vqpool.shared.config import RUN_DIR_ENV, DaemonSettings, load_settings_file
+from vqpool.daemon.server.settings import DaemonSettings, load_settings_file
+from vqpool.shared.config import RUN_DIR_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import copy
 import mlx.core as mx
 import pytest
 from vqpool.shared.allocator import BlockPoolAllocator
-from vqpool.shared.config import PoolConfig
+from vqpool.shared.pool import PoolConfig
 from vqpool.worker.kv.batch_cache import (
     PooledBatch,
     PooledBatchKVCache,

@@ -42,13 +42,13 @@ from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
 from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError
 from vqpool.daemon.server.run_dir import prepare_run_dir, remove_stale_socket, take_lock
+from vqpool.daemon.server.settings import DaemonSettings
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes, parse_budget
 from vqpool.shared.config import (
     ADMIN_SOCKET_NAME,
     LOCK_FILE_NAME,
     WORKER_SOCKET_NAME,
-    DaemonSettings,
     resolve_run_dir,
     socket_path,
 )
