@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import WorkerProcess, daemon_args_for, remove_tree, short_tmpdir
+from daemon_harness import AgentProcess, daemon_args_for, remove_tree, short_tmpdir
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
 from vqpool.worker.testing.launch import DaemonProcess
 
@@ -55,11 +55,11 @@ def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
 
 
 @pytest.fixture
-def start_worker() -> Iterator[Callable[[Path, str], WorkerProcess]]:
-    workers: list[WorkerProcess] = []
+def start_worker() -> Iterator[Callable[[Path, str], AgentProcess]]:
+    workers: list[AgentProcess] = []
 
-    def start(run_dir: Path, name: str = "worker") -> WorkerProcess:
-        worker = WorkerProcess(run_dir, name)
+    def start(run_dir: Path, name: str = "worker") -> AgentProcess:
+        worker = AgentProcess(run_dir, name)
         workers.append(worker)
         return worker
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import WorkerProcess, remove_tree, short_tmpdir
+from daemon_harness import AgentProcess, remove_tree, short_tmpdir
 from vqpool.worker.testing.launch import DaemonProcess
 
 VQPOOLCTL = str(Path(sys.executable).with_name("vqpoolctl"))
@@ -47,7 +47,7 @@ def ctl_json(run_dir: Path, *args: str) -> Any:
     return json.loads(result.stdout)
 
 
-def session_hex(worker: WorkerProcess) -> str:
+def session_hex(worker: AgentProcess) -> str:
     return f"{worker.session_id:x}"
 
 
@@ -62,8 +62,8 @@ class LivePool:
 
     base: Path
     daemon: DaemonProcess
-    alpha: WorkerProcess
-    beta: WorkerProcess
+    alpha: AgentProcess
+    beta: AgentProcess
 
     @property
     def run_dir(self) -> Path:
@@ -75,8 +75,8 @@ class LivePool:
         (sampled every 0.25 s) records the pool growing."""
         base = short_tmpdir()
         daemon = DaemonProcess(base / "run", *daemon_args).start()
-        alpha = WorkerProcess(daemon.run_dir, "alpha")
-        beta = WorkerProcess(daemon.run_dir, "beta")
+        alpha = AgentProcess(daemon.run_dir, "alpha")
+        beta = AgentProcess(daemon.run_dir, "beta")
         steps = [
             (alpha, ("k", 40, "a1")),
             (alpha, ("v", 40, "a1")),

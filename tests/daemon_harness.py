@@ -4,7 +4,7 @@ the demo.)
 
 * :func:`short_tmpdir` makes a run directory short enough for a Unix socket path (pytest's
   ``tmp_path`` is often longer than the 107-byte limit allows).
-* :class:`WorkerProcess` starts ``worker_agent.py``: a separate process holding one PoolClient,
+* :class:`AgentProcess` starts ``worker_agent.py``: a separate process holding one PoolClient,
   driven over stdin/stdout, so ownership really crosses process boundaries.
 * :class:`RawClient` speaks protocol v1 by hand on a bare DEALER, for frame-level tests.
 
@@ -53,7 +53,7 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class WorkerError(Exception):
+class AgentError(Exception):
     """An exception raised inside a worker process; ``kind`` is its class name."""
 
     def __init__(self, kind: str, message: str) -> None:
@@ -61,8 +61,9 @@ class WorkerError(Exception):
         self.kind = kind
 
 
-class WorkerProcess:
-    """A worker process with one PoolClient on ``run_dir``, driven op by op."""
+class AgentProcess:
+    """A ``worker_agent.py`` process: one PoolClient on ``run_dir``, driven op by op (not a
+    ``vqpool-worker``; that is :class:`vqpool.worker.testing.launch.WorkerProcess`)."""
 
     def __init__(self, run_dir: Path, name: str) -> None:
         self.name = name
@@ -86,11 +87,11 @@ class WorkerProcess:
             raise RuntimeError(f"worker {self.name} exited with {self.process.wait()}")
         reply = json.loads(line)
         if not reply["ok"]:
-            raise WorkerError(reply["error"], reply["message"])
+            raise AgentError(reply["error"], reply["message"])
         return reply["result"]
 
     def call(self, op: str, *args: Any) -> Any:
-        """Run ``op`` in the worker; its result, or WorkerError naming the exception raised."""
+        """Run ``op`` in the worker; its result, or AgentError naming the exception raised."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps({"op": op, "args": list(args)}) + "\n")
         self.process.stdin.flush()

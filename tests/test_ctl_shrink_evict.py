@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from ctl_harness import LivePool, ctl_json, run_ctl, run_ctl_each, session_hex
-from daemon_harness import WorkerError
+from daemon_harness import AgentError
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_shrink_retires_exactly_the_free_blocks_asked_for(pool: LivePool) -> Non
     pool.alpha.call("mark_used", [[pool.alpha.call("blocks_for", "a1")[2][0], 16]])
     pool.alpha.call("free_all", "a2")
     assert pool.daemon.admin("stats")["streams"]["k"] == {"free": 1, "total": 11}
-    with pytest.raises(WorkerError, match="BlockPoolExhaustedError"):
+    with pytest.raises(AgentError, match="BlockPoolExhaustedError"):
         pool.beta.call("allocate", "k", 32, 8)
     pool.daemon.audit()
 
@@ -127,7 +127,7 @@ def test_evict_asks_first_and_frees_only_when_confirmed(pool: LivePool) -> None:
     assert [s["model"] for s in sessions if s["n_blocks"]] == ["alpha"]
     assert pool.daemon.admin("stats")["stats"]["blocks_in_use"] == 7
     # The evicted worker opens a new session by itself; its old owner is lost to it.
-    with pytest.raises(WorkerError, match="ClaimConflictError"):
+    with pytest.raises(AgentError, match="ClaimConflictError"):
         pool.beta.call("blocks_for", 7)
     pool.beta.call("allocate", "k", 16, 9)
     # The evicted owner id is free for another worker now.

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from ctl_harness import VQPOOLCTL, LivePool
-from daemon_harness import WorkerProcess, remove_tree, short_tmpdir, wait_until
+from daemon_harness import AgentProcess, remove_tree, short_tmpdir, wait_until
 from vqpool.worker.testing.launch import DaemonProcess
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -153,7 +153,7 @@ def similar_models() -> Iterator[DaemonProcess]:
     """A daemon with two workers whose model names differ in one character, both loaded."""
     base = short_tmpdir()
     daemon = DaemonProcess(base / "run", "--n-blocks", "256", "--lease", "5").start()
-    workers = [WorkerProcess(daemon.run_dir, name) for name in (LLAMA_3B, LLAMA_1B)]
+    workers = [AgentProcess(daemon.run_dir, name) for name in (LLAMA_3B, LLAMA_1B)]
     try:
         workers[0].call("allocate", "k", 100, "r1")
         workers[0].call("report_load", 2, 3)

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from daemon_harness import RawClient, WorkerProcess, wait_until
+from daemon_harness import AgentProcess, RawClient, wait_until
 from vqpool.worker.testing.launch import DaemonProcess
 
-StartWorker = Callable[[Path, str], WorkerProcess]
+StartWorker = Callable[[Path, str], AgentProcess]
 LEASE = 1.0  # the daemon fixture's --lease
 
 

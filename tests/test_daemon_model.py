@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon_harness import WorkerError, WorkerProcess, remove_tree, short_tmpdir
+from daemon_harness import AgentError, AgentProcess, remove_tree, short_tmpdir
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -47,7 +47,7 @@ UNLIMITED = None
 
 
 class InProcessSession:
-    """A PoolClient in this process, called like a WorkerProcess."""
+    """A PoolClient in this process, called like a AgentProcess."""
 
     def __init__(self, run_dir: Any) -> None:
         self.pool = PoolClient(run_dir, name="in-process", timeout=10.0)
@@ -57,7 +57,7 @@ class InProcessSession:
         try:
             return run_op(self.pool, op, list(args))
         except Exception as exc:
-            raise WorkerError(type(exc).__name__, str(exc)) from None
+            raise AgentError(type(exc).__name__, str(exc)) from None
 
     def stop(self) -> None:
         self.pool.close()
@@ -86,8 +86,8 @@ class DaemonMachine(RuleBasedStateMachine):
         self.base = short_tmpdir()
         self.daemon = DaemonProcess(self.base / "run", *self.options).start()
         self.sessions: list[Any] = [
-            WorkerProcess(self.daemon.run_dir, "w0"),
-            WorkerProcess(self.daemon.run_dir, "w1"),
+            AgentProcess(self.daemon.run_dir, "w0"),
+            AgentProcess(self.daemon.run_dir, "w1"),
             InProcessSession(self.daemon.run_dir),
         ]
         self.owners: dict[Any, OwnerModel] = {}
@@ -149,7 +149,7 @@ class DaemonMachine(RuleBasedStateMachine):
     def outcome(self, session: int, op: str, *args: Any) -> tuple[str, Any]:
         try:
             return "ok", self.sessions[session].call(op, *args)
-        except WorkerError as exc:
+        except AgentError as exc:
             return exc.kind, None
 
     # -- rules ---------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class DaemonMachine(RuleBasedStateMachine):
         worker.kill()
         worker.process.wait()
         worker.stop()
-        self.sessions[index] = WorkerProcess(self.daemon.run_dir, f"w{index}-again")
+        self.sessions[index] = AgentProcess(self.daemon.run_dir, f"w{index}-again")
         self.models[index] = f"w{index}-again"
         # Its owners are freed within the reaping interval.
         for owner in [o for o, m in self.owners.items() if m.session == index]:

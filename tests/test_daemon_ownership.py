@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RawClient, WorkerError, WorkerProcess
+from daemon_harness import AgentError, AgentProcess, RawClient
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.launch import DaemonProcess
 
-StartWorker = Callable[[Path, str], WorkerProcess]
+StartWorker = Callable[[Path, str], AgentProcess]
 
 
 def pool_state(daemon: DaemonProcess) -> dict[str, Any]:
@@ -29,12 +29,12 @@ def pool_state(daemon: DaemonProcess) -> dict[str, Any]:
 @pytest.fixture
 def two_workers(
     daemon: DaemonProcess, start_worker: StartWorker
-) -> tuple[WorkerProcess, WorkerProcess]:
+) -> tuple[AgentProcess, AgentProcess]:
     return start_worker(daemon.run_dir, "model-a"), start_worker(daemon.run_dir, "model-b")
 
 
 def test_owner_ids_collide_across_processes(
-    daemon: DaemonProcess, two_workers: tuple[WorkerProcess, WorkerProcess]
+    daemon: DaemonProcess, two_workers: tuple[AgentProcess, AgentProcess]
 ) -> None:
     a, b = two_workers
     a.call("register_owner", "req-1")
@@ -46,7 +46,7 @@ def test_owner_ids_collide_across_processes(
         ("register_owner", (7,)),
         ("allocate", ("v", 16, 7)),
     ):
-        with pytest.raises(WorkerError) as caught:
+        with pytest.raises(AgentError) as caught:
             b.call(op, *args)
         assert caught.value.kind == "OwnerAlreadyActiveError"
         assert "another worker session" in str(caught.value)
@@ -62,7 +62,7 @@ def test_owner_ids_collide_across_processes(
 
 
 def test_not_owner_requests_are_refused_whole(
-    daemon: DaemonProcess, two_workers: tuple[WorkerProcess, WorkerProcess]
+    daemon: DaemonProcess, two_workers: tuple[AgentProcess, AgentProcess]
 ) -> None:
     a, b = two_workers
     a_blocks = a.call("allocate", "k", 40, "a-req")
@@ -77,7 +77,7 @@ def test_not_owner_requests_are_refused_whole(
         ("release_owner", ("a-req",)),
     ]
     for op, args in refusals:
-        with pytest.raises(WorkerError) as caught:
+        with pytest.raises(AgentError) as caught:
             b.call(op, *args)
         assert caught.value.kind == "NotOwnerError", (op, caught.value)
         assert pool_state(daemon) == before, op
@@ -87,7 +87,7 @@ def test_not_owner_requests_are_refused_whole(
 
 
 def test_free_skips_free_ids_like_the_local_allocator(
-    daemon: DaemonProcess, two_workers: tuple[WorkerProcess, WorkerProcess]
+    daemon: DaemonProcess, two_workers: tuple[AgentProcess, AgentProcess]
 ) -> None:
     a, _ = two_workers
     blocks = a.call("allocate", "k", 32, "r")
@@ -113,7 +113,7 @@ def test_goodbye_frees_everything_including_empty_owners(
 
 
 def test_admin_views_describe_sessions_and_owners(
-    daemon: DaemonProcess, two_workers: tuple[WorkerProcess, WorkerProcess]
+    daemon: DaemonProcess, two_workers: tuple[AgentProcess, AgentProcess]
 ) -> None:
     a, b = two_workers
     a.call("allocate", "k", 40, "a1")
@@ -138,7 +138,7 @@ def test_admin_views_describe_sessions_and_owners(
 
 
 def test_evict_session_frees_its_blocks(
-    daemon: DaemonProcess, two_workers: tuple[WorkerProcess, WorkerProcess]
+    daemon: DaemonProcess, two_workers: tuple[AgentProcess, AgentProcess]
 ) -> None:
     a, b = two_workers
     a.call("allocate", "k", 64, "a1")
@@ -147,7 +147,7 @@ def test_evict_session_frees_its_blocks(
     assert result == {"sid": a.session_id, "pid": a.pid, "owners_freed": 1, "blocks_freed": 4}
     # The evicted worker lives on: its owners are lost (their blocks were freed), and it opens
     # a new session for new owners by itself.
-    with pytest.raises(WorkerError) as caught:
+    with pytest.raises(AgentError) as caught:
         a.call("allocate", "k", 16, "a1")
     assert caught.value.kind == "ClaimConflictError" and "evicted" in str(caught.value)
     assert len(a.call("allocate", "k", 16, "a2")) == 1

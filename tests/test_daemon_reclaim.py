@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import RawClient, WorkerError, WorkerProcess, wait_until
+from daemon_harness import AgentError, AgentProcess, RawClient, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.worker.testing.launch import DaemonProcess
 
@@ -37,7 +37,7 @@ def lending_daemon(start: Callable[..., DaemonProcess], *args: str) -> DaemonPro
     return daemon
 
 
-def fill_on_loan(worker: WorkerProcess, n_owners: int, blocks_each: int) -> None:
+def fill_on_loan(worker: AgentProcess, n_owners: int, blocks_each: int) -> None:
     for i in range(n_owners):
         worker.call("allocate", "k", blocks_each * BLOCK, f"{worker.name}-{i}")
 
@@ -48,7 +48,7 @@ def reclaim_view(daemon: DaemonProcess) -> dict:
 
 def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
     start_daemon: Callable[..., DaemonProcess],
-    start_worker: Callable[[Path, str], WorkerProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon, "--metrics-port", "0")
     borrower = start_worker(daemon.run_dir, "b")
@@ -111,14 +111,14 @@ def scrape(daemon: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
     start_daemon: Callable[..., DaemonProcess],
-    start_worker: Callable[[Path, str], WorkerProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon, "--reclaim-deadline", "0.5")
     stubborn = start_worker(daemon.run_dir, "c")
     stubborn.call("reclaim_handler", "stall")
     fill_on_loan(stubborn, 6, 10)
     owner_a = start_worker(daemon.run_dir, "a")
-    with pytest.raises(WorkerError) as refused:
+    with pytest.raises(AgentError) as refused:
         owner_a.call("allocate", "k", 20 * BLOCK, "a-0", "fp16", 1.5)
     assert refused.value.kind == "BlockPoolExhaustedError"
     wait_until(lambda: reclaim_view(daemon)["late"] >= 1, 5.0)
@@ -134,7 +134,7 @@ def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
 
 def test_a_budget_lowered_below_holdings_is_met_by_reclaim(
     start_daemon: Callable[..., DaemonProcess],
-    start_worker: Callable[[Path, str], WorkerProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon)
     borrower = start_worker(daemon.run_dir, "b")
@@ -175,7 +175,7 @@ def test_reclaim_answers_are_checked_against_the_ledger(
 
 def test_preemptions_are_counted_once_across_a_reopened_session(
     start_daemon: Callable[..., DaemonProcess],
-    start_worker: Callable[[Path, str], WorkerProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon)
     worker = start_worker(daemon.run_dir, "b")

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RawClient, WorkerError, WorkerProcess, wait_until
+from daemon_harness import AgentError, AgentProcess, RawClient, wait_until
 from vqpool.shared import DaemonRestartedError
 from vqpool.shared.errors import ClaimConflictError, ErrorCode, RetryLaterError
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
-StartWorker = Callable[[Path, str], WorkerProcess]
+StartWorker = Callable[[Path, str], AgentProcess]
 
 
 def owners_view(daemon: DaemonProcess) -> dict[Any, tuple[int, int, dict[str, int], int]]:
@@ -121,11 +121,11 @@ def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owne
     # The late worker's heartbeat re-syncs it: late-v is taken back, late-k conflicts.
     wait_until(lambda: claims(daemon)["owners_refused"] == 1, timeout=5.0)
     assert late.call("blocks_for", "late-v")[0][0] == late_v[0]
-    with pytest.raises(WorkerError) as lost:
+    with pytest.raises(AgentError) as lost:
         late.call("allocate", "k", 16, "late-k")
     assert lost.value.kind == "ClaimConflictError"
     assert "lost in a vqpoold restart" in str(lost.value)
-    with pytest.raises(WorkerError, match="ClaimConflictError"):
+    with pytest.raises(AgentError, match="ClaimConflictError"):
         late.call("free", late_k)  # its blocks are another owner's now: not freed
     assert "late-k" in late.call("lost_owners")
     late.call("free_all", "late-k")  # forgets it
@@ -241,7 +241,7 @@ def test_two_clients_in_one_process_both_keep_their_blocks_through_a_restart(
         # The other worker takes every k block it can get: it must wait for the second client's
         # claims (RETRY_LATER), then find its blocks taken back.
         taken: list[int] = []
-        with pytest.raises(WorkerError, match="BlockPoolExhaustedError"):
+        with pytest.raises(AgentError, match="BlockPoolExhaustedError"):
             while True:
                 taken += other.call("allocate", "k", 16, f"o{len(taken)}")
         assert not set(taken) & set(held)

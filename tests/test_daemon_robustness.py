@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from daemon_harness import RawClient, WorkerProcess, wait_until
+from daemon_harness import AgentProcess, RawClient, wait_until
 from vqpool.shared import Block, DaemonUnavailableError
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
@@ -26,7 +26,7 @@ from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
-StartWorker = Callable[[Path, str], WorkerProcess]
+StartWorker = Callable[[Path, str], AgentProcess]
 
 
 def pool_state(daemon: DaemonProcess) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from ctl_harness import LivePool
-from daemon_harness import WorkerError, wait_until
+from daemon_harness import AgentError, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.worker.testing.launch import DaemonProcess
 
@@ -101,9 +101,9 @@ def test_scraped_values_equal_the_daemon_state(pool: LivePool) -> None:
 
 def test_request_counters_and_histogram(pool: LivePool) -> None:
     url = metrics_url(pool.daemon)
-    with pytest.raises(WorkerError, match="NotOwnerError"):
+    with pytest.raises(AgentError, match="NotOwnerError"):
         pool.beta.call("free_all", "a1")
-    with pytest.raises(WorkerError, match="BlockPoolExhaustedError"):
+    with pytest.raises(AgentError, match="BlockPoolExhaustedError"):
         pool.beta.call("allocate", "k", 16 * 500, 8)
     _, samples = scrape(url)
 

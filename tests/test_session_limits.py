@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import RawClient, WorkerProcess, wait_until
+from daemon_harness import AgentProcess, RawClient, wait_until
 from vqpool.daemon.core.sessions import MAX_SESSIONS, MAX_SESSIONS_PER_PROCESS
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.launch import DaemonProcess
 
-StartWorker = Callable[[Path, str], WorkerProcess]
+StartWorker = Callable[[Path, str], AgentProcess]
 
 # A process that opens sessions until refused, prints how many it got and the refusal, and keeps
 # them (it stays alive) until its stdin closes.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from daemon_harness import RawClient, WorkerProcess, wait_until
+from daemon_harness import AgentProcess, RawClient, wait_until
 from serving_harness import ServingStack
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.http_client import stream_events
@@ -21,8 +21,8 @@ def _session(daemon: DaemonProcess, pid: int) -> dict[str, Any]:
 
 def test_reported_load_reaches_the_daemon_soon(start_daemon: Any, start_worker: Any) -> None:
     daemon: DaemonProcess = start_daemon("--n-blocks", "64", "--lease", "10")
-    worker: WorkerProcess = start_worker(daemon.run_dir, "loaded")
-    quiet: WorkerProcess = start_worker(daemon.run_dir, "quiet")
+    worker: AgentProcess = start_worker(daemon.run_dir, "loaded")
+    quiet: AgentProcess = start_worker(daemon.run_dir, "quiet")
     assert _session(daemon, worker.pid)["running"] is None  # never reported
     worker.call("report_load", 3, 5)
     # Sent by the heartbeat thread at once, not at its next periodic ping (lease / 4 = 2.5 s).

@@ -68,7 +68,6 @@ class ReclaimListener(threading.Thread):
         self.handler = handler
         self._held_bytes = held_bytes
         self._call = call
-        self.answered = 0
 
     def run(self) -> None:
         session = self._session
@@ -115,4 +114,3 @@ class ReclaimListener(threading.Thread):
         except (VqpoolError, ValueError) as exc:
             # The ask is over for the daemon anyway (late, or its session ended).
             log.warning("reclaim: could not answer ask %d: %s", ask_id, exc)
-        self.answered += 1
