@@ -48,6 +48,7 @@ CLAIM = "claim"
 FIT = "fit"
 RECLAIM_POLL = "reclaim_poll"
 RECLAIM_DONE = "reclaim_done"
+CANCEL = "cancel"
 
 
 WAIT_FIELD = Field(
@@ -163,6 +164,20 @@ WORKER_OP_SPECS = op_table(
         "Several allocations in one request, each applied on its own: per item its block ids "
         "or its error.",
         (Field("items", check_allocations), WAIT_FIELD, GROWTH_FIELD),
+    ),
+    OpSpec(
+        CANCEL,
+        "Stop waiting for one of the session's own allocations parked at the daemon: it is "
+        "answered CANCELLED ({cancelled: true}); one answered already (granted or refused) is "
+        "left as it is ({cancelled: false}: the session frees what was granted). A request "
+        "id this session has no waiting or answered allocation under is refused.",
+        (
+            Field(
+                "request",
+                int_in(0),
+                help="the request id of the waiting allocate / allocate_many",
+            ),
+        ),
     ),
     OpSpec(
         FREE,

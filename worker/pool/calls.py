@@ -14,7 +14,10 @@
   unless it names an owner lost on the way.
 * **Waiting calls.** An allocation that may wait at the daemon (its budget's fair queue) goes
   on a socket of its own without holding the client's lock while parked, so other threads'
-  calls go on meanwhile.
+  calls go on meanwhile. A thread that makes it inside :meth:`DaemonCalls.cancellable` can
+  give it up: once the event is set, the call's own thread sends the ``cancel`` op naming it
+  (the daemon answers it CANCELLED, so it leaves its model's queue at once instead of holding
+  the model's later requests up until its wait runs out), or does not send it at all.
 
 The heartbeat thread reaches the same state through :class:`DaemonCalls` (it is its
 :class:`~vqpool.worker.pool.heartbeat.HeartbeatHost`), for an idle worker.
@@ -23,8 +26,10 @@ The heartbeat thread reaches the same state through :class:`DaemonCalls` (it is 
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from vqpool.shared.errors import (
@@ -33,9 +38,11 @@ from vqpool.shared.errors import (
     DaemonUnavailableError,
     ErrorCode,
     NoSessionError,
+    RequestCancelledError,
+    VqpoolError,
     error_from_wire,
 )
-from vqpool.shared.protocol import encode_request
+from vqpool.shared.protocol import CANCEL, encode_request
 from vqpool.worker.pool.abandoned import AbandonedAllocation, AbandonedAllocations
 from vqpool.worker.pool.holdings import Holdings
 from vqpool.worker.pool.lost_owners import LostOwners
@@ -47,6 +54,10 @@ RETRY_LATER_FIRST_WAIT = 0.02
 RETRY_LATER_MAX_WAIT = 0.25
 """Waits between retries of a call the daemon answered RETRY_LATER (its claim period after a
 restart): short, since the period usually ends as soon as the workers have re-synced."""
+
+CANCEL_RETRY_SECONDS = 0.1
+"""Between two ``cancel`` ops for one waiting call, while the daemon has not received the call
+yet (it goes on a socket of its own: the cancel may overtake it)."""
 
 _Result = TypeVar("_Result")
 
@@ -61,6 +72,20 @@ class DaemonCalls:
         self._abandoned = AbandonedAllocations(session, holdings)
         self._resync = resync
         self._lost = lost
+        self._cancels = threading.local()  # .event: what gives up this thread's waiting calls
+
+    @contextlib.contextmanager
+    def cancellable(self, event: threading.Event) -> Iterator[None]:
+        """Within the block, a waiting call of this thread is given up once ``event`` is set
+        (from any thread): cancelled at the daemon if it was sent, else never sent. Either way
+        it raises RequestCancelledError, or returns what the daemon granted before the cancel
+        (the caller frees that)."""
+        outer = getattr(self._cancels, "event", None)
+        self._cancels.event = event
+        try:
+            yield
+        finally:
+            self._cancels.event = outer
 
     def call(self, op: str, args: Mapping[str, Any]) -> Any:
         """One request/reply and its result; the caller holds the lock.
@@ -123,8 +148,11 @@ class DaemonCalls:
         end = time.monotonic() + wait
         pause = RETRY_LATER_FIRST_WAIT
         n_resyncs = 0
+        cancel: threading.Event | None = getattr(self._cancels, "event", None)
         while True:
             with session.lock:
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelledError(f"{op}: given up before it was sent")
                 self._clear_the_way()
                 lost = self._lost.reason_in(args)
                 if lost is not None:
@@ -134,8 +162,11 @@ class DaemonCalls:
                 rid = session.next_id()
                 sent_args = {**args, "wait": left} if left > 0 else args
                 payload = encode_request(rid, op, sent_args, *sent_in)
+            on_slice = None if cancel is None else self._canceller(cancel, sent_in, rid)
             try:
-                reply = session.wait_for(payload, rid, wait=left, sent_in=sent_in, what=op)
+                reply = session.wait_for(
+                    payload, rid, wait=left, sent_in=sent_in, what=op, on_slice=on_slice
+                )
             except Superseded:
                 continue  # re-synced or reopened by another thread: send it in the new session
             except DaemonUnavailableError:
@@ -162,6 +193,35 @@ class DaemonCalls:
                     raise error_from_wire(error["code"], error["message"])
             time.sleep(pause)
             pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
+
+    def _canceller(self, event: threading.Event, sent_in: Session, rid: int) -> Callable[[], None]:
+        """What a waiting call ``rid`` (sent in ``sent_in``) does each slice of its wait: once
+        ``event`` is set, ask the daemon to cancel it, until the daemon has it (it then answers
+        the call CANCELLED, or the call was answered already and that reply comes)."""
+        session = self._session
+        next_try = 0.0
+
+        def on_slice() -> None:
+            nonlocal next_try
+            now = time.monotonic()
+            if not event.is_set() or now < next_try:
+                return
+            next_try = now + CANCEL_RETRY_SECONDS
+            with session.lock:
+                if session.current != sent_in or session.closed:
+                    return  # the call's wait ends by itself (Superseded, closing)
+                cancel_rid = session.next_id()
+                payload = encode_request(cancel_rid, CANCEL, {"request": rid}, *sent_in)
+                try:
+                    reply = session.send(payload, cancel_rid, CANCEL)
+                except VqpoolError:
+                    return  # try again next slice
+            if reply["ok"] or reply["error"]["code"] != ErrorCode.BAD_REQUEST:
+                # Cancelled, answered already, or a daemon that cannot cancel (the call then
+                # waits as before): nothing more to send.
+                next_try = math.inf
+
+        return on_slice
 
     def _clear_the_way(self) -> None:
         """Send what must go before any request: the claims of an unfinished re-sync, then

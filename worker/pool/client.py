@@ -27,8 +27,10 @@ parts with one job each:
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +273,14 @@ class PoolClient:
             self._lost.refuse(owner)
             # A failed allocate leaves no owner registered on the daemon (unlike locally).
             return adopt(self._calls.call("allocate", args))
+
+    def cancellable(self, event: threading.Event) -> AbstractContextManager[None]:
+        """Let another thread give up this thread's waiting allocations (``wait`` > 0) made
+        inside the block, by setting ``event``: one parked at the daemon is cancelled there
+        (the ``cancel`` op: it leaves its model's queue at once), one not sent yet is not sent.
+        The allocation then raises RequestCancelledError, or returns the blocks the daemon
+        granted before the cancel (the caller frees them)."""
+        return self._calls.cancellable(event)
 
     def allocate_many(
         self, requests: Sequence[AllocationRequest], wait: float = 0.0, growth: bool = False
