@@ -109,10 +109,6 @@ class Parking:
         self.parked[parked.session.sid, parked.rid] = parked
         return parked
 
-    def bytes_waiting_for_others(self, session: Session) -> int:
-        """Bytes the parked allocations of sessions other than ``session`` wait for."""
-        return sum(p.n_bytes for p in self.parked.values() if p.session is not session)
-
     def session_ended(self, session: Session) -> None:
         """Drop ``session``'s parked allocations, never answered (nobody is left to read them);
         one granted but not yet handed out gives its bytes back."""
