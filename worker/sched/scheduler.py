@@ -717,18 +717,19 @@ class Scheduler:
         back entries, least recently used first, then the running jobs the preemption policy
         names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
+            # The prompt cache's blocks are the pool client's too: what it gives back shows in
+            # held_bytes already, and is counted once.
             before = self.source.held_bytes()
             # Cached memory goes first; requests are preempted only for what it cannot give.
-            cached = (
-                0 if self.prompt_cache is None else self.prompt_cache.release_bytes(ask.n_bytes)
-            )
+            if self.prompt_cache is not None:
+                self.prompt_cache.release_bytes(ask.n_bytes)
             while True:
-                freed = cached + before - self.source.held_bytes()
+                freed = before - self.source.held_bytes()
                 victim = self._preemption.reclaim_victim(self._active, freed, ask.n_bytes)
                 if victim is None:
                     break
                 self._preempt(victim)
-            ask.freed = cached + max(0, before - self.source.held_bytes())
+            ask.freed = max(0, before - self.source.held_bytes())
             ask.done.set()
 
     def _idle_wait(self) -> None:
