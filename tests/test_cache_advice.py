@@ -41,10 +41,15 @@ def test_a_model_waiting_at_its_own_limit_asks_no_other_models_cache(
     park(a, "a-2", 2)  # waits for a's own bytes; the budget has 96 blocks free
     assert daemon.admin("budget")["waiting"] == 1
     assert advice(b) is None  # b's cache cannot help a: it keeps its entries
-    # Another session of a's own model: its cache is a's bytes, and gives a what it lacks.
+    # A's own caches are a's bytes, and give a what it lacks.
+    assert advice(a) == {"release_bytes": 2 * BLOCK_BYTES}
     a2 = clients(daemon, "a", BLOCK_BYTES)
     assert advice(a2) == {"release_bytes": 2 * BLOCK_BYTES}
     assert advice(a2, cached=0) is None  # nothing cached, nothing asked
+    # Its limit lowered below what it holds: what it holds above it counts too.
+    daemon.admin("model_set", model="a", limit=3 * BLOCK_BYTES)
+    assert advice(a) == {"release_bytes": 3 * BLOCK_BYTES}
+    assert advice(b) is None
 
 
 def test_a_model_short_of_budget_bytes_asks_for_what_it_lacks(
@@ -56,7 +61,7 @@ def test_a_model_short_of_budget_bytes_asks_for_what_it_lacks(
     assert b.allocate("b-1", 8)["ok"]  # b's prompt cache, say: 2 blocks stay free
     park(a, "a-1", 5)  # lacks 3 blocks
     assert advice(b) == {"release_bytes": 3 * BLOCK_BYTES}
-    assert advice(a) is None  # its own wait: the worker took from its cache before it waited
+    assert advice(a) == {"release_bytes": 3 * BLOCK_BYTES}  # its own cache goes first too
     assert b.call("free_all", {"owner": "b-1"})["ok"]
     granted = a.recv()
     assert granted["ok"], granted

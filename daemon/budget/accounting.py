@@ -185,8 +185,10 @@ class BudgetAccounting:
         return refused
 
     def set_model(self, model: str, settings: ModelSettings) -> int:
-        """Change a model's settings live; as :meth:`set_budget`."""
+        """Change a model's settings live; as :meth:`set_budget`. A limit below what the model
+        holds is met by reclaim from the model's own sessions (``plan_limits``)."""
         refused = self.parking.answer_refused(self.ledger.set_model(model, settings))
+        self.reclaim.limit_changed(model)
         self.parking.hand_out()
         return refused
 

@@ -111,14 +111,15 @@ def cache_advice(state: DaemonState, session: Session) -> dict[str, Any] | None:
 
 
 def bytes_cache_would_serve(state: DaemonState, session: Session) -> int:
-    """Bytes the cache of ``session`` would have to give back for the allocations other
-    sessions have waiting at the daemon to be granted; 0 when its bytes cannot help.
+    """Bytes the cache of ``session`` would have to give back for the allocations waiting at
+    the daemon to be granted; 0 when its bytes cannot help.
 
-    Per waiting model: its parked allocations, in arrival order, up to the first its own limit
+    Per waiting model: its waiting allocations, in arrival order, up to the first its own limit
     cannot take (bytes another model frees do not raise a model's limit; the session's own
-    model's bytes do, so all of its model's count), less what the budget would grant it now.
-    And in all, at least what they want beyond the budget's free bytes. Its own session's
-    waiting allocations do not count: its worker took from its cache before it waited.
+    model's bytes do, so all of its model's count), less what its limit and the budget would
+    grant it now. And in all, at least what they want beyond the budget's free bytes. The
+    session's own waiting allocations count: cached memory goes before a request waits, and
+    for a model above its limit (lowered live) its own cache is the only memory that serves it.
     """
     parked = state.budget.parking.parked
     if not parked:
@@ -126,17 +127,18 @@ def bytes_cache_would_serve(state: DaemonState, session: Session) -> int:
     ledger = state.budget.ledger
     waiting: dict[str, list[int]] = {}
     for request in parked.values():
-        if request.session is not session and ledger.is_waiting((request.session.sid, request.rid)):
+        if ledger.is_waiting((request.session.sid, request.rid)):
             waiting.setdefault(request.session.model, []).append(request.n_bytes)
     lacking = wanted = 0
     for model, sizes in waiting.items():
         fit = ledger.fit(model, 1)
-        room = fit.limit - fit.held  # what its limit lets it take
+        room = fit.limit - fit.held  # what its limit lets it take (< 0: held above it)
         demand = 0
         for n_bytes in sizes:
             if model != session.model and demand + n_bytes > room:
                 break
             demand += n_bytes
-        wanted += demand
-        lacking += max(0, demand - fit.available_now)
+        if demand:
+            wanted += demand
+            lacking += max(0, demand - min(room, fit.available_now))
     return max(lacking, wanted - max(0, ledger.budget - ledger.total_held))
