@@ -257,3 +257,42 @@ def test_two_clients_in_one_process_both_keep_their_blocks_through_a_restart(
     finally:
         first.close()
         second.close()
+
+
+def test_a_pool_grown_past_its_first_id_space_keeps_every_owner_through_a_restart(
+    start_daemon: StartDaemon,
+) -> None:
+    # A budget and no --n-blocks: the id space starts at 1,024 ids (512 per stream) and grows
+    # under load, up to what the budget allows. 15 owners x 100 k blocks (4 KiB each, 6 MiB of
+    # the 8 MiB budget): most of their ids are grown ids, past the first id space.
+    options = ("--budget", "8MiB", "--lease", "30", "--claim-grace", "5")
+    daemon = start_daemon(*options)
+    pool = PoolClient(daemon.run_dir, name="grown", bytes_per_block=4096, timeout=10.0)
+    try:
+        owners = [f"r{i}" for i in range(15)]
+        held = {owner: pool.allocate("k", 100 * 16, owner) for owner in owners}
+        ids = {b.block_id for blocks in held.values() for b in blocks}
+        assert len(ids) == 1500 and max(ids) >= 1024, "the pool did not grow"
+        before = owners_view(daemon)
+
+        daemon = restart(daemon, start_daemon, *options)
+        pool.ping()  # re-syncs: hello and claims
+        assert pool.lost_owners() == {}
+        for owner in owners:
+            assert [b.block_id for b in pool.blocks_for(owner)] == [b.block_id for b in held[owner]]
+        assert owners_view(daemon) == before
+        report = claims(daemon)
+        assert (report["owners_claimed"], report["owners_refused"]) == (15, 0)
+        assert report["blocks_claimed"] == 1500
+        audit = daemon.audit()
+        assert audit["blocks_in_use"] == 1500
+        # The pool carries on: it grows again from what the claims left free, and frees work.
+        more = pool.allocate("k", 300 * 16, "after")
+        assert not {b.block_id for b in more} & ids
+        for owner in owners:
+            pool.free_all(owner)
+        pool.free_all("after")
+        assert daemon.audit()["blocks_in_use"] == 0
+        print(f"\ngrown pool restart: {len(ids)} blocks of {len(owners)} owners kept, {report}")
+    finally:
+        pool.close()
