@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RawClient, short_tmpdir
+from daemon_harness import RawClient, short_tmpdir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.launch import DaemonProcess
@@ -24,17 +25,23 @@ BLOCK = 16  # tokens per block (the daemon's default block size)
 class ModelClient(RawClient):
     """A raw session of one model with declared bytes per block."""
 
-    def __init__(self, run_dir: Path, model: str, bytes_per_block: int | dict[str, int]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        model: str,
+        bytes_per_block: int | dict[str, int],
+        resumes: int | None = None,
+    ) -> None:
         super().__init__(run_dir)
-        reply = self.call(
-            "hello",
-            {
-                "pid": os.getpid(),
-                "model": model,
-                "nonce": os.urandom(8).hex(),
-                "bytes_per_block": bytes_per_block,
-            },
-        )
+        hello: dict[str, Any] = {
+            "pid": os.getpid(),
+            "model": model,
+            "nonce": os.urandom(8).hex(),
+            "bytes_per_block": bytes_per_block,
+        }
+        if resumes is not None:
+            hello["resumes"] = resumes
+        reply = self.call("hello", hello)
         assert reply["ok"], reply
         self.sid = reply["result"]["sid"]
         self.boot = reply["result"]["boot"]
@@ -57,6 +64,12 @@ class ModelClient(RawClient):
     def no_reply(self, timeout: float = 0.3) -> bool:
         return not self.socket.poll(int(timeout * 1000))
 
+    def claim(self, owner: str, block_ids: list[int], done: bool = True) -> dict[str, Any]:
+        """Claim ``block_ids`` of stream k for ``owner``: the reply."""
+        return self.call(
+            "claim", {"owners": [[owner, [["k", "fp16", block_ids, None]]]], "done": done}
+        )
+
 
 @pytest.fixture
 def clients() -> Iterator[Callable[..., ModelClient]]:
@@ -72,8 +85,10 @@ def clients() -> Iterator[Callable[..., ModelClient]]:
         client.close()
 
 
-def budget_daemon(start: Callable[..., DaemonProcess], *args: str) -> DaemonProcess:
-    return start("--n-blocks", "512", "--lease", "2", *args)
+def budget_daemon(
+    start: Callable[..., DaemonProcess], *args: str, run_dir: Path | None = None
+) -> DaemonProcess:
+    return start("--n-blocks", "512", "--lease", "2", *args, run_dir=run_dir)
 
 
 def error_code(reply: dict[str, Any]) -> int:
@@ -542,3 +557,91 @@ def test_growths_go_ahead_of_admissions_while_owed(start_daemon, clients) -> Non
     assert admitting.no_reply()  # the admission still waits
     assert daemon.admin("budget")["total_held"] == 10000
     daemon.audit()
+
+
+KIB = 1024
+HOSTILE_TOML = (
+    'budget = "1MiB"\n[models."hostile"]\nlimit = "256KiB"\n[models."victim"]\nreserve = "512KiB"\n'
+)
+"""The issue's setting: a 1 MiB budget, model hostile limited to 256 KiB, victim's reserve 512 KiB
+(64 KiB blocks: hostile may hold 4, victim is guaranteed 8)."""
+
+
+def claim_error(reply: dict[str, Any]) -> dict[str, Any]:
+    """The error of a claim of one owner, whether the message or the owner was refused."""
+    if not reply["ok"]:
+        return dict(reply["error"])
+    (result,) = reply["result"]
+    assert result is not None, "the claim was accepted"
+    return dict(result)
+
+
+def test_a_claim_outside_a_claim_period_is_refused_and_cannot_get_around_the_budget(
+    start_daemon, clients
+) -> None:
+    base = short_tmpdir()
+    (base / "vqpoold.toml").write_text(HOSTILE_TOML)
+    daemon = budget_daemon(start_daemon, "--config", str(base / "vqpoold.toml"))
+    shutil.rmtree(base, ignore_errors=True)
+    hostile = clients(daemon, "hostile", 64 * KIB)
+    victim = clients(daemon, "victim", 64 * KIB)
+    assert error_code(hostile.allocate("big", 8)) == ErrorCode.OVER_BUDGET
+    # 200 free k ids (12.5 MiB): no restart, no claim period: refused, nothing charged.
+    error = claim_error(hostile.claim("grab", list(range(200))))
+    assert error["code"] == ErrorCode.CLAIM_CONFLICT
+    assert "claim period" in error["message"]
+    view = daemon.admin("budget")
+    assert (view["total_held"], view["over_budget"]) == (0, False)
+    assert daemon.admin("owners") == []
+    assert victim.allocate("mine", 1)["ok"]  # inside its reserve
+    assert daemon.audit()["blocks_in_use"] == 1
+    # audit lists a breach: hostile over its limit (lowered live below what it holds).
+    assert hostile.allocate("small", 3)["ok"]
+    daemon.admin("model_set", model="hostile", limit=128 * KIB)
+    audit = daemon.admin("audit")
+    assert audit["breaches"] and "'hostile'" in audit["breaches"][0], audit
+    assert "limit" in audit["breaches"][0]
+
+
+def test_claims_in_a_claim_period_are_checked_against_the_budget(start_daemon) -> None:
+    base = short_tmpdir()
+    (base / "vqpoold.toml").write_text(HOSTILE_TOML)
+    options = ("--config", str(base / "vqpoold.toml"), "--lease", "30", "--claim-grace", "10")
+    daemon = budget_daemon(start_daemon, *options)
+    opened: list[ModelClient] = []
+    try:
+        before = ModelClient(daemon.run_dir, "hostile", 64 * KIB)
+        opened.append(before)
+        held = before.allocate("held", 2)["result"]  # the session goes on the roll
+        daemon.stop(signal.SIGKILL)
+        daemon = budget_daemon(start_daemon, *options, run_dir=daemon.run_dir)
+        assert daemon.admin("stats")["claims"]["active"]
+        # A session that resumes no session of the previous daemon takes nothing back.
+        stranger = ModelClient(daemon.run_dir, "hostile", 64 * KIB, resumes=before.sid + 1)
+        opened.append(stranger)
+        error = claim_error(stranger.claim("grab", [100]))
+        assert error["code"] == ErrorCode.CLAIM_CONFLICT and "resumes" in error["message"]
+        # The resumed session: its claims are checked as allocations would be.
+        again = ModelClient(daemon.run_dir, "hostile", 64 * KIB, resumes=before.sid)
+        opened.append(again)
+        error = claim_error(again.claim("grab", list(range(200)), done=False))
+        assert error["code"] == ErrorCode.OVER_BUDGET and "limit" in error["message"]
+        assert again.claim("held", held, done=False)["result"] == [None]
+        error = claim_error(again.claim("more", [7, 8, 9], done=False))  # 5 x 64 KiB > 256 KiB
+        assert error["code"] == ErrorCode.OVER_BUDGET
+        assert again.claim("more", [7, 8])["result"] == [None]  # at its limit; done
+        wait_until(lambda: not daemon.admin("stats")["claims"]["active"], timeout=3.0)
+        view = daemon.admin("budget")
+        assert (view["total_held"], view["over_budget"]) == (256 * KIB, False)
+        victim = ModelClient(daemon.run_dir, "victim", 64 * KIB)
+        opened.append(victim)
+        assert victim.allocate("mine", 8)["ok"]  # its whole reserve
+        audit = daemon.audit()
+        assert audit["blocks_in_use"] == 12 and audit["breaches"] == []
+        # After the period, even the resumed session's claims are refused.
+        error = claim_error(again.claim("late", [20]))
+        assert error["code"] == ErrorCode.CLAIM_CONFLICT and "claim period" in error["message"]
+    finally:
+        for client in opened:
+            client.close()
+        shutil.rmtree(base, ignore_errors=True)

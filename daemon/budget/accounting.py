@@ -30,7 +30,7 @@ from vqpool.daemon.budget.views import (
 )
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
-from vqpool.shared.byte_sizes import MAX_BYTES
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
 from vqpool.shared.protocol import ALLOCATE
 
 log = logging.getLogger("vqpoold")
@@ -219,6 +219,33 @@ class BudgetAccounting:
         return fit_to_wire(
             self.ledger, self.ledger.fit(model, per_sequence, concurrency), per_sequence
         )
+
+    def breaches(self) -> list[str]:
+        """Held bytes past the ledger's rules, for ``audit``: over the budget, a model over its
+        limit, reserves held by other models while reserves are not lent.
+
+        No grant or claim makes one (each is checked); a budget or a limit lowered live below
+        what is held does, until the holders give the excess back (reclaim asks them)."""
+        snap = self.ledger.snapshot()
+        fb = format_bytes
+        found = []
+        if self.limited and snap.over_budget:
+            found.append(
+                f"budget: {fb(snap.total_held)} held, {fb(snap.over_budget)} over the budget "
+                f"({fb(snap.budget)})"
+            )
+        for name, view in sorted(snap.models.items()):
+            if view.limit is not None and view.held > view.limit:
+                found.append(
+                    f"budget: model {name!r} holds {fb(view.held)}, "
+                    f"{fb(view.held - view.limit)} over its limit ({fb(view.limit)})"
+                )
+        if not snap.lend_reserves and snap.lent:
+            found.append(
+                f"budget: {fb(snap.lent)} of models' reserves are held by other models, and "
+                "reserves are not lent"
+            )
+        return found
 
     def recount_problems(self) -> list[str]:
         """Disagreements between the ledger's bytes per model and a recount from the allocator's
