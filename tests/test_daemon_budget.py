@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from daemon_harness import RawClient, short_tmpdir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from vqpool.daemon.server.settings import MAX_IDS_PER_STREAM, DaemonSettings
 from vqpool.shared.errors import ErrorCode
 from vqpool.worker.testing.launch import DaemonProcess
 
@@ -360,6 +361,59 @@ def test_hello_without_bytes_per_block_is_refused_under_a_budget(start_daemon) -
         raw.close()
 
 
+def test_hello_with_bytes_per_block_too_small_for_any_model_is_refused_under_a_budget(
+    start_daemon,
+) -> None:
+    # 0 or 1 byte per block would let a session take blocks the ledger barely counts. The
+    # floor at the default 16 slots per block: 16 x 16 = 256 bytes.
+    daemon = budget_daemon(start_daemon, "--budget", "1GiB")
+    raw = RawClient(daemon.run_dir)
+    try:
+        for index, bytes_per_block in enumerate([0, 1, 255, {"k": 4096, "v": 0}]):
+            reply = raw.call(
+                "hello",
+                {
+                    "pid": os.getpid(),
+                    "model": "x",
+                    "nonce": f"small-{index}",
+                    "bytes_per_block": bytes_per_block,
+                },
+            )
+            assert error_code(reply) == ErrorCode.INVALID_VALUE, bytes_per_block
+            assert "256" in reply["error"]["message"], reply
+        assert daemon.admin("stats")["sessions"] == 0
+        reply = raw.call(
+            "hello",
+            {"pid": os.getpid(), "model": "x", "nonce": "floor", "bytes_per_block": 256},
+        )
+        assert reply["ok"], reply
+    finally:
+        raw.close()
+    # Without a budget nothing is priced: any size (0 included) is taken.
+    free = start_daemon("--n-blocks", "64")
+    raw = RawClient(free.run_dir)
+    try:
+        reply = raw.call(
+            "hello", {"pid": os.getpid(), "model": "x", "nonce": "zero", "bytes_per_block": 0}
+        )
+        assert reply["ok"], reply
+    finally:
+        raw.close()
+
+
+def test_the_id_space_a_budget_sizes_is_priced_at_a_real_models_block() -> None:
+    # 1 KiB per id made a 512 MiB budget a space of 1,048,576 ids (about 90 MiB of daemon
+    # bookkeeping when filled); at the smallest built-in model's 4 KiB block, 262,144.
+    settings = DaemonSettings()
+    config = settings.pool_config(512 * 2**20)
+    assert config.max_blocks == 2 * 131_072 and config.n_blocks == 1024
+    assert settings.pool_config(2**50).max_blocks == 2 * MAX_IDS_PER_STREAM
+    # A small budget still gets the default pool's 1,024 ids.
+    assert settings.pool_config(64 * KIB).max_blocks == 1024
+    shared = DaemonSettings(shared_kv=True).pool_config(512 * 2**20)
+    assert shared.max_blocks == 131_072
+
+
 @pytest.mark.parametrize(
     ("args", "toml", "message"),
     [
@@ -505,7 +559,7 @@ def test_a_bad_wait_is_a_bad_request(start_daemon, clients, wait: Any) -> None:
 def test_a_budget_without_n_blocks_sizes_the_id_space(start_daemon) -> None:
     daemon = start_daemon("--budget", "64KiB")
     config = daemon.admin("stats")["config"]
-    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 64
+    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 512  # the least
     assert "budget: 64 KiB" in daemon.log()
 
 

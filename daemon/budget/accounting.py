@@ -35,6 +35,13 @@ from vqpool.shared.protocol import ALLOCATE
 
 log = logging.getLogger("vqpoold")
 
+MIN_BYTES_PER_SLOT = 16
+"""Under a budget, the fewest bytes a session may declare per token slot of a block, per stream:
+one layer of one KV head of 8 dims at 2 bytes (fp16). No model holds less (the built-in tiny
+models hold 256 bytes a slot, real ones kilobytes); at the default 16 slots a block, 256 bytes.
+Below it a session would take blocks the ledger barely counts: with 0 bytes every block, with 1
+byte a million ids for a megabyte of the budget."""
+
 
 class BudgetAccounting:
     """The daemon's ledger, the sessions' holdings in bytes, the parked allocations and reclaim.
@@ -76,10 +83,13 @@ class BudgetAccounting:
     # -- hello ---------------------------------------------------------------------------------
 
     def check_hello(self, bytes_per_block: Mapping[str, int], streams: Sequence[str]) -> None:
-        """Refuse a session that the budget could not bound while a budget is set.
+        """Refuse a session that the budget could not bound while a budget is set: one that
+        declares no bytes per block for a pool stream, or fewer than any model's block holds
+        (:data:`MIN_BYTES_PER_SLOT` per slot: with 0 or 1 byte a session takes blocks the
+        ledger barely counts).
 
         Raises:
-            ValueError: A pool stream without bytes per block.
+            ValueError: A pool stream without bytes per block, or with too few.
         """
         if self.limited:
             missing = [s for s in streams if s not in bytes_per_block]
@@ -87,6 +97,16 @@ class BudgetAccounting:
                 raise ValueError(
                     f"hello: a memory budget is set, so bytes_per_block must be declared for "
                     f"every pool stream ({'+'.join(streams)}); missing: {missing}"
+                )
+            block_size = self._coord.allocator.config.block_size
+            floor = MIN_BYTES_PER_SLOT * block_size
+            small = {s: bytes_per_block[s] for s in streams if bytes_per_block[s] < floor}
+            if small:
+                raise ValueError(
+                    f"hello: a memory budget is set, so bytes_per_block must be at least {floor} "
+                    f"per pool stream (what one layer of one head of 8 dims at 2 bytes holds in "
+                    f"a block of {block_size} slots; a real model's block is kilobytes); got "
+                    f"{small}"
                 )
 
     # -- allocations ---------------------------------------------------------------------------
