@@ -8,7 +8,9 @@ gone client fails: either way the job is cancelled and its blocks go back to the
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``/chat/completions`` too, as
 mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``; a route called with another
 method gets 405 with ``Allow``. Every error, including a malformed request line or headers, is
-a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503 with ``status:
+a JSON body ``{"error": {message, type, param, code}}``: a body the JSON parser cannot take
+(nested too deeply for its recursion, a number past the interpreter's digit limit) is a 400
+like any invalid JSON. ``/health`` answers 503 with ``status:
 "no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
 daemon not answering: :meth:`PoolClient.session_problem`).
 
@@ -28,6 +30,7 @@ import os
 import queue
 import select
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -116,6 +119,13 @@ class ServingHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
+    _responded = False
+    """Whether a status line was sent (an error after that cannot be a new response)."""
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._responded = True
+        super().send_response(code, message)
+
     def _send_json(
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> None:
@@ -180,6 +190,13 @@ class ServingHandler(BaseHTTPRequestHandler):
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser recurses per level of nesting
+            raise ApiError(400, "the body's JSON nests too deeply") from None
+        except ValueError:  # an integer past the interpreter's digit limit
+            raise ApiError(
+                400,
+                f"the body's JSON has a number of more than {sys.get_int_max_str_digits()} digits",
+            ) from None
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -260,6 +277,13 @@ class ServingHandler(BaseHTTPRequestHandler):
             self._send_error(error)
         except (_ClientGone, OSError):  # a reset, a broken pipe, or a write that timed out
             log.info("client %s went away; its request was cancelled", self.address_string())
+        except Exception:  # a bug: still a JSON answer, never a connection closed on nothing
+            log.exception("POST %s failed", path)
+            if not self._responded:
+                with contextlib.suppress(OSError):
+                    self._send_error(
+                        ApiError(500, "internal error (see the worker's log)", kind="server_error")
+                    )
 
     def _other_method(self) -> None:
         path = self.path.split("?", 1)[0]
