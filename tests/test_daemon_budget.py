@@ -17,7 +17,12 @@ import pytest
 from daemon_harness import RawClient, short_tmpdir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.daemon.server.settings import MAX_IDS_PER_STREAM, DaemonSettings
-from vqpool.shared.errors import ErrorCode
+from vqpool.shared.errors import BadRequestError, ErrorCode
+from vqpool.shared.protocol.limits import (
+    MAX_BYTES_PER_BLOCK,
+    MAX_FIT_CONCURRENCY,
+    MAX_FIT_CONTEXT,
+)
 from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK = 16  # tokens per block (the daemon's default block size)
@@ -328,6 +333,37 @@ def test_fit_answers_each_verdict(start_daemon, clients) -> None:
     assert worker_side["ok"] and worker_side["result"] == answers[2]
     with pytest.raises(ValueError, match="no worker of model gemma"):
         daemon.admin("fit", model="gemma", context=32)
+
+
+def test_fit_past_any_real_context_or_concurrency_is_a_bad_request(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "16000")
+    llama = clients(daemon, "llama", {"k": 500, "v": 500})
+    for args in (
+        {"context": 2**62},
+        {"context": MAX_FIT_CONTEXT + 1},
+        {"context": 32, "concurrency": MAX_FIT_CONCURRENCY + 1},
+        {"context": 32, "concurrency": 2**62},
+    ):
+        reply = llama.call("fit", args)
+        assert error_code(reply) == ErrorCode.BAD_REQUEST, (args, reply)
+        assert "fit." in reply["error"]["message"], reply
+        with pytest.raises(BadRequestError, match=r"fit\.(context|concurrency) must be"):
+            daemon.admin("fit", model="llama", **args)
+    # The largest of both is answered: it can never fit, and the numbers say so.
+    largest = {"context": MAX_FIT_CONTEXT, "concurrency": MAX_FIT_CONCURRENCY}
+    reply = llama.call("fit", largest)
+    assert reply["ok"] and reply["result"]["verdict"] == "never", reply
+    assert reply["result"]["need"] == MAX_FIT_CONTEXT // BLOCK * 1000 * MAX_FIT_CONCURRENCY
+    assert daemon.admin("fit", model="llama", **largest) == reply["result"]
+    # Numbers past what the wire carries (the largest bytes per block a hello may declare):
+    # a clear refusal, not INTERNAL.
+    huge = clients(daemon, "huge", {"k": MAX_BYTES_PER_BLOCK, "v": MAX_BYTES_PER_BLOCK})
+    reply = huge.call("fit", largest)
+    assert error_code(reply) == ErrorCode.INVALID_VALUE, reply
+    assert "bytes" in reply["error"]["message"], reply
+    with pytest.raises(ValueError, match="bytes"):
+        daemon.admin("fit", model="huge", **largest)
+    daemon.audit()
 
 
 def test_without_a_budget_nothing_binds_and_views_show_null(start_daemon, clients) -> None:

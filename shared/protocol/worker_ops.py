@@ -21,7 +21,8 @@ from vqpool.shared.protocol.checks import (
 )
 from vqpool.shared.protocol.counters import check_prompt_cache
 from vqpool.shared.protocol.limits import (
-    MAX_ITEMS,
+    MAX_FIT_CONCURRENCY,
+    MAX_FIT_CONTEXT,
     MAX_LOAD,
     MAX_RECLAIM_BYTES,
     MAX_RECLAIM_POLL_SECONDS,
@@ -73,10 +74,14 @@ OWNER_ARGS = (Field("owner", check_owner),)
 """The one argument of the ops on one owner."""
 
 FIT_ARGS = (
-    Field("context", int_in(1), help="tokens per sequence: prompt plus tokens to generate"),
+    Field(
+        "context",
+        int_in(1, MAX_FIT_CONTEXT),
+        help="tokens per sequence: prompt plus tokens to generate",
+    ),
     Field(
         "concurrency",
-        int_in(1, MAX_ITEMS),
+        int_in(1, MAX_FIT_CONCURRENCY),
         required=False,
         default=1,
         help="sequences of that size at once (default 1)",

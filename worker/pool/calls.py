@@ -12,6 +12,10 @@
 * **Refusals.** A reply from another daemon lifetime, or NO_SESSION, means the request was
   refused, not applied: the client re-syncs or re-opens its session and sends the call again,
   unless it names an owner lost on the way.
+* **Calls kept for later.** A call that gives back (free, free_all, release_owner, mark_used)
+  made while the heartbeat finds the daemon silent, or that went unanswered, is kept and sent
+  once the daemon answers again (:mod:`~vqpool.worker.pool.deferred`): a request that ends
+  while the daemon is down does not wait for it.
 * **Waiting calls.** An allocation that may wait at the daemon (its budget's fair queue) goes
   on a socket of its own without holding the client's lock while parked, so other threads'
   calls go on meanwhile. A thread that makes it inside :meth:`DaemonCalls.cancellable` can
@@ -44,6 +48,7 @@ from vqpool.shared.errors import (
 )
 from vqpool.shared.protocol import CANCEL, encode_request
 from vqpool.worker.pool.abandoned import AbandonedAllocation, AbandonedAllocations
+from vqpool.worker.pool.deferred import DeferredCalls
 from vqpool.worker.pool.holdings import Holdings
 from vqpool.worker.pool.lost_owners import LostOwners
 from vqpool.worker.pool.resync import SessionResync
@@ -70,6 +75,7 @@ class DaemonCalls:
     ) -> None:
         self._session = session
         self._abandoned = AbandonedAllocations(session, holdings)
+        self._deferred = DeferredCalls(session)
         self._resync = resync
         self._lost = lost
         self._cancels = threading.local()  # .event: what gives up this thread's waiting calls
@@ -122,6 +128,33 @@ class DaemonCalls:
                 wait = min(wait * 2, RETRY_LATER_MAX_WAIT)
                 continue
             raise error_from_wire(error["code"], error["message"])
+
+    def call_or_keep(self, op: str, args: Mapping[str, Any], daemon_silent: bool) -> None:
+        """A call that gives back (:data:`~vqpool.worker.pool.deferred.DEFERRED_OPS`): sent,
+        or kept to be sent once the daemon answers, without waiting, when ``daemon_silent``
+        (the heartbeat's finding), or after the call went unanswered. The caller holds the
+        lock, and forgets what the call gives back either way.
+
+        Raises:
+            VqpoolError: The daemon's refusal (nothing kept), DaemonRestartedError or
+                NoSessionError for an unusable or closed client.
+        """
+        if not daemon_silent:
+            try:
+                self.call(op, args)
+                return
+            except DaemonUnavailableError:
+                pass  # kept below
+        if self._resync.unusable is not None:
+            raise DaemonRestartedError(self._resync.unusable)
+        if self._session.closed:
+            raise NoSessionError(f"PoolClient for {self._session.run_dir} is closed")
+        self._deferred.add(op, dict(args))
+
+    @property
+    def n_kept(self) -> int:
+        """Calls kept while the daemon did not answer, not sent yet."""
+        return len(self._deferred)
 
     def call_waiting(
         self,
@@ -240,6 +273,8 @@ class DaemonCalls:
                 self._resync.send_claims()
             elif self._abandoned:
                 self._abandoned.settle()
+            elif self._deferred:
+                self._deferred.settle()
             else:
                 return
 
@@ -249,7 +284,7 @@ class DaemonCalls:
         return bool(self._resync.claims_due)
 
     def settle_due(self) -> bool:
-        return bool(self._abandoned)
+        return bool(self._abandoned) or bool(self._deferred)
 
     def resync_from_heartbeat(self, seen_boot: object) -> None:
         """Re-sync now, for an idle worker whose heartbeat met a restarted daemon."""
@@ -272,9 +307,11 @@ class DaemonCalls:
                 self._resync.reopen()
 
     def settle_from_heartbeat(self) -> None:
-        """Settle the allocations given up on now, for an idle worker."""
+        """Settle the allocations given up on and send the calls kept now, for an idle
+        worker."""
         with self._session.lock:
             if self._session.closed or self._resync.unusable is not None:
                 return
             with contextlib.suppress(DaemonUnavailableError):
                 self._abandoned.settle()
+                self._deferred.settle()
