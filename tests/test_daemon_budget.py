@@ -728,7 +728,7 @@ def test_claims_in_a_claim_period_are_checked_against_the_budget(start_daemon) -
         assert victim.allocate("mine", 8)["ok"]  # its whole reserve
         audit = daemon.audit()
         assert audit["blocks_in_use"] == 12 and audit["breaches"] == []
-        # After the period, even the resumed session's claims are refused.
+        # After its done, even the resumed session's claims are refused.
         error = claim_error(again.claim("late", [20]))
         assert error["code"] == ErrorCode.CLAIM_CONFLICT and "claim period" in error["message"]
     finally:

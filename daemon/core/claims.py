@@ -20,10 +20,12 @@ the daemon must not hand out a single block: it could be one a worker is about t
   A first start, or a restart after every worker left, has no claim period at all.
 
 Blocks of workers that never come back were never claimed: they are simply free. A claim is
-taken only during the period, and only from a session that resumes an expected session and has
-not finished its claims (:meth:`ClaimPeriod.claimant`): any other claim is refused as a
-conflict, or a session could take free blocks by id, past the budget's checks, at any time.
-The budget layer checks each claim against its ledger too (``daemon/budget/holdings.py``).
+taken only from a session that resumes an expected session of the previous daemon and has not
+finished its claims (:meth:`ClaimPeriod.claimant`), during the period or after it (a worker
+stopped through the whole period: what is still free is taken back, blocks handed out since are
+conflicts). Any other claim is refused as a conflict, or a session could take free blocks by id
+at any time. The budget layer checks each claim against its ledger too
+(``daemon/budget/holdings.py``).
 """
 
 from __future__ import annotations
@@ -151,10 +153,10 @@ class ClaimPeriod:
 
     def claimant(self, pid: int, resumes: int | None, now: float) -> SessionKey | None:
         """The expected session that a session of process ``pid`` whose hello named
-        ``resumes`` re-declares, if it may claim now: the period runs and that session has
-        not finished its claims. None: its claims must be refused."""
-        if self.check(now):
-            return None
+        ``resumes`` re-declares, if it may claim: its process is alive and it has not finished
+        its claims, during the period or after it (a worker stopped through the whole period
+        still takes back what is free). None: its claims must be refused."""
+        self.check(now)
         return self._expected_key(pid, resumes)
 
     def note_done(self, pid: int, resumes: int | None, now: float) -> None:

@@ -366,17 +366,17 @@ class Coordinator:
     ) -> list[dict[str, Any] | None]:
         """Take back what a worker of the previous daemon holds, owner by owner.
 
-        Only during the claim period, from a session that resumes one of the previous daemon's
-        sessions and has not sent its ``done`` yet (see ``daemon/core/claims.py``). Each owner
-        is all or nothing: its blocks are claimed by id (never allocated anew), and if one of
+        Only from a session that resumes one of the previous daemon's sessions and has not sent
+        its ``done`` yet, during the claim period or after it (``daemon/core/claims.py``). Each
+        owner is all or nothing: its blocks are claimed by id (never allocated anew), and if one of
         them is not free (another owner claimed it first) or not in this pool, the owner id is
         already held by another session, or ``admit`` (the budget) refuses it, none of that
         owner's claim stands. Per owner: None (accepted) or an ``{code, message}`` error.
         ``done`` ends this worker's re-sync, which may end the claim period.
 
         Raises:
-            ClaimConflictError: No claim period runs, or this session may not claim in it;
-                nothing was claimed.
+            ClaimConflictError: This session may not claim (it resumes no session of the
+                previous daemon's, or has finished its claims); nothing was claimed.
         """
         try:
             self._check_claimant(session)
@@ -408,32 +408,32 @@ class Coordinator:
             else:
                 self.n_owners_claimed += 1
                 results.append(None)
-        if done and self.claiming is not None:
-            self.claiming.note_done(session.pid, session.resumes, time.monotonic())
-            if self.claiming.ended is not None:
+        if done and self.claim_period is not None:
+            self.claim_period.note_done(session.pid, session.resumes, time.monotonic())
+            if self.claiming is not None and self.claiming.ended is not None:
                 self._claim_period_over()
         return results
 
     def _check_claimant(self, session: Session) -> None:
-        """Refuse a claim outside the claim period, or from a session that may not claim in
-        it: one that resumes no session of the previous daemon's workers (it never held a
-        block of it), or one that has finished its claims."""
-        claiming = self.claiming
-        if claiming is None or claiming.check(time.monotonic()):
-            if claiming is not None:
-                self._claim_period_over()
+        """Refuse a claim from a session that may not claim: this daemon started with no worker
+        of a previous one alive, or the session resumes no session of the previous daemon's
+        workers (it never held a block of it), or it has finished its claims."""
+        period = self.claim_period
+        if period is None:
             raise ClaimConflictError(
-                "claim: vqpoold takes claims only during the claim period after a restart, from "
-                "the sessions of its previous workers re-syncing; none runs now (a worker that "
-                "re-synced too late lost its blocks): nothing was claimed"
+                "claim: this vqpoold has no claim period (no worker of a previous daemon was "
+                "alive when it started), so there is nothing to take back: nothing was claimed"
             )
-        if claiming.claimant(session.pid, session.resumes, time.monotonic()) is None:
+        now = time.monotonic()
+        if period.claimant(session.pid, session.resumes, now) is None:
             resumed = "none" if session.resumes is None else f"{session.resumes:x}"
             raise ClaimConflictError(
-                f"claim: session {session.sid:x} (pid {session.pid}, resumes {resumed}) does not "
-                "resume a session of the previous daemon's workers that has claims left to "
-                "make: only those may claim during the claim period; nothing was claimed"
+                f"claim: session {session.sid:x} (pid {session.pid}, resumes {resumed}) has no "
+                "claim period: it resumes no session of the previous daemon's workers, or that "
+                "session sent its done already; nothing was claimed"
             )
+        if self.claiming is not None and period.ended is not None:
+            self._claim_period_over()
 
     def _claim_owner(
         self,
