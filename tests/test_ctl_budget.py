@@ -114,10 +114,12 @@ def test_model_list_text_and_json(pool: LivePool) -> None:
         "WAITING",
         "SESSIONS",
         "RUNNING/QUEUED",
+        "SETTINGS",
     ]
     row = _row(result.stdout, "alpha")
     assert row[:7] == ["alpha", "28 KiB", "0 B", "none", "1", "28 KiB", row[6]]
     assert row[7:9] == ["0", "1"]  # waiting, sessions
+    assert row[-1] == "default" and alpha["settings_from"]["weight"] == "default"
     assert _row(result.stdout, "beta")[1] == "56 KiB"
 
 

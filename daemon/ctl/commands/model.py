@@ -5,15 +5,17 @@ held, its reserve (a floor no other model may take), its limit (a cap on what it
 "none": only the budget bounds it), its weight (how spare bytes are shared while models wait),
 bytes borrowed (held above the reserve), its entitlement (its fair share now), requests waiting
 for memory (their bytes, and how long the oldest has waited), its sessions, and requests its
-workers run and queue. Above the table, the budget line as `vqpoolctl budget` prints it. Model
+workers run and queue, and where its settings come from (the config file, set live, or the
+defaults). Above the table, the budget line as `vqpoolctl budget` prints it. Model
 names lose the prefix they do not need (as in `watch`); --json has the full names.
 
 model set NAME [--reserve SIZE] [--limit SIZE|none] [--weight W]: change the settings of model
 NAME (the name its workers give, in full, as `vqpoolctl sessions` shows it), live, and print
 what changed. A model without workers may be configured ahead of them. The daemon refuses a
 value it cannot honour (reserves that would not fit the budget together, a weight <= 0...) with
-exit 4 and changes nothing. Settings set here last until the daemon restarts (put them in its
-config file to keep them).
+exit 4 and changes nothing. Settings set here outlive a restart of the daemon (it keeps them
+in its run directory, over its config file's; the SETTINGS column of `model list` says which
+settings are whose).
 """
 
 from __future__ import annotations

@@ -26,5 +26,5 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"model {model!r}: limit must be >= 0 bytes, or -1 for none")
     budget = state.budget
     settings = model_settings(fields, budget.ledger.settings_of(model), where=f"model {model!r}")
-    budget.set_model(model, settings)
+    budget.set_model(model, settings, fields)
     return budget.model_view(model, time.monotonic())
