@@ -124,8 +124,8 @@ def test_live_settings_are_kept_for_a_bounded_number_of_models(
 
     daemon = start_daemon("--n-blocks", "64", run_dir=run_dir)
     for i in range(MAX_LIVE_MODELS):
-        daemon.admin("model_set", model=f"m{i}", weight=2.0)
-    result = run_ctl(run_dir, "model", "set", "one-too-many", "--weight", "2")
+        daemon.admin("model_set", model=f"m{i}", weight=2.0, create=True)
+    result = run_ctl(run_dir, "model", "set", "one-too-many", "--weight", "2", "--create")
     assert result.returncode == 4
     assert f"at most {MAX_LIVE_MODELS} models" in result.stderr
     assert "model unset" in result.stderr or "remove" in result.stderr

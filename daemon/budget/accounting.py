@@ -32,6 +32,7 @@ from vqpool.daemon.budget.views import (
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import MAX_BYTES
+from vqpool.shared.model_names import resolve_model
 from vqpool.shared.protocol import ALLOCATE
 
 log = logging.getLogger("vqpoold")
@@ -221,6 +222,44 @@ class BudgetAccounting:
             self.ledger.forget_model(model)
         self.parking.hand_out()
         return refused
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def known_models(self) -> set[str]:
+        """The models the daemon knows: served by a connected worker, in the ledger (holding
+        bytes, waiting, or with settings of their own), or in the config file."""
+        return (
+            {s.model for s in self._coord.sessions}
+            | self.ledger.snapshot().models.keys()
+            | self.live.config_models.keys()
+        )
+
+    def resolve(self, given: str) -> str | None:
+        """The full name of the known model ``given`` names (its name, or a label that names
+        only it: :func:`~vqpool.shared.model_names.resolve_model`), or None.
+
+        Raises:
+            ValueError: ``given`` is ambiguous (the message names the candidates).
+        """
+        return resolve_model(given, self.known_models())
+
+    def model_named(self, given: str, *, create: bool = False) -> str:
+        """As :meth:`resolve`, for a model that must be known; with ``create``, ``given`` is
+        taken as the full name of a model, known or not.
+
+        Raises:
+            ValueError: ``given`` is ambiguous, or names no known model (and not ``create``).
+        """
+        if create:
+            return given
+        found = self.resolve(given)
+        if found is not None:
+            return found
+        raise ValueError(
+            f"no model {given!r}: no worker of it is connected, the config file does not name "
+            "it and it has no settings; check the name (`vqpoolctl model list`), or set it "
+            "ahead of its workers with create (`vqpoolctl model set NAME --create`)"
+        )
 
     # -- reads ---------------------------------------------------------------------------------
 
