@@ -86,6 +86,11 @@ def test_live_settings_survive_a_restart_and_model_list_says_where_they_come_fro
         "cfg": {"limit": 2 * MIB},
         "alpha": {"reserve": 128 * KIB, "weight": 3.0},
     }
+    # model unset: back to the config file's settings, in the daemon and in the file.
+    assert run_ctl(run_dir, "model", "unset", "cfg").returncode == 0
+    cfg = _models(run_dir)["cfg"]
+    assert cfg["limit"] is None and set(cfg["settings_from"].values()) == {"config"}
+    assert list(json.loads(path.read_text())["models"]) == ["alpha"]
 
 
 def test_a_corrupt_live_settings_file_is_set_aside_and_the_config_file_rules(
@@ -123,8 +128,9 @@ def test_live_settings_are_kept_for_a_bounded_number_of_models(
     from vqpool.daemon.budget.live_settings import MAX_LIVE_MODELS
 
     daemon = start_daemon("--n-blocks", "64", run_dir=run_dir)
-    for i in range(MAX_LIVE_MODELS):
+    for i in range(MAX_LIVE_MODELS - 1):
         daemon.admin("model_set", model=f"m{i}", weight=2.0, create=True)
+    daemon.admin("model_set", model="plain", create=True)  # created with no setting of its own
     result = run_ctl(run_dir, "model", "set", "one-too-many", "--weight", "2", "--create")
     assert result.returncode == 4
     assert f"at most {MAX_LIVE_MODELS} models" in result.stderr
@@ -134,3 +140,10 @@ def test_live_settings_are_kept_for_a_bounded_number_of_models(
     assert len(saved["models"]) == MAX_LIVE_MODELS
     # A model that already has live settings may still change them.
     assert daemon.admin("model_set", model="m0", weight=3.0)["weight"] == 3.0
+    # All of them come back after a restart (a full file is a good file).
+    daemon.stop(signal.SIGKILL)
+    daemon = start_daemon("--n-blocks", "64", run_dir=run_dir)
+    models = _models(run_dir)
+    assert len(models) == MAX_LIVE_MODELS and models["m0"]["weight"] == 3.0
+    assert models["plain"]["configured"] and models["plain"]["weight"] == 1
+    assert "ignoring" not in daemon.log()

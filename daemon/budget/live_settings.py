@@ -211,8 +211,8 @@ def _parse(text: str) -> tuple[int | None, dict[str, dict[str, Any]]]:
     if len(models) > MAX_LIVE_MODELS:
         raise ValueError(f"{len(models)} models, more than the {MAX_LIVE_MODELS} kept")
     for name, fields in models.items():
-        if not isinstance(fields, dict) or not fields:
-            raise ValueError(f"model {name!r}: settings must be a non-empty map")
+        if not isinstance(fields, dict):  # empty: a model created with the default settings
+            raise ValueError(f"model {name!r}: settings must be a map")
         model_settings(fields, where=f"model {name!r}")  # checks every field
         if isinstance(fields.get("reserve"), str) or isinstance(fields.get("limit"), str):
             raise ValueError(f"model {name!r}: sizes must be numbers of bytes")
