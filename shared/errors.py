@@ -22,6 +22,7 @@ class ErrorCode(IntEnum):
     OWNER_ALREADY_ACTIVE = 21
     NOT_OWNER = 22
     OVER_BUDGET = 24
+    CANCELLED = 25
     NO_SESSION = 30
     UNAUTHORIZED = 31
     DAEMON_RESTARTED = 32
@@ -61,6 +62,13 @@ class OverBudgetError(VqpoolError, ValueError):
     request asks for something impossible, not for something scarce right now."""
 
     code = ErrorCode.OVER_BUDGET
+
+
+class RequestCancelledError(VqpoolError):
+    """A waiting allocation its own session cancelled (the ``cancel`` worker op) before it was
+    granted; nothing was allocated."""
+
+    code = ErrorCode.CANCELLED
 
 
 class BadRequestError(VqpoolError):
@@ -136,6 +144,7 @@ _CLASS_FOR_CODE: dict[int, type[Exception]] = {
     ErrorCode.OWNER_ALREADY_ACTIVE: OwnerAlreadyActiveError,
     ErrorCode.NOT_OWNER: NotOwnerError,
     ErrorCode.OVER_BUDGET: OverBudgetError,
+    ErrorCode.CANCELLED: RequestCancelledError,
     ErrorCode.NO_SESSION: NoSessionError,
     ErrorCode.UNAUTHORIZED: UnauthorizedError,
     ErrorCode.DAEMON_RESTARTED: DaemonRestartedError,

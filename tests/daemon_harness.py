@@ -167,11 +167,15 @@ class RawClient:
         self.send(self.encode(op, args))
         return self.recv()
 
-    def hello(self, pid: int | None = None, model: str = "raw") -> dict[str, Any]:
-        """Open a session (as process ``pid``, this one by default)."""
-        reply = self.call(
-            "hello", {"pid": pid or os.getpid(), "model": model, "nonce": os.urandom(8).hex()}
-        )
+    def hello(
+        self, pid: int | None = None, model: str = "raw", resumes: int | None = None
+    ) -> dict[str, Any]:
+        """Open a session (as process ``pid``, this one by default; after a restart, naming
+        the session id it held, ``resumes``)."""
+        args = {"pid": pid or os.getpid(), "model": model, "nonce": os.urandom(8).hex()}
+        if resumes is not None:
+            args["resumes"] = resumes
+        reply = self.call("hello", args)
         assert reply["ok"], reply
         self.sid = reply["result"]["sid"]
         self.boot = reply["result"]["boot"]

@@ -7,9 +7,11 @@ admin socket. Nothing is mocked: requests go over HTTP to the worker processes.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from daemon_harness import remove_tree, short_tmpdir
 from vqpool.worker.testing.http_client import HttpReply, request_json
@@ -54,6 +56,17 @@ class ServingStack:
         self, model: str, body: dict[str, Any], path: str = "/v1/completions"
     ) -> HttpReply:
         return request_json(self.url(model), "POST", path, body)
+
+    def send_request(self, model: str, body: bytes) -> socket.socket:
+        """POST ``body`` to the model's /v1/completions on a raw connection, the reply unread:
+        close the socket to play a client that goes away."""
+        url = urlsplit(self.url(model))
+        client = socket.create_connection((url.hostname, url.port))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        return client
 
     def worker_stats(self, model: str) -> dict[str, Any]:
         reply = request_json(self.url(model), "GET", "/v1/stats")

@@ -453,6 +453,37 @@ def test_claim_of_recycled_and_grown_ids() -> None:
     pool.check_invariants()
 
 
+def test_claims_beyond_a_growing_pool_grow_it_and_growth_reuses_the_ids_skipped() -> None:
+    # A restarted daemon's pool starts at its first id space (k 0..3, v 4..7); the previous one
+    # had grown to ids 8..19 in either stream. Claims take them back, in either stream.
+    pool = pool_of(block_size=4, n_blocks=8, grow_on_exhaustion=True, max_blocks=24)
+    pool.claim("a", "k", [15, 2])
+    pool.check_invariants()
+    assert (pool.stats.n_blocks, pool.stats.n_grown) == (9, 1)
+    assert (pool.n_total("k"), pool.n_free("k")) == (5, 3)
+    pool.claim("b", "v", [9, 12])  # skipped by the first claim: ids of either stream
+    with pytest.raises(ClaimConflictError, match="held by 'a'"):
+        pool.claim("c", "v", [15])
+    with pytest.raises(ClaimConflictError, match="may grow to"):
+        pool.claim("c", "k", [10, 24])  # past max_blocks: nothing claimed
+    assert not pool.is_active("c")
+    pool.check_invariants()
+    # Growth hands out the ids skipped (8, 10, 11, 13, 14, 16..19) before new ones.
+    grown = pool.allocate("k", 4 * 12, "d")
+    assert sorted(b.block_id for b in grown) == [0, 1, 3, 8, 10, 11, 13, 14, 16, 17, 18, 19]
+    more = pool.allocate("v", 4 * 5, "e")
+    assert sorted(b.block_id for b in more) == [4, 5, 6, 7, 20]
+    pool.check_invariants()
+    # A claimed id freed is an ordinary free id of its stream.
+    pool.free_all("b")
+    assert pool.claim("f", "v", [12])[0].block_id == 12
+    pool.free_all("a")
+    pool.check_invariants()
+    fixed = pool_of(block_size=4, n_blocks=8)
+    with pytest.raises(ClaimConflictError, match="does not grow"):
+        fixed.claim("a", "k", [8])
+
+
 def test_claim_refuses_ids_that_are_not_free_and_changes_nothing() -> None:
     pool = pool_of(block_size=4, n_blocks=16)
     held = pool.allocate("k", 4, "a")[0].block_id

@@ -7,15 +7,22 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RawClient, short_tmpdir
+from daemon_harness import RawClient, short_tmpdir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from vqpool.shared.errors import ErrorCode
+from vqpool.daemon.server.settings import MAX_IDS_PER_STREAM, DaemonSettings
+from vqpool.shared.errors import BadRequestError, ErrorCode
+from vqpool.shared.protocol.limits import (
+    MAX_BYTES_PER_BLOCK,
+    MAX_FIT_CONCURRENCY,
+    MAX_FIT_CONTEXT,
+)
 from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK = 16  # tokens per block (the daemon's default block size)
@@ -24,17 +31,23 @@ BLOCK = 16  # tokens per block (the daemon's default block size)
 class ModelClient(RawClient):
     """A raw session of one model with declared bytes per block."""
 
-    def __init__(self, run_dir: Path, model: str, bytes_per_block: int | dict[str, int]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        model: str,
+        bytes_per_block: int | dict[str, int],
+        resumes: int | None = None,
+    ) -> None:
         super().__init__(run_dir)
-        reply = self.call(
-            "hello",
-            {
-                "pid": os.getpid(),
-                "model": model,
-                "nonce": os.urandom(8).hex(),
-                "bytes_per_block": bytes_per_block,
-            },
-        )
+        hello: dict[str, Any] = {
+            "pid": os.getpid(),
+            "model": model,
+            "nonce": os.urandom(8).hex(),
+            "bytes_per_block": bytes_per_block,
+        }
+        if resumes is not None:
+            hello["resumes"] = resumes
+        reply = self.call("hello", hello)
         assert reply["ok"], reply
         self.sid = reply["result"]["sid"]
         self.boot = reply["result"]["boot"]
@@ -57,6 +70,12 @@ class ModelClient(RawClient):
     def no_reply(self, timeout: float = 0.3) -> bool:
         return not self.socket.poll(int(timeout * 1000))
 
+    def claim(self, owner: str, block_ids: list[int], done: bool = True) -> dict[str, Any]:
+        """Claim ``block_ids`` of stream k for ``owner``: the reply."""
+        return self.call(
+            "claim", {"owners": [[owner, [["k", "fp16", block_ids, None]]]], "done": done}
+        )
+
 
 @pytest.fixture
 def clients() -> Iterator[Callable[..., ModelClient]]:
@@ -72,8 +91,10 @@ def clients() -> Iterator[Callable[..., ModelClient]]:
         client.close()
 
 
-def budget_daemon(start: Callable[..., DaemonProcess], *args: str) -> DaemonProcess:
-    return start("--n-blocks", "512", "--lease", "2", *args)
+def budget_daemon(
+    start: Callable[..., DaemonProcess], *args: str, run_dir: Path | None = None
+) -> DaemonProcess:
+    return start("--n-blocks", "512", "--lease", "2", *args, run_dir=run_dir)
 
 
 def error_code(reply: dict[str, Any]) -> int:
@@ -315,6 +336,37 @@ def test_fit_answers_each_verdict(start_daemon, clients) -> None:
         daemon.admin("fit", model="gemma", context=32)
 
 
+def test_fit_past_any_real_context_or_concurrency_is_a_bad_request(start_daemon, clients) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "16000")
+    llama = clients(daemon, "llama", {"k": 500, "v": 500})
+    for args in (
+        {"context": 2**62},
+        {"context": MAX_FIT_CONTEXT + 1},
+        {"context": 32, "concurrency": MAX_FIT_CONCURRENCY + 1},
+        {"context": 32, "concurrency": 2**62},
+    ):
+        reply = llama.call("fit", args)
+        assert error_code(reply) == ErrorCode.BAD_REQUEST, (args, reply)
+        assert "fit." in reply["error"]["message"], reply
+        with pytest.raises(BadRequestError, match=r"fit\.(context|concurrency) must be"):
+            daemon.admin("fit", model="llama", **args)
+    # The largest of both is answered: it can never fit, and the numbers say so.
+    largest = {"context": MAX_FIT_CONTEXT, "concurrency": MAX_FIT_CONCURRENCY}
+    reply = llama.call("fit", largest)
+    assert reply["ok"] and reply["result"]["verdict"] == "never", reply
+    assert reply["result"]["need"] == MAX_FIT_CONTEXT // BLOCK * 1000 * MAX_FIT_CONCURRENCY
+    assert daemon.admin("fit", model="llama", **largest) == {"model": "llama", **reply["result"]}
+    # Numbers past what the wire carries (the largest bytes per block a hello may declare):
+    # a clear refusal, not INTERNAL.
+    huge = clients(daemon, "huge", {"k": MAX_BYTES_PER_BLOCK, "v": MAX_BYTES_PER_BLOCK})
+    reply = huge.call("fit", largest)
+    assert error_code(reply) == ErrorCode.INVALID_VALUE, reply
+    assert "bytes" in reply["error"]["message"], reply
+    with pytest.raises(ValueError, match="bytes"):
+        daemon.admin("fit", model="huge", **largest)
+    daemon.audit()
+
+
 def test_without_a_budget_nothing_binds_and_views_show_null(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon)
     a = clients(daemon, "a", 1000)
@@ -344,6 +396,59 @@ def test_hello_without_bytes_per_block_is_refused_under_a_budget(start_daemon) -
         assert error_code(reply) == ErrorCode.INVALID_VALUE
     finally:
         raw.close()
+
+
+def test_hello_with_bytes_per_block_too_small_for_any_model_is_refused_under_a_budget(
+    start_daemon,
+) -> None:
+    # 0 or 1 byte per block would let a session take blocks the ledger barely counts. The
+    # floor at the default 16 slots per block: 16 x 16 = 256 bytes.
+    daemon = budget_daemon(start_daemon, "--budget", "1GiB")
+    raw = RawClient(daemon.run_dir)
+    try:
+        for index, bytes_per_block in enumerate([0, 1, 255, {"k": 4096, "v": 0}]):
+            reply = raw.call(
+                "hello",
+                {
+                    "pid": os.getpid(),
+                    "model": "x",
+                    "nonce": f"small-{index}",
+                    "bytes_per_block": bytes_per_block,
+                },
+            )
+            assert error_code(reply) == ErrorCode.INVALID_VALUE, bytes_per_block
+            assert "256" in reply["error"]["message"], reply
+        assert daemon.admin("stats")["sessions"] == 0
+        reply = raw.call(
+            "hello",
+            {"pid": os.getpid(), "model": "x", "nonce": "floor", "bytes_per_block": 256},
+        )
+        assert reply["ok"], reply
+    finally:
+        raw.close()
+    # Without a budget nothing is priced: any size (0 included) is taken.
+    free = start_daemon("--n-blocks", "64")
+    raw = RawClient(free.run_dir)
+    try:
+        reply = raw.call(
+            "hello", {"pid": os.getpid(), "model": "x", "nonce": "zero", "bytes_per_block": 0}
+        )
+        assert reply["ok"], reply
+    finally:
+        raw.close()
+
+
+def test_the_id_space_a_budget_sizes_is_priced_at_a_real_models_block() -> None:
+    # 1 KiB per id made a 512 MiB budget a space of 1,048,576 ids (about 90 MiB of daemon
+    # bookkeeping when filled); at the smallest built-in model's 4 KiB block, 262,144.
+    settings = DaemonSettings()
+    config = settings.pool_config(512 * 2**20)
+    assert config.max_blocks == 2 * 131_072 and config.n_blocks == 1024
+    assert settings.pool_config(2**50).max_blocks == 2 * MAX_IDS_PER_STREAM
+    # A small budget still gets the default pool's 1,024 ids.
+    assert settings.pool_config(64 * KIB).max_blocks == 1024
+    shared = DaemonSettings(shared_kv=True).pool_config(512 * 2**20)
+    assert shared.max_blocks == 131_072
 
 
 @pytest.mark.parametrize(
@@ -491,7 +596,7 @@ def test_a_bad_wait_is_a_bad_request(start_daemon, clients, wait: Any) -> None:
 def test_a_budget_without_n_blocks_sizes_the_id_space(start_daemon) -> None:
     daemon = start_daemon("--budget", "64KiB")
     config = daemon.admin("stats")["config"]
-    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 64
+    assert config["grow_on_exhaustion"] and config["max_blocks"] == 2 * 512  # the least
     assert "budget: 64 KiB" in daemon.log()
 
 
@@ -543,3 +648,91 @@ def test_growths_go_ahead_of_admissions_while_owed(start_daemon, clients) -> Non
     assert admitting.no_reply()  # the admission still waits
     assert daemon.admin("budget")["total_held"] == 10000
     daemon.audit()
+
+
+KIB = 1024
+HOSTILE_TOML = (
+    'budget = "1MiB"\n[models."hostile"]\nlimit = "256KiB"\n[models."victim"]\nreserve = "512KiB"\n'
+)
+"""The issue's setting: a 1 MiB budget, model hostile limited to 256 KiB, victim's reserve 512 KiB
+(64 KiB blocks: hostile may hold 4, victim is guaranteed 8)."""
+
+
+def claim_error(reply: dict[str, Any]) -> dict[str, Any]:
+    """The error of a claim of one owner, whether the message or the owner was refused."""
+    if not reply["ok"]:
+        return dict(reply["error"])
+    (result,) = reply["result"]
+    assert result is not None, "the claim was accepted"
+    return dict(result)
+
+
+def test_a_claim_outside_a_claim_period_is_refused_and_cannot_get_around_the_budget(
+    start_daemon, clients
+) -> None:
+    base = short_tmpdir()
+    (base / "vqpoold.toml").write_text(HOSTILE_TOML)
+    daemon = budget_daemon(start_daemon, "--config", str(base / "vqpoold.toml"))
+    shutil.rmtree(base, ignore_errors=True)
+    hostile = clients(daemon, "hostile", 64 * KIB)
+    victim = clients(daemon, "victim", 64 * KIB)
+    assert error_code(hostile.allocate("big", 8)) == ErrorCode.OVER_BUDGET
+    # 200 free k ids (12.5 MiB): no restart, no claim period: refused, nothing charged.
+    error = claim_error(hostile.claim("grab", list(range(200))))
+    assert error["code"] == ErrorCode.CLAIM_CONFLICT
+    assert "claim period" in error["message"]
+    view = daemon.admin("budget")
+    assert (view["total_held"], view["over_budget"]) == (0, False)
+    assert daemon.admin("owners") == []
+    assert victim.allocate("mine", 1)["ok"]  # inside its reserve
+    assert daemon.audit()["blocks_in_use"] == 1
+    # audit lists a breach: hostile over its limit (lowered live below what it holds).
+    assert hostile.allocate("small", 3)["ok"]
+    daemon.admin("model_set", model="hostile", limit=128 * KIB)
+    audit = daemon.admin("audit")
+    assert audit["breaches"] and "'hostile'" in audit["breaches"][0], audit
+    assert "limit" in audit["breaches"][0]
+
+
+def test_claims_in_a_claim_period_are_checked_against_the_budget(start_daemon) -> None:
+    base = short_tmpdir()
+    (base / "vqpoold.toml").write_text(HOSTILE_TOML)
+    options = ("--config", str(base / "vqpoold.toml"), "--lease", "30", "--claim-grace", "10")
+    daemon = budget_daemon(start_daemon, *options)
+    opened: list[ModelClient] = []
+    try:
+        before = ModelClient(daemon.run_dir, "hostile", 64 * KIB)
+        opened.append(before)
+        held = before.allocate("held", 2)["result"]  # the session goes on the roll
+        daemon.stop(signal.SIGKILL)
+        daemon = budget_daemon(start_daemon, *options, run_dir=daemon.run_dir)
+        assert daemon.admin("stats")["claims"]["active"]
+        # A session that resumes no session of the previous daemon takes nothing back.
+        stranger = ModelClient(daemon.run_dir, "hostile", 64 * KIB, resumes=before.sid + 1)
+        opened.append(stranger)
+        error = claim_error(stranger.claim("grab", [100]))
+        assert error["code"] == ErrorCode.CLAIM_CONFLICT and "resumes" in error["message"]
+        # The resumed session: its claims are checked as allocations would be.
+        again = ModelClient(daemon.run_dir, "hostile", 64 * KIB, resumes=before.sid)
+        opened.append(again)
+        error = claim_error(again.claim("grab", list(range(200)), done=False))
+        assert error["code"] == ErrorCode.OVER_BUDGET and "limit" in error["message"]
+        assert again.claim("held", held, done=False)["result"] == [None]
+        error = claim_error(again.claim("more", [7, 8, 9], done=False))  # 5 x 64 KiB > 256 KiB
+        assert error["code"] == ErrorCode.OVER_BUDGET
+        assert again.claim("more", [7, 8])["result"] == [None]  # at its limit; done
+        wait_until(lambda: not daemon.admin("stats")["claims"]["active"], timeout=3.0)
+        view = daemon.admin("budget")
+        assert (view["total_held"], view["over_budget"]) == (256 * KIB, False)
+        victim = ModelClient(daemon.run_dir, "victim", 64 * KIB)
+        opened.append(victim)
+        assert victim.allocate("mine", 8)["ok"]  # its whole reserve
+        audit = daemon.audit()
+        assert audit["blocks_in_use"] == 12 and audit["breaches"] == []
+        # After the period, even the resumed session's claims are refused.
+        error = claim_error(again.claim("late", [20]))
+        assert error["code"] == ErrorCode.CLAIM_CONFLICT and "claim period" in error["message"]
+    finally:
+        for client in opened:
+            client.close()
+        shutil.rmtree(base, ignore_errors=True)

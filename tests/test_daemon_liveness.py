@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from daemon_harness import AgentProcess, RawClient, wait_until
@@ -19,6 +20,14 @@ def blocks_of(daemon: DaemonProcess, pid: int) -> int | None:
     for session in daemon.admin("sessions"):
         if session["pid"] == pid:
             return int(session["n_blocks"])
+    return None
+
+
+def lease_state(daemon: DaemonProcess, pid: int) -> str | None:
+    """The lease state ("ok", "expired") of the session of ``pid``, or None if it has none."""
+    for session in daemon.admin("sessions"):
+        if session["pid"] == pid:
+            return str(session["lease"]["state"])
     return None
 
 
@@ -68,10 +77,24 @@ def test_busy_worker_holding_the_gil_past_its_lease_is_not_reaped(
 ) -> None:
     worker = start_worker(daemon.run_dir, "busy")
     worker.call("allocate", "k", 64, "w1")
-    held = worker.call("hog_gil", 3 * LEASE)
-    assert held > 2 * LEASE  # the heartbeat really was starved past the lease
-    assert blocks_of(daemon, worker.pid) == 4
+    assert lease_state(daemon, worker.pid) == "ok"
+    with ThreadPoolExecutor(1) as hogging:
+        # The hog holds the GIL until its clock says 3 leases passed (not a calibrated guess).
+        hog = hogging.submit(worker.call, "hog_gil", 3 * LEASE)
+        # The heartbeat really was starved past the lease: the daemon saw the worker silent.
+        seen: list[str | None] = []
+
+        def expired_or_over() -> bool:
+            seen.append(lease_state(daemon, worker.pid))
+            return seen[-1] == "expired" or hog.done()
+
+        wait_until(expired_or_over, timeout=30.0)
+        held = hog.result(timeout=30.0)
+    assert "expired" in seen, f"the hog ended before the daemon saw the lease expire: {seen}"
+    assert held >= 3 * LEASE
+    assert blocks_of(daemon, worker.pid) == 4  # not reaped
     assert len(worker.call("allocate", "k", 16, "w1")) == 1
+    wait_until(lambda: lease_state(daemon, worker.pid) == "ok", timeout=5.0)
 
 
 def test_idle_session_with_dropped_connection_is_not_reaped(daemon: DaemonProcess) -> None:

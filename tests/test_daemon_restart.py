@@ -85,7 +85,7 @@ def test_live_workers_take_back_their_blocks_and_dead_ones_leave_nothing(
     assert daemon.audit()["blocks_in_use"] == 0
 
 
-def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owner(
+def test_claim_period_holds_allocations_and_a_worker_back_after_it_loses_its_owners(
     start_daemon: StartDaemon, start_worker: StartWorker
 ) -> None:
     # k ids 0..7, v ids 8..15. A long lease: the stopped worker is not reaped meanwhile.
@@ -118,19 +118,23 @@ def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owne
         assert not report["active"] and "ran out" in report["end_reason"]
     finally:
         late.kill(signal.SIGCONT)
-    # The late worker's heartbeat re-syncs it: late-v is taken back, late-k conflicts.
-    wait_until(lambda: claims(daemon)["owners_refused"] == 1, timeout=5.0)
-    assert late.call("blocks_for", "late-v")[0][0] == late_v[0]
-    with pytest.raises(AgentError) as lost:
-        late.call("allocate", "k", 16, "late-k")
-    assert lost.value.kind == "ClaimConflictError"
-    assert "lost in a vqpoold restart" in str(lost.value)
+    # The late worker's heartbeat re-syncs it, after the period: its claims are refused (a
+    # claim outside a claim period could take any free block, past the budget), so both of
+    # its owners are lost, the one whose blocks are free as well as the one whose are not.
+    wait_until(lambda: claims(daemon)["owners_refused"] == 2, timeout=5.0)
+    for owner in ("late-k", "late-v"):
+        with pytest.raises(AgentError) as lost:
+            late.call("allocate", "k", 16, owner)
+        assert lost.value.kind == "ClaimConflictError"
+        assert "lost in a vqpoold restart" in str(lost.value)
+        assert "claim period" in str(lost.value)
     with pytest.raises(AgentError, match="ClaimConflictError"):
         late.call("free", late_k)  # its blocks are another owner's now: not freed
-    assert "late-k" in late.call("lost_owners")
+    assert set(late.call("lost_owners")) == {"late-k", "late-v"}
     late.call("free_all", "late-k")  # forgets it
+    late.call("free_all", "late-v")
     assert late.call("lost_owners") == {}
-    assert late.call("allocate", "v", 16, "late-k")  # the id can be used again
+    assert late.call("allocate", "v", 16, "late-k") == late_v  # the id can be used again
     assert owners_view(daemon)["other-2"][1] == 7
     daemon.audit()
     late.call("close")
@@ -138,14 +142,24 @@ def test_claim_period_holds_allocations_and_a_late_conflict_loses_only_that_owne
     assert daemon.audit()["blocks_in_use"] == 0
 
 
-def test_claims_are_per_owner_all_or_nothing_and_first_come(daemon: DaemonProcess) -> None:
+def test_claims_are_per_owner_all_or_nothing_and_first_come(start_daemon: StartDaemon) -> None:
+    # Two sessions of this process on the roll, then a restart: both may claim in its period.
+    options = ("--n-blocks", "256", "--lease", "30", "--claim-grace", "10")
+    daemon = start_daemon(*options)
     first, second = RawClient(daemon.run_dir), RawClient(daemon.run_dir)
     try:
-        first.hello()
-        second.hello()
+        sids = []
+        for index, client in enumerate((first, second)):
+            client.hello()
+            assert client.call("register_owner", {"owner": f"on-the-roll-{index}"})["ok"]
+            sids.append(client.sid)
+        daemon = restart(daemon, start_daemon, *options)
+        for client, sid in zip((first, second), sids, strict=True):
+            client.reopen()
+            client.hello(resumes=sid)
 
         def claim(client: RawClient, owners: list[Any]) -> list[Any]:
-            reply = client.call("claim", {"owners": owners})
+            reply = client.call("claim", {"owners": owners, "done": False})
             assert reply["ok"], reply
             return list(reply["result"])
 
@@ -177,7 +191,9 @@ def test_claims_are_per_owner_all_or_nothing_and_first_come(daemon: DaemonProces
         assert view["ok"][2] == {"v": 2, "k": 1}
         assert view["x"][3] == 21
         # A resent claim (same request id) gets its first reply, not a second application.
-        payload = second.encode("claim", {"owners": [["again", [["k", "fp16", [7], None]]]]})
+        payload = second.encode(
+            "claim", {"owners": [["again", [["k", "fp16", [7], None]]]], "done": False}
+        )
         second.send(payload)
         once = second.recv()
         second.send(payload)
@@ -185,7 +201,7 @@ def test_claims_are_per_owner_all_or_nothing_and_first_come(daemon: DaemonProces
         assert daemon.audit()["blocks_in_use"] == 2 + 3 + 1
         stats = claims(daemon)
         assert (stats["owners_claimed"], stats["owners_refused"]) == (4, 5)
-        assert not stats["period"]  # a first start has no claim period
+        assert stats["active"]  # neither session has sent its done
     finally:
         first.close()
         second.close()
@@ -257,3 +273,42 @@ def test_two_clients_in_one_process_both_keep_their_blocks_through_a_restart(
     finally:
         first.close()
         second.close()
+
+
+def test_a_pool_grown_past_its_first_id_space_keeps_every_owner_through_a_restart(
+    start_daemon: StartDaemon,
+) -> None:
+    # A budget and no --n-blocks: the id space starts at 1,024 ids (512 per stream) and grows
+    # under load, up to what the budget allows. 15 owners x 100 k blocks (4 KiB each, 6 MiB of
+    # the 8 MiB budget): most of their ids are grown ids, past the first id space.
+    options = ("--budget", "8MiB", "--lease", "30", "--claim-grace", "5")
+    daemon = start_daemon(*options)
+    pool = PoolClient(daemon.run_dir, name="grown", bytes_per_block=4096, timeout=10.0)
+    try:
+        owners = [f"r{i}" for i in range(15)]
+        held = {owner: pool.allocate("k", 100 * 16, owner) for owner in owners}
+        ids = {b.block_id for blocks in held.values() for b in blocks}
+        assert len(ids) == 1500 and max(ids) >= 1024, "the pool did not grow"
+        before = owners_view(daemon)
+
+        daemon = restart(daemon, start_daemon, *options)
+        pool.ping()  # re-syncs: hello and claims
+        assert pool.lost_owners() == {}
+        for owner in owners:
+            assert [b.block_id for b in pool.blocks_for(owner)] == [b.block_id for b in held[owner]]
+        assert owners_view(daemon) == before
+        report = claims(daemon)
+        assert (report["owners_claimed"], report["owners_refused"]) == (15, 0)
+        assert report["blocks_claimed"] == 1500
+        audit = daemon.audit()
+        assert audit["blocks_in_use"] == 1500
+        # The pool carries on: it grows again from what the claims left free, and frees work.
+        more = pool.allocate("k", 300 * 16, "after")
+        assert not {b.block_id for b in more} & ids
+        for owner in owners:
+            pool.free_all(owner)
+        pool.free_all("after")
+        assert daemon.audit()["blocks_in_use"] == 0
+        print(f"\ngrown pool restart: {len(ids)} blocks of {len(owners)} owners kept, {report}")
+    finally:
+        pool.close()

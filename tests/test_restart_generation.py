@@ -3,11 +3,13 @@ token for token and logprob for logprob the same as with mlx-lm's stock KVCache.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared.admin_client import AdminClient
@@ -17,6 +19,9 @@ from vqpool.worker.testing.launch import DaemonProcess
 
 StartDaemon = Callable[..., DaemonProcess]
 OPTIONS = ("--n-blocks", "512", "--lease", "1", "--claim-grace", "5")
+# A budget and no --n-blocks: 1,024 ids at first (512 per stream), grown under load.
+GROWN_OPTIONS = ("--budget", "8MiB", "--lease", "1", "--claim-grace", "5")
+BLOCK_BYTES = 4096  # the tiny llama's, per stream and block of 16 slots (fp32)
 N_NEW_TOKENS = 120
 KILL_AT_STEP = 30
 
@@ -35,12 +40,16 @@ def generate(
     return tokens, mx.stack(logprobs)
 
 
-def test_pooled_caches_generate_through_a_daemon_restart(start_daemon: StartDaemon) -> None:
+@pytest.mark.parametrize("grown", [False, True], ids=["fixed-pool", "grown-pool"])
+def test_pooled_caches_generate_through_a_daemon_restart(
+    start_daemon: StartDaemon, grown: bool
+) -> None:
     model = build_tiny_model("llama", seed=0)[0]
     prompt = mx.array([(i * 37 + 11) % 256 for i in range(40)])
     reference = generate(model, prompt, make_prompt_cache(model), lambda step: None)
 
-    daemon = start_daemon(*OPTIONS)
+    options = GROWN_OPTIONS if grown else OPTIONS
+    daemon = start_daemon(*options)
     run_dir = daemon.run_dir
     restarted: list[DaemonProcess] = []
 
@@ -50,11 +59,24 @@ def test_pooled_caches_generate_through_a_daemon_restart(start_daemon: StartDaem
         if step == KILL_AT_STEP:
             daemon.stop(signal.SIGKILL)
             timer = threading.Timer(
-                0.4, lambda: restarted.append(start_daemon(*OPTIONS, run_dir=run_dir, wait=False))
+                0.4, lambda: restarted.append(start_daemon(*options, run_dir=run_dir, wait=False))
             )
             timer.start()
 
-    with PoolClient(run_dir, name="through-restart", timeout=10.0) as pool:
+    with contextlib.ExitStack() as stack:
+        bytes_per_block = BLOCK_BYTES if grown else None
+        pool = stack.enter_context(
+            PoolClient(
+                run_dir, name="through-restart", bytes_per_block=bytes_per_block, timeout=10.0
+            )
+        )
+        filled: list[int] = []
+        if grown:  # another client takes the first id space: the caches' ids are grown ones
+            filler = stack.enter_context(
+                PoolClient(run_dir, name="filler", bytes_per_block=BLOCK_BYTES, timeout=10.0)
+            )
+            for stream in ("k", "v"):
+                filled += [b.block_id for b in filler.allocate(stream, 600 * 16, f"fill-{stream}")]
         other = make_pooled_cache(model, pool, "other")  # a second sequence, idle meanwhile
         generate(model, prompt[:20], other, lambda step: None)
         cache = make_pooled_cache(model, pool, "gen")
@@ -64,6 +86,10 @@ def test_pooled_caches_generate_through_a_daemon_restart(start_daemon: StartDaem
         assert mx.array_equal(logprobs, reference[1]).item()
         assert len(pool.resyncs) == 1 and pool.resyncs[0]["owners_refused"] == 0
         assert pool.resyncs[0]["owners_claimed"] == 2
+        if grown:
+            assert min(b.block_id for b in cache.sequence.blocks()) >= 1024
+            held = [b.block_id for owner in ("fill-k", "fill-v") for b in filler.blocks_for(owner)]
+            assert held == filled and filler.lost_owners() == {}
         assert pool.boot_id == restarted[0].admin("ping")["boot_id"]
         # The restarted daemon holds exactly what the caches hold.
         for held in (cache, other):

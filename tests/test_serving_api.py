@@ -221,3 +221,25 @@ def test_malformed_requests_get_4xx_json_and_the_worker_keeps_serving(
     ok = stack.complete(LLAMA, {"prompt": "still serving", "max_tokens": 4})
     assert ok.status == 200 and ok.body["usage"]["completion_tokens"] == 4
     stack.wait_for_no_blocks()
+
+
+def test_bodies_that_crash_the_json_parser_get_a_400_json_and_the_worker_keeps_serving(
+    stack: ServingStack,
+) -> None:
+    url = stack.url(LLAMA)
+    bodies = [
+        b"[" * 100_000 + b"]" * 100_000,  # nests past the interpreter's recursion limit
+        b'{"prompt": "x", "stop": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+        b'{"prompt": "x", "max_tokens": ' + b"9" * 5_000 + b"}",  # past int's 4,300 digits
+        # Parsed, then refused: the message shows the value cut short, not its whole repr.
+        b'{"prompt": "x", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}",
+        b'{"prompt": "x", "max_tokens": "' + b"9" * 100_000 + b'"}',
+    ]
+    for data in bodies:
+        head = f"POST /v1/completions HTTP/1.0\r\nContent-Length: {len(data)}\r\n\r\n"
+        got, body = raw_exchange(url, head.encode() + data)
+        assert got == 400, (data[:40], body)
+        assert len(body["error"]["message"]) < 300, body  # no echo of the body
+    ok = stack.complete(LLAMA, {"prompt": "still serving", "max_tokens": 4})
+    assert ok.status == 200 and ok.body["usage"]["completion_tokens"] == 4
+    stack.wait_for_no_blocks()

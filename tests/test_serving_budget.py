@@ -4,12 +4,10 @@ no blocks kept for it, and a request that can never fit the budget gets HTTP 400
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from serving_harness import ServingStack
@@ -69,13 +67,8 @@ def test_the_queue_head_waits_at_the_daemon_until_bytes_are_freed(stack: Serving
 def test_a_request_whose_client_left_while_parked_keeps_no_blocks(stack: ServingStack) -> None:
     cancelled_before = stack.worker_stats(LLAMA)["ended_cancelled"]
     with hog_the_budget(stack) as hog:
-        url = urlsplit(stack.url(LLAMA))
         body = b'{"prompt": "%s", "max_tokens": 20}' % PROMPT.encode()
-        client = socket.create_connection((url.hostname, url.port))
-        client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        client = stack.send_request(LLAMA, body)
         wait_parked(stack)
         client.close()  # gone while its request waits at the daemon
         deadline = time.monotonic() + 10

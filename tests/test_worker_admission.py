@@ -24,7 +24,9 @@ class GatedSource(StockCacheSource):
         self.freed: list[Any] = []
         self.asked: list[tuple[int, float]] = []
 
-    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
+    def take(
+        self, cache: list[Any], n_tokens: int, wait: float, cancel: threading.Event | None = None
+    ) -> Any:
         self.asked.append((n_tokens, wait))
         self.taking.set()
         self.release.wait(10)

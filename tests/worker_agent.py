@@ -90,23 +90,31 @@ def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
     if op == "resyncs":
         return pool.resyncs
     if op == "hog_gil":
-        # One C call that never releases the GIL for about args[0] seconds: the heartbeat thread
-        # cannot run meanwhile, as in a long native prefill step that holds the GIL.
-        # Calibrate on the fastest of three samples, so the real hold is at least as long as
-        # asked even when a sample was slowed down by other processes.
-        samples = []
-        for _ in range(3):
-            started = time.perf_counter()
-            sum(range(1_000_000))
-            samples.append(time.perf_counter() - started)
-        per_million = min(samples)
-        started = time.perf_counter()
-        sum(range(int(args[0] / per_million * 1_000_000)))
-        return time.perf_counter() - started
+        return hog_gil(args[0])
     if op == "close":
         pool.close()
         return None
     raise ValueError(f"worker_agent: unknown op {op!r}")
+
+
+def hog_gil(seconds: float) -> float:
+    """Hold the GIL for at least ``seconds`` (by the clock), as a long native prefill step
+    does: the heartbeat thread cannot run meanwhile. The seconds it was held.
+
+    Short C calls (``sum``) run until the clock says ``seconds`` have passed, with the switch
+    interval raised so that a waiting thread never makes this one drop the GIL between them
+    (nothing here blocks, which would drop it). Measured, not calibrated: a calibration on a
+    busy machine held it for 1.98 s of 3 asked.
+    """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10 * seconds + 60)
+    try:
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            sum(range(100_000))  # about a millisecond
+        return time.perf_counter() - started
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def main() -> None:

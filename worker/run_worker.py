@@ -163,6 +163,8 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
     app = ServingApp(
         loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
     )
+    if pool is not None:
+        app.pool_unavailable = pool.daemon_unavailable
     server.serve(app)
     scheduler.start()
     serving = threading.Thread(

@@ -31,11 +31,18 @@ from vqpool.daemon.budget.views import (
 )
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
-from vqpool.shared.byte_sizes import MAX_BYTES
+from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
 from vqpool.shared.model_names import resolve_model
 from vqpool.shared.protocol import ALLOCATE
 
 log = logging.getLogger("vqpoold")
+
+MIN_BYTES_PER_SLOT = 16
+"""Under a budget, the fewest bytes a session may declare per token slot of a block, per stream:
+one layer of one KV head of 8 dims at 2 bytes (fp16). No model holds less (the built-in tiny
+models hold 256 bytes a slot, real ones kilobytes); at the default 16 slots a block, 256 bytes.
+Below it a session would take blocks the ledger barely counts: with 0 bytes every block, with 1
+byte a million ids for a megabyte of the budget."""
 
 
 class BudgetAccounting:
@@ -82,10 +89,13 @@ class BudgetAccounting:
     # -- hello ---------------------------------------------------------------------------------
 
     def check_hello(self, bytes_per_block: Mapping[str, int], streams: Sequence[str]) -> None:
-        """Refuse a session that the budget could not bound while a budget is set.
+        """Refuse a session that the budget could not bound while a budget is set: one that
+        declares no bytes per block for a pool stream, or fewer than any model's block holds
+        (:data:`MIN_BYTES_PER_SLOT` per slot: with 0 or 1 byte a session takes blocks the
+        ledger barely counts).
 
         Raises:
-            ValueError: A pool stream without bytes per block.
+            ValueError: A pool stream without bytes per block, or with too few.
         """
         if self.limited:
             missing = [s for s in streams if s not in bytes_per_block]
@@ -93,6 +103,16 @@ class BudgetAccounting:
                 raise ValueError(
                     f"hello: a memory budget is set, so bytes_per_block must be declared for "
                     f"every pool stream ({'+'.join(streams)}); missing: {missing}"
+                )
+            block_size = self._coord.allocator.config.block_size
+            floor = MIN_BYTES_PER_SLOT * block_size
+            small = {s: bytes_per_block[s] for s in streams if bytes_per_block[s] < floor}
+            if small:
+                raise ValueError(
+                    f"hello: a memory budget is set, so bytes_per_block must be at least {floor} "
+                    f"per pool stream (what one layer of one head of 8 dims at 2 bytes holds in "
+                    f"a block of {block_size} slots; a real model's block is kilobytes); got "
+                    f"{small}"
                 )
 
     # -- allocations ---------------------------------------------------------------------------
@@ -193,10 +213,12 @@ class BudgetAccounting:
 
     def set_model(self, model: str, settings: ModelSettings, fields: Iterable[str]) -> int:
         """Change a model's settings live (``fields``: those set; kept as set live); as
-        :meth:`set_budget`."""
+        :meth:`set_budget`. A limit below what the model holds is met by reclaim from the
+        model's own sessions (``plan_limits``)."""
         self.live.check_room(model)
         refused = self.parking.answer_refused(self.ledger.set_model(model, settings))
         self.live.set_model(model, {field: getattr(settings, field) for field in fields})
+        self.reclaim.limit_changed(model)
         self.parking.hand_out()
         return refused
 
@@ -218,6 +240,7 @@ class BudgetAccounting:
             self.ledger.set_model(model, live.base(model), configured=configured)
         )
         live.unset_model(model)
+        self.reclaim.limit_changed(model)  # the config file's limit may be lower
         if not configured and all(s.model != model for s in self._coord.sessions):
             self.ledger.forget_model(model)
         self.parking.hand_out()
@@ -290,6 +313,33 @@ class BudgetAccounting:
         return fit_to_wire(
             self.ledger, self.ledger.fit(model, per_sequence, concurrency), per_sequence
         )
+
+    def breaches(self) -> list[str]:
+        """Held bytes past the ledger's rules, for ``audit``: over the budget, a model over its
+        limit, reserves held by other models while reserves are not lent.
+
+        No grant or claim makes one (each is checked); a budget or a limit lowered live below
+        what is held does, until the holders give the excess back (reclaim asks them)."""
+        snap = self.ledger.snapshot()
+        fb = format_bytes
+        found = []
+        if self.limited and snap.over_budget:
+            found.append(
+                f"budget: {fb(snap.total_held)} held, {fb(snap.over_budget)} over the budget "
+                f"({fb(snap.budget)})"
+            )
+        for name, view in sorted(snap.models.items()):
+            if view.limit is not None and view.held > view.limit:
+                found.append(
+                    f"budget: model {name!r} holds {fb(view.held)}, "
+                    f"{fb(view.held - view.limit)} over its limit ({fb(view.limit)})"
+                )
+        if not snap.lend_reserves and snap.lent:
+            found.append(
+                f"budget: {fb(snap.lent)} of models' reserves are held by other models, and "
+                "reserves are not lent"
+            )
+        return found
 
     def recount_problems(self) -> list[str]:
         """Disagreements between the ledger's bytes per model and a recount from the allocator's

@@ -4,22 +4,25 @@ coordinator hands blocks out and takes them back.
 A block of stream ``s`` costs the holding session's ``bytes_per_block[s]`` (0 when undeclared:
 such a session is not bounded by the budget). Each change of holdings that moves bytes is done
 here: an allocation the ledger granted (:meth:`Holdings.perform`), a free, a claim after a
-restart, the end of a session. This layer calls the coordinator for the blocks, which answers in
-blocks per stream, and charges or credits the ledger their bytes.
+restart (admitted by the ledger as an allocation would be), the end of a session. This layer
+calls the coordinator for the blocks, which answers in blocks per stream, and charges or
+credits the ledger their bytes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
-from vqpool.daemon.budget.types import GRANTED, Outcome
-from vqpool.daemon.budget.views import refusal
+from vqpool.daemon.budget.types import GRANTED, Outcome, Reason, Verdict
+from vqpool.daemon.budget.views import budget_text, refusal
 from vqpool.daemon.core.coordinator import BlockCounts, Coordinator, SessionEnd
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.allocator import Owner
+from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.errors import OverBudgetError
 from vqpool.shared.protocol import ALLOCATE, ClaimGroup
 
 log = logging.getLogger("vqpoold")
@@ -157,15 +160,46 @@ class Holdings:
     def claim(
         self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
     ) -> list[dict[str, Any] | None]:
-        """``claim`` (see :meth:`Coordinator.claim`): the blocks that stood are charged
-        unconditionally, since they are held already (docs/budget.md)."""
-        results, claimed = self._coord.claim(session, owners, done)
+        """``claim`` (see :meth:`Coordinator.claim`), each owner's blocks admitted by the
+        ledger as an allocation of theirs would be (:meth:`admit_claim`)."""
+        admit = self.admit_claim if session.bytes_per_block else None
+        return self._coord.claim(session, owners, done, admit)
+
+    def admit_claim(
+        self, session: Session, owner: Owner, counts: BlockCounts
+    ) -> Callable[[], None]:
+        """Charge the bytes of an owner's claim if the ledger would grant them as an allocation
+        (the budget, the model's limit, other models' unused reserves); the undo.
+
+        A restarted daemon with the options its predecessor had (and the live settings it
+        kept) has the same ledger, which granted every block its workers hold; and the claims
+        of a claim period only add to holdings, so each one fits whatever order they come in
+        (each rule compares against holdings no larger than the predecessor's). A claim that
+        does not fit is for blocks the ledger would not have granted: refused, so that a claim
+        never gets around the budget (docs/budget.md).
+
+        Raises:
+            OverBudgetError: It does not fit; nothing was charged.
+        """
         cost = session.bytes_per_block
-        if cost:
-            self.charge(
-                session, sum(n * self.block_cost(cost, stream) for stream, n in claimed.items())
-            )
-        return results
+        n_bytes = sum(n * self.block_cost(cost, stream) for stream, n in counts.items())
+        model = session.model
+        ledger = self.ledger
+        if n_bytes:
+            verdict = ledger.try_grant(model, n_bytes)
+            if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
+                raise OverBudgetError(
+                    f"claim: owner {owner!r}: its {sum(counts.values())} block(s) "
+                    f"({format_bytes(n_bytes)}) do not fit the memory budget "
+                    f"({budget_text(ledger)}): {_claim_shortage(verdict)}; its blocks were not "
+                    "taken back (a claim gets no more than an allocation would)"
+                )
+
+        def undo() -> None:
+            if n_bytes:
+                ledger.credit(model, n_bytes)
+
+        return undo
 
     def end_session(self, session: Session) -> SessionEnd:
         """End ``session`` in the coordinator (its blocks freed, its owners released), credited."""
@@ -189,7 +223,17 @@ class Holdings:
                 log.error("budget ledger out of step with the pool: %s", exc)
                 ledger.credit(session.model, ledger.held(session.model))
 
-    def charge(self, session: Session, n_bytes: int) -> None:
-        """``session`` holds blocks worth ``n_bytes`` that it did not allocate (claims)."""
-        if n_bytes:
-            self.ledger.charge(session.model, n_bytes)
+
+def _claim_shortage(verdict: Verdict) -> str:
+    """Which rule of the ledger a claim's bytes break, with the numbers."""
+    fb = format_bytes
+    reason = verdict.reason
+    if reason in (Reason.OWN_LIMIT, Reason.OVER_LIMIT):
+        return f"model {verdict.model!r} would hold more than its {fb(verdict.limit)} limit"
+    if reason in (Reason.RESERVES_PROTECTED, Reason.OVER_CEILING):
+        return (
+            f"{fb(verdict.protected)} of the free bytes are other models' unused reserves, "
+            f"which model {verdict.model!r} may not take"
+        )
+    free = max(0, verdict.budget - verdict.total_held)
+    return f"the budget has {fb(free)} free ({fb(verdict.total_held)} held)"

@@ -10,7 +10,9 @@ in it the envelope of its newest send. It is answered later, from here, in one o
 - its deadline passed (:meth:`Parking.expire`): POOL_EXHAUSTED;
 - its session was asked to give bytes back meanwhile, for a growth
   (:meth:`Parking.refuse_growth_of`): POOL_EXHAUSTED;
-- a live settings change made it impossible (:meth:`Parking.answer_refused`): OVER_BUDGET.
+- a live settings change made it impossible (:meth:`Parking.answer_refused`): OVER_BUDGET;
+- its own session cancelled it (:meth:`Parking.cancel`, the ``cancel`` worker op: its client
+  went away): CANCELLED.
 
 Each late reply is remembered in the reply cache (a resend after it gets it from there) and put
 in :attr:`Parking.outbox`, which the server loop sends non-blocking. A resend while it is still
@@ -32,7 +34,7 @@ from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.core.replies import ReplyCache
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.errors import BlockPoolExhaustedError
+from vqpool.shared.errors import BadRequestError, BlockPoolExhaustedError, RequestCancelledError
 from vqpool.shared.protocol import encode_result
 
 
@@ -107,10 +109,6 @@ class Parking:
         self.parked[parked.session.sid, parked.rid] = parked
         return parked
 
-    def bytes_waiting_for_others(self, session: Session) -> int:
-        """Bytes the parked allocations of sessions other than ``session`` wait for."""
-        return sum(p.n_bytes for p in self.parked.values() if p.session is not session)
-
     def session_ended(self, session: Session) -> None:
         """Drop ``session``'s parked allocations, never answered (nobody is left to read them);
         one granted but not yet handed out gives its bytes back."""
@@ -159,6 +157,38 @@ class Parking:
                     self._answer_exhausted(parked, "asked to give bytes back meanwhile")
                     self.hand_out()
                 return
+
+    def cancel(self, session: Session, rid: int) -> bool:
+        """Stop waiting for ``session``'s allocation ``rid`` (the ``cancel`` worker op): if it
+        still waits it is answered CANCELLED and True is returned; if it was answered already
+        (granted, refused, expired, cancelled) False, and nothing changes (a grant is the
+        session's to free). A session reaches only its own requests: the ticket is its own.
+
+        Raises:
+            BadRequestError: ``session`` has no allocation ``rid`` waiting or answered (never
+                received, not an allocation, or answered too long ago); nothing changed.
+        """
+        ticket = (session.sid, rid)
+        parked = self.parked.get(ticket)
+        if parked is None:
+            if self._replies.lookup(session.sid, rid) is not None:
+                return False
+            raise BadRequestError(
+                f"cancel: request {rid} of this session is not an allocation waiting at the "
+                "daemon (never received here, or not one that waits); nothing cancelled"
+            )
+        if not self._ledger.cancel(ticket):  # granted, not handed out yet: that is its answer
+            self.hand_out()
+            return False
+        del self.parked[ticket]
+        exc = RequestCancelledError(
+            f"{parked.op}: cancelled by its session after waiting for "
+            f"{format_bytes(parked.n_bytes)} for model {parked.session.model!r}; nothing "
+            "allocated"
+        )
+        self._answer(parked, error_reply(rid, self._boot_id, exc))
+        self.hand_out()  # it may have held up its model's queue
+        return True
 
     def answer_refused(self, refused: list[tuple[Ticket, Verdict]]) -> int:
         """Answer OVER_BUDGET to parked allocations a settings change made impossible; how many."""

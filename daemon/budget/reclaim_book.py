@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableSet
 from dataclasses import dataclass, field
 
 from vqpool.daemon.budget.ledger import BudgetLedger
@@ -35,6 +35,7 @@ __all__ = [
     "ReclaimAsk",
     "ReclaimBook",
     "ReclaimStats",
+    "plan_limits",
     "plan_reclaim",
 ]
 
@@ -297,3 +298,33 @@ def plan_reclaim(
         if share_need.short > need.short:
             need = share_need
     return need, asks
+
+
+def plan_limits(
+    ledger: BudgetLedger,
+    book: ReclaimBook,
+    over_limit: MutableSet[str],
+    holders: Callable[[Collection[str]], Mapping[str, Iterable[tuple[int, int]]]],
+    now: float,
+) -> list[ReclaimAsk]:
+    """The asks that bring models whose limit was lowered below their holdings back under it:
+    each of ``over_limit`` is asked for what it holds above its limit, of *its own* sessions
+    only (another model's bytes do not lower its holdings: taking them would serve nobody),
+    cool-downs kept. Models back within their limit leave ``over_limit``.
+
+    A worker answers an ask from its prompt cache first, then by preempting its own requests;
+    a request of the model waiting meanwhile is served once the model is back under its limit
+    with room for it (the cache advice, ``daemon/ops/worker/sessions.py``, gives that room
+    from the model's cache).
+    """
+    excess: list[tuple[str, int]] = []
+    for model in list(over_limit):
+        fit = ledger.fit(model, 1)
+        if fit.held <= fit.limit:
+            over_limit.discard(model)
+        else:
+            excess.append((model, fit.held - fit.limit))
+    if not excess:
+        return []
+    need = ReclaimNeed(sum(n for _, n in excess), {}, excess)
+    return book.plan(need, holders([model for model, _ in excess]), now, cool=True)

@@ -10,7 +10,8 @@ parked at that moment (it is handling a previous ask, or re-polling) gets its op
 reply to its next poll at once. The worker frees blocks through the usual ``free``/``free_all``
 and answers ``reclaim_done``; the ledger's holdings of the session say what it gave back. Only
 sessions that have polled are ever asked: a worker without a handler is never waited on.
-See docs/protocol.md, "Reclaim".
+A model whose limit is set below what it holds (:meth:`ReclaimService.limit_changed`) is asked
+for the excess of its own sessions only (``plan_limits``). See docs/protocol.md, "Reclaim".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vqpool.daemon.budget.reclaim_book import (
     DEFAULT_RECLAIM_DEADLINE,
     ReclaimAsk,
     ReclaimBook,
+    plan_limits,
     plan_reclaim,
 )
 from vqpool.daemon.core.coordinator import Coordinator
@@ -79,6 +81,7 @@ class ReclaimService:
         self.listeners: set[int] = set()  # sessions that poll: the only ones ever asked
         self._next_plan = 0.0
         self._next_poll_expiry = math.inf  # no parked poll's wait ends before this
+        self._over_limit: set[str] = set()  # models set below their holdings, not back under
 
     # -- the worker ops ------------------------------------------------------------------------
 
@@ -142,6 +145,13 @@ class ReclaimService:
         self.book.note_preemptions(preemptions - before if preemptions >= before else preemptions)
         session.preemptions = preemptions
 
+    def limit_changed(self, model: str) -> None:
+        """``model``'s settings changed live: if it now holds more than its limit, its own
+        sessions are asked for the excess until it is back under it."""
+        fit = self._ledger.fit(model, 1)
+        if fit.held > fit.limit:
+            self._over_limit.add(model)
+
     # -- the loop's share ----------------------------------------------------------------------
 
     @property
@@ -181,14 +191,14 @@ class ReclaimService:
         if book_time is not None:
             times.append(book_time)
         ledger = self._ledger
-        if self.listeners and (ledger.n_waiting or ledger.total_held > ledger.budget):
+        if self.listeners and (
+            ledger.n_waiting or ledger.total_held > ledger.budget or self._over_limit
+        ):
             times.append(max(now, self._next_plan))
         return min(times) if times else None
 
     def _plan(self, now: float) -> None:
         ledger = self._ledger
-        if not ledger.n_waiting and ledger.total_held <= ledger.budget:
-            return
 
         def holders(models: Collection[str]) -> dict[str, list[tuple[int, int]]]:
             found: dict[str, list[tuple[int, int]]] = {}
@@ -198,11 +208,21 @@ class ReclaimService:
                     found.setdefault(session.model, []).append((session.sid, held))
             return found
 
+        if self._over_limit:
+            for ask in plan_limits(ledger, self.book, self._over_limit, holders, now):
+                log.info(
+                    "reclaim: asking session %s (model %r) for %s by %gs (its model holds "
+                    "more than its limit)",
+                    ask.sid,
+                    ask.model,
+                    format_bytes(ask.n_bytes),
+                    self.book.deadline,
+                )
+                self._send_ask(ask, now)
+        if not ledger.n_waiting and ledger.total_held <= ledger.budget:
+            return
         need, asks = plan_reclaim(ledger, self.book, holders, now)
         for ask in asks:
-            # A session asked to give bytes back does not wait for more: its parked growth
-            # is answered now, so its worker's generation thread reaches the ask at once.
-            self._parking.refuse_growth_of(ask.sid)
             log.info(
                 "reclaim: asking session %s (model %r) for %s by %gs (short %s for %s)",
                 ask.sid,
@@ -212,10 +232,18 @@ class ReclaimService:
                 format_bytes(need.short),
                 ", ".join(sorted(need.wanted)) or "a budget lowered below holdings",
             )
-            parked = self.polls.pop(ask.sid, None)
-            if parked is not None:
-                reply = encode_result(parked.rid, self._coord.boot_id, self._ask_result(ask, now))
-                self._parking.send(parked, reply)
+            self._send_ask(ask, now)
+
+    def _send_ask(self, ask: ReclaimAsk, now: float) -> None:
+        """The reply to the asked session's parked poll, if one is parked (else its next poll
+        gets the ask at once)."""
+        # A session asked to give bytes back does not wait for more: its parked growth is
+        # answered now, so its worker's generation thread reaches the ask at once.
+        self._parking.refuse_growth_of(ask.sid)
+        parked = self.polls.pop(ask.sid, None)
+        if parked is not None:
+            reply = encode_result(parked.rid, self._coord.boot_id, self._ask_result(ask, now))
+            self._parking.send(parked, reply)
 
     def session_ended(self, session: Session) -> None:
         self.polls.pop(session.sid, None)

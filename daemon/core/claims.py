@@ -19,9 +19,11 @@ the daemon must not hand out a single block: it could be one a worker is about t
   process exited, or when the grace time (``--claim-grace``) runs out, whichever comes first.
   A first start, or a restart after every worker left, has no claim period at all.
 
-Blocks of workers that never come back were never claimed: they are simply free. Claims after
-the period are still accepted if their blocks are still free (they are taken by id, so a block
-can never go to two owners); if not, they are refused as conflicts.
+Blocks of workers that never come back were never claimed: they are simply free. A claim is
+taken only during the period, and only from a session that resumes an expected session and has
+not finished its claims (:meth:`ClaimPeriod.claimant`): any other claim is refused as a
+conflict, or a session could take free blocks by id, past the budget's checks, at any time.
+The budget layer checks each claim against its ledger too (``daemon/budget/holdings.py``).
 """
 
 from __future__ import annotations
@@ -146,6 +148,14 @@ class ClaimPeriod:
                 f"({waiting} session(s) not re-synced yet); new allocations start within "
                 f"{max(0.0, self.until - now):.2f}s: retry"
             )
+
+    def claimant(self, pid: int, resumes: int | None, now: float) -> SessionKey | None:
+        """The expected session that a session of process ``pid`` whose hello named
+        ``resumes`` re-declares, if it may claim now: the period runs and that session has
+        not finished its claims. None: its claims must be refused."""
+        if self.check(now):
+            return None
+        return self._expected_key(pid, resumes)
 
     def note_done(self, pid: int, resumes: int | None, now: float) -> None:
         """A session of process ``pid`` finished its claims; ``resumes`` is the session id it

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +39,12 @@ log = logging.getLogger("vqpoold")
 BlockCounts = dict[str, int]
 """Blocks per stream: what a free, a claim or a session's end changed, for the budget above to
 price (the coordinator knows blocks, never bytes)."""
+
+
+ClaimAdmission = Callable[[Session, Owner, BlockCounts], Callable[[], None]]
+"""The budget's check of one owner's claim (blocks per stream as the claim names them), called
+before its blocks are taken: raises to refuse it, else has charged it and returns the undo,
+called if the blocks are not taken after all."""
 
 
 class SessionEnd(NamedTuple):
@@ -352,25 +358,43 @@ class Coordinator:
     # -- restart claims ----------------------------------------------------------------------------
 
     def claim(
-        self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
-    ) -> tuple[list[dict[str, Any] | None], BlockCounts]:
+        self,
+        session: Session,
+        owners: Sequence[tuple[Owner, list[ClaimGroup]]],
+        done: bool,
+        admit: ClaimAdmission | None = None,
+    ) -> list[dict[str, Any] | None]:
         """Take back what a worker of the previous daemon holds, owner by owner.
 
-        Each owner is all or nothing: its blocks are claimed by id (never allocated anew), and
-        if one of them is not free (another owner claimed it first) or not in this pool, or the
-        owner id is already held by another session, none of that owner's claim stands. Per
-        owner: None (accepted) or an ``{code, message}`` error. ``done`` ends this worker's
-        re-sync, which may end the claim period.
+        Only during the claim period, from a session that resumes one of the previous daemon's
+        sessions and has not sent its ``done`` yet (see ``daemon/core/claims.py``). Each owner
+        is all or nothing: its blocks are claimed by id (never allocated anew), and if one of
+        them is not free (another owner claimed it first) or not in this pool, the owner id is
+        already held by another session, or ``admit`` (the budget) refuses it, none of that
+        owner's claim stands. Per owner: None (accepted) or an ``{code, message}`` error.
+        ``done`` ends this worker's re-sync, which may end the claim period.
 
-        Returns:
-            The results per owner, and the blocks claimed per stream as the claims name it.
+        Raises:
+            ClaimConflictError: No claim period runs, or this session may not claim in it;
+                nothing was claimed.
         """
+        try:
+            self._check_claimant(session)
+        except ClaimConflictError as exc:
+            self.n_owners_refused += len(owners)
+            log.warning(
+                "claim of %d owner(s) refused: session %x (pid %d): %s",
+                len(owners),
+                session.sid,
+                session.pid,
+                exc,
+            )
+            raise
         results: list[dict[str, Any] | None] = []
-        claimed: BlockCounts = {}
         errors = ItemErrors()
         for index, (owner, groups) in enumerate(owners):
             try:
-                self._claim_owner(session, owner, groups, claimed)
+                self._claim_owner(session, owner, groups, admit)
             except (ValueError, VqpoolError) as exc:
                 self.n_owners_refused += 1
                 log.warning(
@@ -388,12 +412,37 @@ class Coordinator:
             self.claiming.note_done(session.pid, session.resumes, time.monotonic())
             if self.claiming.ended is not None:
                 self._claim_period_over()
-        return results, claimed
+        return results
+
+    def _check_claimant(self, session: Session) -> None:
+        """Refuse a claim outside the claim period, or from a session that may not claim in
+        it: one that resumes no session of the previous daemon's workers (it never held a
+        block of it), or one that has finished its claims."""
+        claiming = self.claiming
+        if claiming is None or claiming.check(time.monotonic()):
+            if claiming is not None:
+                self._claim_period_over()
+            raise ClaimConflictError(
+                "claim: vqpoold takes claims only during the claim period after a restart, from "
+                "the sessions of its previous workers re-syncing; none runs now (a worker that "
+                "re-synced too late lost its blocks): nothing was claimed"
+            )
+        if claiming.claimant(session.pid, session.resumes, time.monotonic()) is None:
+            resumed = "none" if session.resumes is None else f"{session.resumes:x}"
+            raise ClaimConflictError(
+                f"claim: session {session.sid:x} (pid {session.pid}, resumes {resumed}) does not "
+                "resume a session of the previous daemon's workers that has claims left to "
+                "make: only those may claim during the claim period; nothing was claimed"
+            )
 
     def _claim_owner(
-        self, session: Session, owner: Owner, groups: list[ClaimGroup], claimed: BlockCounts
+        self,
+        session: Session,
+        owner: Owner,
+        groups: list[ClaimGroup],
+        admit: ClaimAdmission | None,
     ) -> None:
-        """Claim one owner's groups, all or nothing; what stood is added to ``claimed``."""
+        """Claim one owner's groups, all or nothing (``admit`` first, if given)."""
         holder = self._holder.get(owner)
         if holder is not None and holder is not session:
             raise ClaimConflictError(
@@ -403,6 +452,12 @@ class Coordinator:
         ids = [block_id for group in groups for block_id in group[2]]
         if len(set(ids)) != len(ids):
             raise ValueError(f"claim: owner {owner!r} lists a block id twice")
+        undo: Callable[[], None] | None = None
+        if admit is not None and groups:
+            counts: BlockCounts = {}
+            for group in groups:
+                counts[group[0]] = counts.get(group[0], 0) + len(group[2])
+            undo = admit(session, owner, counts)
         allocator = self.allocator
         if holder is None and not groups:
             allocator.register_owner(owner)
@@ -415,9 +470,9 @@ class Coordinator:
                 allocator.free_ids(group_ids)
             if holder is session and not allocator.is_active(owner):
                 allocator.register_owner(owner)  # it was held with no block: keep it so
+            if undo is not None:
+                undo()
             raise
-        for group, group_ids in zip(groups, taken, strict=True):
-            claimed[group[0]] = claimed.get(group[0], 0) + len(group_ids)
         self.n_blocks_claimed += len(ids)
         if holder is None:
             self._bind(owner, session)

@@ -18,10 +18,16 @@ from vqpool.shared.pool import DEFAULT_BLOCK_SIZE, PoolConfig
 DEFAULT_LEASE_SECONDS = 10.0
 DEFAULT_N_BLOCKS = 1024
 
-# With a budget and no --n-blocks, the id space is sized from the budget: one id per KiB of it
-# per stream (no real block is that small), at most 2^24 ids per stream.
-BUDGET_BYTES_PER_ID = 1024
+# With a budget and no --n-blocks, the id space is sized from the budget: one id per 4 KiB of
+# it per stream, at most 2^24 ids per stream and at least the default pool's. 4 KiB is the
+# smallest block of the built-in tiny models (fp32 keys or values of 2 layers x 16 slots x 32
+# dims); a real model's is tens to hundreds of KiB (Qwen2.5-0.5B at fp16: 24 layers x 2 heads x
+# 64 dims x 16 slots x 2 bytes = 96 KiB), so the budget binds before the ids for any of them.
+# Each id the pool grows to costs the daemon about 90 bytes of bookkeeping: a 512 MiB budget
+# allows 262,144 ids (about 23 MiB), not the 1,048,576 (90 MiB) of one id per KiB.
+BUDGET_BYTES_PER_ID = 4096
 MAX_IDS_PER_STREAM = 2**24
+MIN_IDS_PER_STREAM = DEFAULT_N_BLOCKS // 2
 
 # After a restart, how long the daemon waits for its previous workers to re-declare their blocks
 # before it serves new allocations (it stops waiting as soon as all of them have). Four heartbeats
@@ -79,11 +85,13 @@ class DaemonSettings:
         """The allocator configuration these settings describe (validated by PoolConfig).
 
         With a budget of ``budget_bytes`` and no ``n_blocks`` given, the pool grows on demand up
-        to ``budget // 1 KiB`` blocks per stream (at most 2^24): the budget binds, not the ids.
+        to ``budget // 4 KiB`` blocks per stream (at least 512, at most 2^24): the budget binds,
+        not the ids, for every real model's block size (``BUDGET_BYTES_PER_ID``).
         """
         if budget_bytes is not None and not self.n_blocks_given:
             n_streams = 1 if self.shared_kv else 2
-            per_stream = max(1, min(budget_bytes // BUDGET_BYTES_PER_ID, MAX_IDS_PER_STREAM))
+            per_stream = budget_bytes // BUDGET_BYTES_PER_ID
+            per_stream = max(MIN_IDS_PER_STREAM, min(per_stream, MAX_IDS_PER_STREAM))
             return PoolConfig(
                 block_size=self.block_size,
                 n_blocks=min(self.n_blocks, per_stream * n_streams),

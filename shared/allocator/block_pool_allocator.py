@@ -228,8 +228,18 @@ class BlockPoolAllocator(RestartClaims):
         if n_short <= 0:
             return
         first = self._next_block_id
-        free.grow(range(first, first + n_short))
-        self._next_block_id = first + n_short
+        if self._gap_lo == first:  # no gap (always, but after a restart's claims)
+            free.grow(range(first, first + n_short))
+            self._next_block_id = self._gap_lo = first + n_short
+        else:  # ids of the gap first, then new ones
+            new_ids, gap_lo, passed = self._plan_gap_locked(n_short)
+            n_new = n_short - len(new_ids)
+            new_ids.extend(range(first, first + n_new))
+            free.grow(new_ids)
+            self._gap_taken.difference_update(passed)
+            self._gap_lo = gap_lo if not n_new else first + n_new
+            self._next_block_id = first + n_new
+        self._n_listing_growths += 1
         self._counts[N_BLOCKS] += n_short
         self._counts[N_GROWN] += n_short
 

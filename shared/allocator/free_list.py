@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class FreeList:
@@ -59,7 +59,7 @@ class FreeList:
             else:
                 append(block_id)
 
-    def grow(self, new_ids: range) -> None:
+    def grow(self, new_ids: Sequence[int]) -> None:
         """List ids new to the pool on top of the stack, never used; all or nothing."""
         recycled = self.recycled
         n_listed = len(recycled)

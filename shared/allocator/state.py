@@ -52,8 +52,18 @@ class AllocatorState:
         self._free: dict[str, FreeList] = {
             s: FreeList(i * per_stream, (i + 1) * per_stream) for i, s in enumerate(streams)
         }
-        # The first id a growth hands out: ids are unique across streams.
+        # The first id never part of this pool: ids are unique across streams.
         self._next_block_id = per_stream * len(streams)
+        # The *gap*: ids a restart's claims made part of the id space without a stream listing
+        # them (a claim of id 5000 in a pool of 1,024 ids adds 1024..4999 too, unlisted: another
+        # worker may claim them in either stream). It is [_gap_lo, _next_block_id) less
+        # _gap_taken, the ids of it claimed since (held, or listed once freed); growth takes
+        # from it first, so the id space stays dense. Empty (_gap_lo == _next_block_id)
+        # unless claims named ids beyond the pool (see RestartClaims).
+        self._gap_lo = self._next_block_id
+        self._gap_taken: set[int] = set()
+        # Growths that listed ids on a stack (the claim path's recycled-set key, see claims.py).
+        self._n_listing_growths = 0
         # Block id -> the allocation (chunk) it came from; an entry is live while
         # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
         self._chunk_of: dict[int, BlockList] = {}
@@ -265,3 +275,9 @@ class AllocatorState:
             )
             total = sum(free.total for free in self._free.values())
             assert st.n_blocks == total, f"n_blocks {st.n_blocks} != recount {total}"
+            gap_lo, top, taken = self._gap_lo, self._next_block_id, self._gap_taken
+            assert gap_lo <= top, f"gap starts at {gap_lo}, past the id space's end {top}"
+            assert all(gap_lo <= i < top for i in taken), "a taken gap id is outside the gap"
+            in_pool = seen_free.union(held)
+            assert all(i < top for i in in_pool), "an id of the pool is past the id space"
+            assert all(i in taken for i in in_pool if i >= gap_lo), "a gap id is in the pool"

@@ -112,7 +112,9 @@ ADMIN_OP_SPECS = op_table(
         AUDIT,
         "Recount the whole pool and cross-check it: free plus in use equals total per stream, "
         "no block free twice or held by two owners, every active owner held by exactly one "
-        "live session. Returns ok and the list of problems found (empty when all is well). "
+        "live session. Returns ok and the list of problems found (empty when all is well), "
+        "and the budget's breaches: bytes held past the budget, a model's limit or other "
+        "models' reserves (a live change below what is held makes one until reclaim is done). "
         "O(pool size).",
     ),
     OpSpec(PING, "Check that the daemon answers: its boot id, pid and uptime."),

@@ -40,6 +40,18 @@ MAX_BYTES_PER_BLOCK = 1 << 32
 session holds: with this bound no product or sum reaches 2**63 before the pool holds 2**31
 blocks, far more than a daemon can track."""
 
+MAX_FIT_CONTEXT = 1 << 24
+"""Most tokens per sequence a ``fit`` may ask about (16,777,216): past the longest context
+window of any model today (10 M tokens, Llama 4 Scout)."""
+
+MAX_FIT_CONCURRENCY = 1 << 16
+"""Most sequences at once a ``fit`` may ask about (65,536): past any worker's batch (a Mac's
+memory holds a few thousand sequences of a few hundred tokens of the smallest models). With
+MAX_FIT_CONTEXT a fit prices at most 2**40 token slots: at 4 MiB per 16-token block and stream
+(a 405B-parameter model) its byte counts stay below 2**60. Only a worker declaring bytes per
+block far past any model's could ask for more than the reply's integers carry (2**63): the
+daemon refuses that fit with INVALID_VALUE."""
+
 MAX_ERROR_MESSAGE_LEN = 256
 """Longest error message the daemon sends; longer ones are cut (a message may quote an owner id
 and a model name, each a few hundred characters at most)."""

@@ -21,7 +21,8 @@ from vqpool.shared.protocol.checks import (
 )
 from vqpool.shared.protocol.counters import check_prompt_cache
 from vqpool.shared.protocol.limits import (
-    MAX_ITEMS,
+    MAX_FIT_CONCURRENCY,
+    MAX_FIT_CONTEXT,
     MAX_LOAD,
     MAX_RECLAIM_BYTES,
     MAX_RECLAIM_POLL_SECONDS,
@@ -48,6 +49,7 @@ CLAIM = "claim"
 FIT = "fit"
 RECLAIM_POLL = "reclaim_poll"
 RECLAIM_DONE = "reclaim_done"
+CANCEL = "cancel"
 
 
 WAIT_FIELD = Field(
@@ -72,10 +74,14 @@ OWNER_ARGS = (Field("owner", check_owner),)
 """The one argument of the ops on one owner."""
 
 FIT_ARGS = (
-    Field("context", int_in(1), help="tokens per sequence: prompt plus tokens to generate"),
+    Field(
+        "context",
+        int_in(1, MAX_FIT_CONTEXT),
+        help="tokens per sequence: prompt plus tokens to generate",
+    ),
     Field(
         "concurrency",
-        int_in(1, MAX_ITEMS),
+        int_in(1, MAX_FIT_CONCURRENCY),
         required=False,
         default=1,
         help="sequences of that size at once (default 1)",
@@ -163,6 +169,20 @@ WORKER_OP_SPECS = op_table(
         "Several allocations in one request, each applied on its own: per item its block ids "
         "or its error.",
         (Field("items", check_allocations), WAIT_FIELD, GROWTH_FIELD),
+    ),
+    OpSpec(
+        CANCEL,
+        "Stop waiting for one of the session's own allocations parked at the daemon: it is "
+        "answered CANCELLED ({cancelled: true}); one answered already (granted or refused) is "
+        "left as it is ({cancelled: false}: the session frees what was granted). A request "
+        "id this session has no waiting or answered allocation under is refused.",
+        (
+            Field(
+                "request",
+                int_in(0),
+                help="the request id of the waiting allocate / allocate_many",
+            ),
+        ),
     ),
     OpSpec(
         FREE,

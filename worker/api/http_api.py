@@ -8,9 +8,13 @@ gone client fails: either way the job is cancelled and its blocks go back to the
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``/chat/completions`` too, as
 mlx-lm), ``GET /v1/models``, ``GET /health``, ``GET /v1/stats``; a route called with another
 method gets 405 with ``Allow``. Every error, including a malformed request line or headers, is
-a JSON body ``{"error": {message, type, param, code}}``. ``/health`` answers 503 with ``status:
+a JSON body ``{"error": {message, type, param, code}}``: a body the JSON parser cannot take
+(nested too deeply for its recursion, a number past the interpreter's digit limit) is a 400
+like any invalid JSON. ``/health`` answers 503 with ``status:
 "no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
-daemon not answering: :meth:`PoolClient.session_problem`).
+daemon not answering: :meth:`PoolClient.session_problem`). While the daemon does not answer, a
+completion request is refused at once with 503 and ``Retry-After``, naming the daemon; every
+503 carries ``Retry-After``.
 
 A request's text goes through :class:`~vqpool.worker.api.completion_text.CompletionText`: when a
 stop string completes, the handler answers at once and cancels the job with reason "stop".
@@ -28,6 +32,7 @@ import os
 import queue
 import select
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +63,9 @@ log = logging.getLogger("vqpool.worker")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 CLIENT_CHECK_INTERVAL = 0.1
 """Seconds between checks that a waiting request's client is still connected."""
+RETRY_AFTER_DAEMON_DOWN = 1
+"""Retry-After of a request refused because vqpoold does not answer: the worker notices that
+it answers again within a heartbeat."""
 SOCKET_TIMEOUT = 60.0
 """Seconds a client may take to send its request or to take a write."""
 
@@ -82,6 +90,9 @@ class ServingApp:
             ``pool_error`` key in it makes /health answer 503.
         served_name: The model id clients see and send (``--served-model-name``; empty: the
             ``--model`` argument as given, which requests may name too).
+        pool_unavailable: Why no request can start now (vqpoold does not answer:
+            ``PoolClient.daemon_unavailable``), or None. A request is then refused at once
+            with 503 instead of waiting for the daemon's calls to time out.
     """
 
     model: LoadedModel
@@ -90,6 +101,7 @@ class ServingApp:
     max_tokens_limit: int
     describe_pool: Callable[[], dict[str, Any]]
     served_name: str = ""
+    pool_unavailable: Callable[[], str | None] = lambda: None
 
     @property
     def model_id(self) -> str:
@@ -115,6 +127,13 @@ class ServingHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
+
+    _responded = False
+    """Whether a status line was sent (an error after that cannot be a new response)."""
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._responded = True
+        super().send_response(code, message)
 
     def _send_json(
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
@@ -180,6 +199,13 @@ class ServingHandler(BaseHTTPRequestHandler):
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser recurses per level of nesting
+            raise ApiError(400, "the body's JSON nests too deeply") from None
+        except ValueError:  # an integer past the interpreter's digit limit
+            raise ApiError(
+                400,
+                f"the body's JSON has a number of more than {sys.get_int_max_str_digits()} digits",
+            ) from None
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -237,6 +263,14 @@ class ServingHandler(BaseHTTPRequestHandler):
                 max_tokens_limit=app.max_tokens_limit,
                 served_names=(app.model_id, app.model.name),
             )
+            down = app.pool_unavailable()
+            if down is not None:
+                raise ApiError(
+                    503,
+                    f"could not start: {down}",
+                    kind="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_DAEMON_DOWN)},
+                )
             job = GenerationJob(
                 request.prompt,
                 request.max_tokens,
@@ -260,6 +294,13 @@ class ServingHandler(BaseHTTPRequestHandler):
             self._send_error(error)
         except (_ClientGone, OSError):  # a reset, a broken pipe, or a write that timed out
             log.info("client %s went away; its request was cancelled", self.address_string())
+        except Exception:  # a bug: still a JSON answer, never a connection closed on nothing
+            log.exception("POST %s failed", path)
+            if not self._responded:
+                with contextlib.suppress(OSError):
+                    self._send_error(
+                        ApiError(500, "internal error (see the worker's log)", kind="server_error")
+                    )
 
     def _other_method(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -274,7 +315,8 @@ class ServingHandler(BaseHTTPRequestHandler):
 
     @staticmethod
     def _refusal(end: JobEnd) -> ApiError:
-        headers = {"Retry-After": str(end.retry_after)} if end.retry_after else None
+        retry_after = end.retry_after or (1 if end.status == 503 else None)  # every 503 has one
+        headers = {"Retry-After": str(retry_after)} if retry_after else None
         kind = (
             "overloaded"
             if end.status == 503

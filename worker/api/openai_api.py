@@ -22,6 +22,7 @@ tokens the worker's prompt cache gave (as OpenAI's; 0 on a miss or without a cac
 
 from __future__ import annotations
 
+import reprlib
 import time
 import uuid
 from collections.abc import Collection, Mapping
@@ -81,13 +82,22 @@ class CompletionRequest:
     top_logprobs: int = 0
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 2, 40, 40, 40
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it: short whatever the client sent."""
+    return _SHOWN.repr(value)
+
+
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
         raise ApiError(
-            400, f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", param=name
+            400, f"{name} must be a number in [{lo:g}, {hi:g}], got {_shown(value)}", param=name
         )
     return float(value)
 
@@ -97,7 +107,9 @@ def _integer(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ApiError(400, f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name)
+        raise ApiError(
+            400, f"{name} must be an integer in [{lo}, {hi}], got {_shown(value)}", param=name
+        )
     return value
 
 
@@ -131,13 +143,15 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> tuple[bool, int]:
         top = wanted  # the legacy completions API: logprobs is the number of alternatives
         wanted = True
     if wanted is not None and not isinstance(wanted, bool):
-        raise ApiError(400, f"logprobs must be true or false, got {wanted!r}", param="logprobs")
+        raise ApiError(
+            400, f"logprobs must be true or false, got {_shown(wanted)}", param="logprobs"
+        )
     if top is None or top == -1:  # mlx_lm.server's "none"
         top = 0
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(
             400,
-            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_shown(top)}",
             param="top_logprobs",
         )
     return bool(wanted) or top > 0, top
@@ -218,7 +232,8 @@ def parse_completion(
     if requested is not None and requested not in names:
         raise ApiError(
             404,
-            f"model {requested!r} is not served here; this worker serves {next(iter(names))!r}",
+            f"model {_shown(requested)} is not served here; this worker serves "
+            f"{next(iter(names))!r}",
             kind="model_not_found",
             param="model",
         )

@@ -27,7 +27,8 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 A source whose pool is the daemon (``waits``) also splits ``reserve`` so that admission can wait
 at the daemon off the generation thread: ``take(cache, n_tokens, wait)`` (the pool call, any
 thread, may wait ``wait`` seconds in the daemon's fair queue) and ``adopt(cache, n_tokens,
-taken)`` (on the generation thread); and ``never_fits(n_tokens)`` says why a request of
+taken)`` (on the generation thread), where setting ``take``'s ``cancel`` event gives the wait
+up (the daemon cancels the parked request); and ``never_fits(n_tokens)`` says why a request of
 ``n_tokens`` can never fit the model's share of the daemon's budget (None if it may).
 
 ``fits_alone(n_tokens)`` says whether one sequence of ``n_tokens`` could ever hold its blocks
@@ -37,6 +38,7 @@ grow while it runs alone is preempted and waits when it could, and ends when it 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -91,7 +93,9 @@ class CacheSource(Protocol):
     @property
     def waits(self) -> bool: ...
 
-    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any: ...
+    def take(
+        self, cache: list[Any], n_tokens: int, wait: float, cancel: threading.Event | None = None
+    ) -> Any: ...
 
     def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None: ...
 
@@ -205,8 +209,13 @@ class PooledCacheSource:
         """Whether allocations can wait at a daemon (an in-process pool cannot)."""
         return isinstance(self.pool, PoolClient)
 
-    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
-        return _row(cache).take(n_tokens, wait)
+    def take(
+        self, cache: list[Any], n_tokens: int, wait: float, cancel: threading.Event | None = None
+    ) -> Any:
+        if cancel is None or not isinstance(self.pool, PoolClient):
+            return _row(cache).take(n_tokens, wait)
+        with self.pool.cancellable(cancel):  # set: the daemon stops the wait (cancel op)
+            return _row(cache).take(n_tokens, wait)
 
     def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:
         _row(cache).adopt(n_tokens, taken)
@@ -298,7 +307,9 @@ class StockCacheSource:
 
     waits = False
 
-    def take(self, cache: list[Any], n_tokens: int, wait: float) -> Any:
+    def take(
+        self, cache: list[Any], n_tokens: int, wait: float, cancel: threading.Event | None = None
+    ) -> Any:
         return None
 
     def adopt(self, cache: list[Any], n_tokens: int, taken: Any) -> None:

@@ -8,9 +8,11 @@ worker no longer counts on, until the session ends.
 
 So the client keeps an :class:`AbandonedAllocation` for each (in :class:`AbandonedAllocations`),
 and before its next request (or
-from the heartbeat, for an idle worker) sends the *same request id* again: the daemon answers
-it from its reply cache if it was applied, hands the reply of a still-parked request to this
-send, and applies it only if it never arrived. Whatever that reply grants is freed by id, in a
+from the heartbeat, for an idle worker) first cancels it at the daemon (the ``cancel`` op: one
+still parked is answered CANCELLED, so it neither holds its model's queue up nor this client's
+lock for the rest of its wait), then sends the *same request id* again: the daemon answers it
+from its reply cache if it was applied (or cancelled), and applies it only if it never
+arrived. Whatever that reply grants is freed by id, in a
 free request encoded once (a lost reply is resent as the same request, freeing nothing twice).
 Until it is settled nothing else of the client is sent, so no other call can free those ids and
 see them handed to another owner first. A request of a session the client no longer has (a
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vqpool.shared.allocator import Owner
-from vqpool.shared.protocol import encode_request
+from vqpool.shared.protocol import CANCEL, encode_request
 from vqpool.worker.pool.holdings import Holdings
 from vqpool.worker.pool.session import DaemonSession, Session
 from vqpool.worker.pool.waiting_call import Superseded
@@ -84,6 +86,10 @@ class AbandonedAllocations:
                 del self._due[0]  # a restart or an eviction freed what it held
                 continue
             if abandoned.free is None:
+                # Cancelled if still parked (refused if never received or answered: fine).
+                rid = session.next_id()
+                cancel = encode_request(rid, CANCEL, {"request": abandoned.rid}, *session.current)
+                session.send(cancel, rid, CANCEL)
                 # The same id without ``wait``: the daemon's answer to the request it got.
                 payload = encode_request(
                     abandoned.rid, abandoned.op, abandoned.args, *session.current

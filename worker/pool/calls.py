@@ -12,9 +12,16 @@
 * **Refusals.** A reply from another daemon lifetime, or NO_SESSION, means the request was
   refused, not applied: the client re-syncs or re-opens its session and sends the call again,
   unless it names an owner lost on the way.
+* **Calls kept for later.** A call that gives back (free, free_all, release_owner, mark_used)
+  made while the heartbeat finds the daemon silent, or that went unanswered, is kept and sent
+  once the daemon answers again (:mod:`~vqpool.worker.pool.deferred`): a request that ends
+  while the daemon is down does not wait for it.
 * **Waiting calls.** An allocation that may wait at the daemon (its budget's fair queue) goes
   on a socket of its own without holding the client's lock while parked, so other threads'
-  calls go on meanwhile.
+  calls go on meanwhile. A thread that makes it inside :meth:`DaemonCalls.cancellable` can
+  give it up: once the event is set, the call's own thread sends the ``cancel`` op naming it
+  (the daemon answers it CANCELLED, so it leaves its model's queue at once instead of holding
+  the model's later requests up until its wait runs out), or does not send it at all.
 
 The heartbeat thread reaches the same state through :class:`DaemonCalls` (it is its
 :class:`~vqpool.worker.pool.heartbeat.HeartbeatHost`), for an idle worker.
@@ -23,8 +30,10 @@ The heartbeat thread reaches the same state through :class:`DaemonCalls` (it is 
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from vqpool.shared.errors import (
@@ -33,10 +42,13 @@ from vqpool.shared.errors import (
     DaemonUnavailableError,
     ErrorCode,
     NoSessionError,
+    RequestCancelledError,
+    VqpoolError,
     error_from_wire,
 )
-from vqpool.shared.protocol import encode_request
+from vqpool.shared.protocol import CANCEL, encode_request
 from vqpool.worker.pool.abandoned import AbandonedAllocation, AbandonedAllocations
+from vqpool.worker.pool.deferred import DeferredCalls
 from vqpool.worker.pool.holdings import Holdings
 from vqpool.worker.pool.lost_owners import LostOwners
 from vqpool.worker.pool.resync import SessionResync
@@ -47,6 +59,10 @@ RETRY_LATER_FIRST_WAIT = 0.02
 RETRY_LATER_MAX_WAIT = 0.25
 """Waits between retries of a call the daemon answered RETRY_LATER (its claim period after a
 restart): short, since the period usually ends as soon as the workers have re-synced."""
+
+CANCEL_RETRY_SECONDS = 0.1
+"""Between two ``cancel`` ops for one waiting call, while the daemon has not received the call
+yet (it goes on a socket of its own: the cancel may overtake it)."""
 
 _Result = TypeVar("_Result")
 
@@ -59,8 +75,23 @@ class DaemonCalls:
     ) -> None:
         self._session = session
         self._abandoned = AbandonedAllocations(session, holdings)
+        self._deferred = DeferredCalls(session)
         self._resync = resync
         self._lost = lost
+        self._cancels = threading.local()  # .event: what gives up this thread's waiting calls
+
+    @contextlib.contextmanager
+    def cancellable(self, event: threading.Event) -> Iterator[None]:
+        """Within the block, a waiting call of this thread is given up once ``event`` is set
+        (from any thread): cancelled at the daemon if it was sent, else never sent. Either way
+        it raises RequestCancelledError, or returns what the daemon granted before the cancel
+        (the caller frees that)."""
+        outer = getattr(self._cancels, "event", None)
+        self._cancels.event = event
+        try:
+            yield
+        finally:
+            self._cancels.event = outer
 
     def call(self, op: str, args: Mapping[str, Any]) -> Any:
         """One request/reply and its result; the caller holds the lock.
@@ -98,6 +129,33 @@ class DaemonCalls:
                 continue
             raise error_from_wire(error["code"], error["message"])
 
+    def call_or_keep(self, op: str, args: Mapping[str, Any], daemon_silent: bool) -> None:
+        """A call that gives back (:data:`~vqpool.worker.pool.deferred.DEFERRED_OPS`): sent,
+        or kept to be sent once the daemon answers, without waiting, when ``daemon_silent``
+        (the heartbeat's finding), or after the call went unanswered. The caller holds the
+        lock, and forgets what the call gives back either way.
+
+        Raises:
+            VqpoolError: The daemon's refusal (nothing kept), DaemonRestartedError or
+                NoSessionError for an unusable or closed client.
+        """
+        if not daemon_silent:
+            try:
+                self.call(op, args)
+                return
+            except DaemonUnavailableError:
+                pass  # kept below
+        if self._resync.unusable is not None:
+            raise DaemonRestartedError(self._resync.unusable)
+        if self._session.closed:
+            raise NoSessionError(f"PoolClient for {self._session.run_dir} is closed")
+        self._deferred.add(op, dict(args))
+
+    @property
+    def n_kept(self) -> int:
+        """Calls kept while the daemon did not answer, not sent yet."""
+        return len(self._deferred)
+
     def call_waiting(
         self,
         op: str,
@@ -123,8 +181,11 @@ class DaemonCalls:
         end = time.monotonic() + wait
         pause = RETRY_LATER_FIRST_WAIT
         n_resyncs = 0
+        cancel: threading.Event | None = getattr(self._cancels, "event", None)
         while True:
             with session.lock:
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelledError(f"{op}: given up before it was sent")
                 self._clear_the_way()
                 lost = self._lost.reason_in(args)
                 if lost is not None:
@@ -134,8 +195,11 @@ class DaemonCalls:
                 rid = session.next_id()
                 sent_args = {**args, "wait": left} if left > 0 else args
                 payload = encode_request(rid, op, sent_args, *sent_in)
+            on_slice = None if cancel is None else self._canceller(cancel, sent_in, rid)
             try:
-                reply = session.wait_for(payload, rid, wait=left, sent_in=sent_in, what=op)
+                reply = session.wait_for(
+                    payload, rid, wait=left, sent_in=sent_in, what=op, on_slice=on_slice
+                )
             except Superseded:
                 continue  # re-synced or reopened by another thread: send it in the new session
             except DaemonUnavailableError:
@@ -163,6 +227,35 @@ class DaemonCalls:
             time.sleep(pause)
             pause = min(pause * 2, RETRY_LATER_MAX_WAIT)
 
+    def _canceller(self, event: threading.Event, sent_in: Session, rid: int) -> Callable[[], None]:
+        """What a waiting call ``rid`` (sent in ``sent_in``) does each slice of its wait: once
+        ``event`` is set, ask the daemon to cancel it, until the daemon has it (it then answers
+        the call CANCELLED, or the call was answered already and that reply comes)."""
+        session = self._session
+        next_try = 0.0
+
+        def on_slice() -> None:
+            nonlocal next_try
+            now = time.monotonic()
+            if not event.is_set() or now < next_try:
+                return
+            next_try = now + CANCEL_RETRY_SECONDS
+            with session.lock:
+                if session.current != sent_in or session.closed:
+                    return  # the call's wait ends by itself (Superseded, closing)
+                cancel_rid = session.next_id()
+                payload = encode_request(cancel_rid, CANCEL, {"request": rid}, *sent_in)
+                try:
+                    reply = session.send(payload, cancel_rid, CANCEL)
+                except VqpoolError:
+                    return  # try again next slice
+            if reply["ok"] or reply["error"]["code"] != ErrorCode.BAD_REQUEST:
+                # Cancelled, answered already, or a daemon that cannot cancel (the call then
+                # waits as before): nothing more to send.
+                next_try = math.inf
+
+        return on_slice
+
     def _clear_the_way(self) -> None:
         """Send what must go before any request: the claims of an unfinished re-sync, then
         the settling of allocations given up on. The caller holds the lock.
@@ -180,6 +273,8 @@ class DaemonCalls:
                 self._resync.send_claims()
             elif self._abandoned:
                 self._abandoned.settle()
+            elif self._deferred:
+                self._deferred.settle()
             else:
                 return
 
@@ -189,7 +284,7 @@ class DaemonCalls:
         return bool(self._resync.claims_due)
 
     def settle_due(self) -> bool:
-        return bool(self._abandoned)
+        return bool(self._abandoned) or bool(self._deferred)
 
     def resync_from_heartbeat(self, seen_boot: object) -> None:
         """Re-sync now, for an idle worker whose heartbeat met a restarted daemon."""
@@ -212,9 +307,11 @@ class DaemonCalls:
                 self._resync.reopen()
 
     def settle_from_heartbeat(self) -> None:
-        """Settle the allocations given up on now, for an idle worker."""
+        """Settle the allocations given up on and send the calls kept now, for an idle
+        worker."""
         with self._session.lock:
             if self._session.closed or self._resync.unusable is not None:
                 return
             with contextlib.suppress(DaemonUnavailableError):
                 self._abandoned.settle()
+                self._deferred.settle()

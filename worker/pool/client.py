@@ -21,14 +21,18 @@ parts with one job each:
   and owners held, and the owners lost in a restart conflict or an eviction.
 * :mod:`~vqpool.worker.pool.heartbeat`: a thread keeping the lease, carrying load reports.
 * :mod:`~vqpool.worker.pool.abandoned`: waiting allocations given up on, settled later.
+* :mod:`~vqpool.worker.pool.deferred`: frees (and fill updates) made while the daemon does not
+  answer, sent once it does: a request ending while vqpoold is down does not wait for it.
 * :mod:`~vqpool.worker.pool.reclaim_listener`: the daemon's asks to give memory back.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -176,14 +180,29 @@ class PoolClient:
             return self._resync.unusable
         if self.session_id is None:
             return "no pool session (evicted?); opening a new one"
-        if self._heartbeat.daemon_silent:
-            return (
-                f"vqpoold does not answer on {self._session.endpoint} (stopped or restarting?); "
-                f"the session resumes when it is back"
-            )
+        down = self.daemon_unavailable()
+        if down is not None:
+            return f"{down}; the session resumes when it is back"
         if self._resync.claims_due:
             return "re-declaring the blocks held here to a restarted vqpoold"
         return None
+
+    def daemon_unavailable(self) -> str | None:
+        """Why nothing new can start now, in one line naming the daemon, when the heartbeat
+        found it silent (its last ping went unanswered); None while it answers. No round trip:
+        a caller refuses new work at once with it instead of waiting out a call's timeout."""
+        heartbeat = self._heartbeat
+        if not heartbeat.daemon_silent:
+            return None
+        run_dir = self._session.run_dir
+        if heartbeat.daemon_listening is False:
+            return (
+                f"vqpoold is not running on {run_dir}; start it with `vqpoold --run-dir {run_dir}`"
+            )
+        return (
+            f"vqpoold does not answer on {run_dir} (stopped, busy or restarting); if it is not "
+            f"running, start it with `vqpoold --run-dir {run_dir}`"
+        )
 
     def lost_owners(self) -> dict[Owner, str]:
         """Owners lost in a daemon restart (their claim was refused), with the reason."""
@@ -272,6 +291,14 @@ class PoolClient:
             # A failed allocate leaves no owner registered on the daemon (unlike locally).
             return adopt(self._calls.call("allocate", args))
 
+    def cancellable(self, event: threading.Event) -> AbstractContextManager[None]:
+        """Let another thread give up this thread's waiting allocations (``wait`` > 0) made
+        inside the block, by setting ``event``: one parked at the daemon is cancelled there
+        (the ``cancel`` op: it leaves its model's queue at once), one not sent yet is not sent.
+        The allocation then raises RequestCancelledError, or returns the blocks the daemon
+        granted before the cancel (the caller frees them)."""
+        return self._calls.cancellable(event)
+
     def allocate_many(
         self, requests: Sequence[AllocationRequest], wait: float = 0.0, growth: bool = False
     ) -> list[AllocationResult]:
@@ -342,7 +369,8 @@ class PoolClient:
             return answer
 
     def free(self, blocks: Iterable[Block]) -> None:
-        """Return blocks to the pool; already-free blocks are skipped.
+        """Return blocks to the pool; already-free blocks are skipped. While vqpoold does not
+        answer, the call is kept and sent once it does (the blocks are forgotten here at once).
 
         Raises:
             NotOwnerError: A block is held by another worker session; nothing was freed.
@@ -352,7 +380,7 @@ class PoolClient:
         with self._lock:
             block_ids = [block.block_id for block in blocks]
             self._lost.refuse_blocks(block_ids)
-            self._calls.call("free", {"block_ids": block_ids})
+            self._give_back("free", {"block_ids": block_ids})
             for block in blocks:
                 if self._holdings.forget(block.block_id) is not None:
                     block.owner = None
@@ -360,7 +388,8 @@ class PoolClient:
 
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id (for an owner lost in a
-        daemon restart: forget it, with no call to the daemon).
+        daemon restart: forget it, with no call to the daemon). While vqpoold does not answer,
+        the call is kept and sent once it does; a restarted daemon never gets the owner back.
 
         Raises:
             NotOwnerError: Another worker session holds ``owner``; nothing was freed.
@@ -368,7 +397,7 @@ class PoolClient:
         with self._lock:
             if self._lost.forget(owner):
                 return
-            self._calls.call("free_all", {"owner": owner})
+            self._give_back("free_all", {"owner": owner})
             for block_id in list(self._holdings.owners.get(owner, ())):
                 self._holdings.forget(block_id)
             self._holdings.owners.pop(owner, None)
@@ -395,7 +424,7 @@ class PoolClient:
         with self._lock:
             if self._lost.forget(owner):
                 return
-            self._calls.call("release_owner", {"owner": owner})
+            self._give_back("release_owner", {"owner": owner})
             if not self._holdings.owners.get(owner, True):  # held with no block: released now
                 del self._holdings.owners[owner]
 
@@ -449,12 +478,18 @@ class PoolClient:
                 )
         with self._lock:
             self._lost.refuse_blocks(b.block_id for b, _ in updates)
-            self._calls.call("mark_used", {"updates": [[b.block_id, n] for b, n in updates]})
+            self._give_back("mark_used", {"updates": [[b.block_id, n] for b, n in updates]})
             for block, n_used in updates:
                 block.n_used = n_used
                 live = self._holdings.blocks.get(block.block_id)
                 if live is not None:
                     live.n_used = n_used
+
+    def _give_back(self, op: str, args: dict[str, Any]) -> None:
+        """free, free_all, release_owner or mark_used: sent, or, while the daemon does not
+        answer, kept and sent once it does (:mod:`~vqpool.worker.pool.deferred`); the caller
+        holds the lock and updates what it holds either way."""
+        self._calls.call_or_keep(op, args, self._heartbeat.daemon_silent)
 
     # -- session ---------------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ client through :class:`HeartbeatHost`.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -63,6 +65,25 @@ class LoadReport:
         return args
 
 
+def listening(endpoint: str) -> bool | None:
+    """Whether a process listens on the ``ipc://`` socket ``endpoint``: False when its file is
+    gone or the connection is refused (no process holds it: a daemon that exited or was
+    killed), True when it connects (a live daemon, maybe stopped or busy), None if unknown.
+    Never blocks."""
+    path = endpoint.removeprefix("ipc://")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)
+        error = probe.connect_ex(path)
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    if error in (errno.ENOENT, errno.ECONNREFUSED):
+        return False
+    return True if error in (0, errno.EAGAIN, errno.EINPROGRESS) else None
+
+
 class HeartbeatHost(Protocol):
     """What the heartbeat asks of its client's calls."""
 
@@ -92,6 +113,9 @@ class Heartbeat(threading.Thread):
         self._wake = threading.Event()
         self.daemon_silent = False
         """Set when a ping goes unanswered, cleared by the next answered one."""
+        self.daemon_listening: bool | None = None
+        """While silent: whether a process listens on the daemon's socket (False: none does,
+        vqpoold is not running; None: unknown)."""
         self.on_advice: Callable[[dict[str, Any]], None] | None = None
         """Called (on this thread, no lock held) with what the daemon's answer to a load
         report asks of this worker: ``{drop_cache: true}`` or ``{release_bytes: n}``."""
@@ -133,9 +157,11 @@ class Heartbeat(threading.Thread):
                 try:
                     reply = connection.request(payload, rid, session.heartbeat, "heartbeat")
                 except DaemonUnavailableError:
+                    self.daemon_listening = listening(session.endpoint)
                     self.daemon_silent = True  # /health says so (session_problem)
                     continue  # keep trying: a busy or restarting daemon may answer the next one
                 self.daemon_silent = False
+                self.daemon_listening = None
                 self._answered(current, reply)
         finally:
             connection.close()

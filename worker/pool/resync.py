@@ -7,7 +7,8 @@
   ids, streams, fill and format, then repeats the interrupted call. The heartbeat does the
   same for an idle worker. The daemon answers allocations with RETRY_LATER during its claim
   period, and the client retries those by itself. An owner whose claim the daemon refuses (a
-  block already claimed by another worker, or outside the new pool) is *lost* (see
+  block already claimed by another worker or outside the new pool, its bytes over the budget,
+  or a claim that came after the claim period) is *lost* (see
   :mod:`~vqpool.worker.pool.lost_owners`). A daemon restarted with another block size or
   stream split cannot take claims: the client is unusable from then on. See
   docs/reliability.md.

@@ -22,7 +22,7 @@ import itertools
 import os
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -176,11 +176,19 @@ class DaemonSession:
             self.connection.request(payload, rid, GOODBYE_TIMEOUT, "goodbye")
 
     def wait_for(
-        self, payload: bytes, rid: int, *, wait: float, sent_in: Session, what: str
+        self,
+        payload: bytes,
+        rid: int,
+        *,
+        wait: float,
+        sent_in: Session,
+        what: str,
+        on_slice: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """A request the daemon may park up to ``wait`` seconds, on a socket of its own
         (see :func:`~vqpool.worker.pool.waiting_call.request_waiting`), given up when the
-        client closes or its session is no longer ``sent_in``."""
+        client closes or its session is no longer ``sent_in``; ``on_slice`` is called every
+        slice of the wait (it may cancel the request at the daemon)."""
         return request_waiting(
             self.context,
             self.endpoint,
@@ -191,4 +199,5 @@ class DaemonSession:
             closing=self.closing,
             current=functools.partial(self.is_current, sent_in),
             what=what,
+            on_slice=on_slice,
         )

@@ -9,7 +9,9 @@ once and none holds the client's lock while parked. As in
 a lost reply: the *same bytes* (same request id) are sent again on a fresh socket, and the
 daemon answers the resend from its reply cache, or moves the parked request to the new
 envelope, never queueing it twice. The socket is polled in short slices so that
-:meth:`PoolClient.close` ends a parked call within ``SLICE_SECONDS`` instead of the wait.
+:meth:`PoolClient.close` ends a parked call within ``SLICE_SECONDS`` instead of the wait, and so
+that a call given up on meanwhile is cancelled at the daemon (``on_slice``, which sends the
+``cancel`` op: the daemon then answers the parked request CANCELLED at once).
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def request_waiting(
     closing: threading.Event,
     current: Callable[[], bool],
     what: str,
+    on_slice: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Send ``payload`` (request id ``rid``) and return the reply to it.
 
     Each attempt waits ``wait + REPLY_MARGIN_SECONDS``; the whole call ``wait + timeout``.
+    ``on_slice`` is called every ``SLICE_SECONDS`` or so while no reply came.
 
     Raises:
         DaemonUnavailableError: No reply in time.
@@ -62,7 +66,9 @@ def request_waiting(
     attempt = wait + REPLY_MARGIN_SECONDS
     while True:
         try:
-            reply = _attempt(context, endpoint, payload, rid, attempt, deadline, closing, current)
+            reply = _attempt(
+                context, endpoint, payload, rid, attempt, deadline, closing, current, on_slice
+            )
         except zmq.ContextTerminated:  # closed between two looks at ``closing``
             raise NoSessionError("the PoolClient was closed while its call waited") from None
         if reply is not None:
@@ -82,6 +88,7 @@ def _attempt(
     deadline: float,
     closing: threading.Event,
     current: Callable[[], bool],
+    on_slice: Callable[[], None] | None,
 ) -> dict[str, Any] | None:
     """One send on a fresh socket and the wait for its reply (None: silence)."""
     sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
@@ -92,7 +99,8 @@ def _attempt(
         # Again: the queue to an absent daemon is full: wait, then resend on a new socket.
         with contextlib.suppress(zmq.Again):
             sock.send(payload, zmq.NOBLOCK)
-        return _await(sock, rid, min(time.monotonic() + attempt, deadline), closing, current)
+        until = min(time.monotonic() + attempt, deadline)
+        return _await(sock, rid, until, closing, current, on_slice)
     finally:
         sock.close(linger=0)
 
@@ -103,6 +111,7 @@ def _await(
     until: float,
     closing: threading.Event,
     current: Callable[[], bool],
+    on_slice: Callable[[], None] | None,
 ) -> dict[str, Any] | None:
     """The reply to ``rid`` if it arrives before ``until``; earlier replies are skipped."""
     poller = zmq.Poller()
@@ -116,6 +125,8 @@ def _await(
         if remaining <= 0:
             return None
         if not poller.poll(int(min(remaining, SLICE_SECONDS) * 1000) + 1):
+            if on_slice is not None:
+                on_slice()
             continue
         reply = decode_reply(sock.recv())
         reply_id = reply.get("id")

@@ -10,8 +10,11 @@ jobs meanwhile: :class:`AdmissionWaiter` makes the call on its own thread, one j
 is the generation thread's).
 
 A job that goes away while parked (cancelled, timed out, the worker stopping) is
-:meth:`AdmissionWaiter.abandon`-ed: blocks granted after that are freed here as soon as the
-daemon's reply comes, so nothing leaks; blocks granted before are recorded under the job's
+:meth:`AdmissionWaiter.abandon`-ed: its call is cancelled at the daemon (the ``cancel`` op, sent
+by the call's own thread within a slice of its wait), so the allocation leaves its model's queue
+at once and neither holds up the model's later requests there nor keeps this waiter busy until
+its wait runs out; blocks the daemon granted before the cancel are freed here as soon as the
+reply comes, so nothing leaks; blocks granted before the abandon are recorded under the job's
 owner and go back with the release of its cache.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vqpool.shared.errors import BlockPoolExhaustedError
@@ -48,6 +51,7 @@ class _Parked:
     outcome: Admission | None = None
     abandoned: bool = False
     sent: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 class AdmissionWaiter:
@@ -91,7 +95,8 @@ class AdmissionWaiter:
             return parked.outcome
 
     def abandon(self, job: object) -> None:
-        """``job`` went away: blocks its call returns from now on are freed, not handed over.
+        """``job`` went away: its call is cancelled at the daemon (or never sent), and blocks
+        it returns from now on are freed, not handed over.
 
         Blocks granted already are the job owner's and go with the release of its cache.
         """
@@ -103,6 +108,7 @@ class AdmissionWaiter:
                 self._parked = None
             else:
                 parked.abandoned = True
+                parked.cancel.set()  # the call's own thread sends the cancel
 
     def stop(self) -> None:
         """End the thread after its current call (a parked call ends when the pool closes)."""
@@ -121,7 +127,9 @@ class AdmissionWaiter:
                 assert parked is not None
                 parked.sent = True
             try:
-                outcome = Admission(self._source.take(parked.cache, parked.n_tokens, parked.wait))
+                outcome = Admission(
+                    self._source.take(parked.cache, parked.n_tokens, parked.wait, parked.cancel)
+                )
             except BlockPoolExhaustedError:
                 outcome = Admission(exhausted=True)
             except Exception as exc:

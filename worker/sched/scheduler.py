@@ -46,8 +46,10 @@ read its token ids from the job's event queue. One generation thread does the re
   cannot back the next step of a job that can never fit alone (``length`` with a detail saying so;
   nothing was written), when its client went away (``cancelled``), when its text reached a stop
   string (the HTTP layer cancels it with reason ``stop``), when the pool lost its owner (``error``:
-  a daemon restart conflict or an eviction freed its blocks), on any other error (``error``; a
-  failed batched step ends every job in the batch) and when the worker stops. Every ending goes
+  a daemon restart conflict or an eviction freed its blocks), when vqpoold did not answer a
+  growth within the pool's timeout (``length`` with a detail, or ``rejected`` if nothing was
+  sent yet), on any other error (``error``; a failed batched step ends every job in the batch)
+  and when the worker stops. Every ending goes
   through :meth:`Scheduler._end`, which takes the job's row out of the batch and releases its cache:
   the blocks go back to the pool however the request ended. If the generation thread itself fails,
   its jobs end as when the worker stops, and :meth:`Scheduler.submit` refuses new ones (nothing
@@ -639,7 +641,7 @@ class Scheduler:
         for job in outcome.preempted:
             self._preempt(job)
         for job, exc in outcome.failed:
-            self._end(job, "error", f"generation failed: {exc}", status=500)
+            self._end_failed(job, exc)
         for job, token, logprobs in outcome.tokens:
             job.n_generated += 1
             job.generated.append(token)
@@ -653,6 +655,20 @@ class Scheduler:
         self.stats.add(
             completion_tokens=len(outcome.tokens), busy_seconds=time.perf_counter() - started
         )
+
+    def _end_failed(self, job: GenerationJob, exc: Exception) -> None:
+        """End ``job``, taken out of the batch because its step raised ``exc``. When the
+        daemon did not answer a growth, the job ends with what its blocks held ("length", a
+        detail naming the daemon; its client keeps what it got), or, if it has sent nothing
+        yet, is refused with 503 to be retried: its blocks are its own, and go back when the
+        daemon answers again (``PoolClient`` keeps the frees)."""
+        if not isinstance(exc, DaemonUnavailableError):
+            self._end(job, "error", f"generation failed: {exc}", status=500)
+        elif job.n_generated:
+            detail = f"ended after {job.n_generated} tokens, when its blocks were full: {exc}"
+            self._end(job, "length", detail)
+        else:
+            self._end(job, "rejected", f"could not start: {exc}", status=503, retry_after=1)
 
     def _row_finished(
         self, job: GenerationJob, reason: str, response: GenerationBatch.Response
@@ -717,18 +733,19 @@ class Scheduler:
         back entries, least recently used first, then the running jobs the preemption policy
         names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
+            # The prompt cache's blocks are the pool client's too: what it gives back shows in
+            # held_bytes already, and is counted once.
             before = self.source.held_bytes()
             # Cached memory goes first; requests are preempted only for what it cannot give.
-            cached = (
-                0 if self.prompt_cache is None else self.prompt_cache.release_bytes(ask.n_bytes)
-            )
+            if self.prompt_cache is not None:
+                self.prompt_cache.release_bytes(ask.n_bytes)
             while True:
-                freed = cached + before - self.source.held_bytes()
+                freed = before - self.source.held_bytes()
                 victim = self._preemption.reclaim_victim(self._active, freed, ask.n_bytes)
                 if victim is None:
                     break
                 self._preempt(victim)
-            ask.freed = cached + max(0, before - self.source.held_bytes())
+            ask.freed = max(0, before - self.source.held_bytes())
             ask.done.set()
 
     def _idle_wait(self) -> None:

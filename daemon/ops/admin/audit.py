@@ -18,6 +18,7 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     return {
         "ok": not problems,
         "problems": problems,
+        "breaches": state.budget.breaches(),
         "n_blocks": stats.n_blocks,
         "blocks_in_use": stats.blocks_in_use(),
         "sessions": len(coord.sessions),

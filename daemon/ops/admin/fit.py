@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
+from vqpool.daemon.ops.worker.budget import fit_answer
 from vqpool.shared.protocol import ADMIN_ARGS, FIT
 
 PARAMS = ADMIN_ARGS[FIT]
@@ -19,7 +20,7 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"no worker of model {model} is connected; its bytes per block are unknown"
         )
-    answer = state.budget.fit(
-        model, priced[0].bytes_per_block, args["context"], args["concurrency"]
+    answer = fit_answer(
+        state, model, priced[0].bytes_per_block, args["context"], args["concurrency"]
     )
     return {"model": model, **answer}

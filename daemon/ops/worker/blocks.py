@@ -1,7 +1,7 @@
 """Worker ops on blocks and owners: allocations (under the memory budget: they may be parked
-until it grants them), frees, owners registered and released, fills, and the claims of a
-worker re-syncing with a restarted daemon. Those that change holdings go through the budget
-(``state.budget``); the others ask the coordinator."""
+until it grants them, or their own session cancels them), frees, owners registered and
+released, fills, and the claims of a worker re-syncing with a restarted daemon. Those that
+change holdings go through the budget (``state.budget``); the others ask the coordinator."""
 
 from __future__ import annotations
 
@@ -51,3 +51,7 @@ def claim(
     state: DaemonState, session: Session, args: Args, rid: int, now: float
 ) -> list[dict[str, Any] | None]:
     return state.budget.holdings.claim(session, args["owners"], args["done"])
+
+
+def cancel(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> Any:
+    return {"cancelled": state.budget.parking.cancel(session, args["request"])}

@@ -4,17 +4,41 @@ long-poll for asks to give bytes back, and its answer)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from vqpool.daemon.core.sessions import Session
 from vqpool.daemon.ops.op_table import Args
 from vqpool.daemon.ops.state import DaemonState
+from vqpool.shared.protocol import INT64_MAX
 
 
 def fit(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> dict[str, Any]:
-    return state.budget.fit(
-        session.model, session.bytes_per_block, args["context"], args["concurrency"]
+    return fit_answer(
+        state, session.model, session.bytes_per_block, args["context"], args["concurrency"]
     )
+
+
+def fit_answer(
+    state: DaemonState,
+    model: str,
+    bytes_per_block: Mapping[str, int],
+    context: int,
+    concurrency: int,
+) -> dict[str, Any]:
+    """The ``fit`` answer (worker op and admin op) for ``model`` priced at ``bytes_per_block``.
+
+    Raises:
+        ValueError: Its byte counts would not fit the reply's integers (bytes per block far
+            past any model's; context and concurrency are bounded by their declarations).
+    """
+    answer = state.budget.fit(model, bytes_per_block, context, concurrency)
+    if answer["need"] > INT64_MAX:
+        raise ValueError(
+            f"fit: {concurrency} sequences of {context} tokens of {model} would need "
+            f"{answer['need']} bytes, more than a reply carries; ask about fewer"
+        )
+    return answer
 
 
 def reclaim_poll(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> Any:

@@ -98,13 +98,47 @@ def ping(
 
 def cache_advice(state: DaemonState, session: Session) -> dict[str, Any] | None:
     """What the answer to a load report asks of the worker's prompt cache (None: nothing):
-    ``drop_cache`` once after ``cache_drop``; else, while allocations of other sessions wait
-    for memory, ``release_bytes`` (what they wait for) from a worker that reports cached bytes.
-    """
+    ``drop_cache`` once after ``cache_drop``; else ``release_bytes`` from a worker that reports
+    cached bytes, when giving them back would let allocations of other sessions that wait for
+    memory be granted (:func:`bytes_cache_would_serve`)."""
     if session.drop_cache:
         session.drop_cache = False
         return {"drop_cache": True}
     if not session.prompt_cache or not session.prompt_cache["bytes"]:
         return None
-    waiting = state.budget.parking.bytes_waiting_for_others(session)
-    return {"release_bytes": waiting} if waiting else None
+    wanted = bytes_cache_would_serve(state, session)
+    return {"release_bytes": wanted} if wanted else None
+
+
+def bytes_cache_would_serve(state: DaemonState, session: Session) -> int:
+    """Bytes the cache of ``session`` would have to give back for the allocations waiting at
+    the daemon to be granted; 0 when its bytes cannot help.
+
+    Per waiting model: its waiting allocations, in arrival order, up to the first its own limit
+    cannot take (bytes another model frees do not raise a model's limit; the session's own
+    model's bytes do, so all of its model's count), less what its limit and the budget would
+    grant it now. And in all, at least what they want beyond the budget's free bytes. The
+    session's own waiting allocations count: cached memory goes before a request waits, and
+    for a model above its limit (lowered live) its own cache is the only memory that serves it.
+    """
+    parked = state.budget.parking.parked
+    if not parked:
+        return 0
+    ledger = state.budget.ledger
+    waiting: dict[str, list[int]] = {}
+    for request in parked.values():
+        if ledger.is_waiting((request.session.sid, request.rid)):
+            waiting.setdefault(request.session.model, []).append(request.n_bytes)
+    lacking = wanted = 0
+    for model, sizes in waiting.items():
+        fit = ledger.fit(model, 1)
+        room = fit.limit - fit.held  # what its limit lets it take (< 0: held above it)
+        demand = 0
+        for n_bytes in sizes:
+            if model != session.model and demand + n_bytes > room:
+                break
+            demand += n_bytes
+        if demand:
+            wanted += demand
+            lacking += max(0, demand - min(room, fit.available_now))
+    return max(lacking, wanted - max(0, ledger.budget - ledger.total_held))
