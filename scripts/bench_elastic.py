@@ -800,7 +800,7 @@ def tier2(rounds: int) -> None:
         try:
             admin = AdminClient(run_dir, timeout=5.0)
             reserve = TIER2_RESERVE_BLOCKS * TIER2_BLOCK_BYTES
-            admin.call("model_set", model="owner", reserve=reserve)
+            admin.call("model_set", model="owner", reserve=reserve, create=True)
             seconds = rounds * 0.25 + 30  # ended as soon as the rounds are done
             borrower = subprocess.Popen(
                 [

@@ -67,7 +67,7 @@ def play(
                 with AdminClient(run_dir, timeout=5.0) as admin:
                     for name in names:
                         reserve = int(budget_tokens * reserves[name]) * BYTES_PER_TOKEN
-                        admin.call("model_set", model=name, reserve=reserve)
+                        admin.call("model_set", model=name, reserve=reserve, create=True)
             reserve_mode = "on-demand" if elastic else "full"
             for name in names:
                 worker = WorkerProcess(

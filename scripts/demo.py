@@ -233,16 +233,21 @@ def render_screen(snap: dict[str, Any], elapsed: float, duration: float) -> str:
 
 
 def render_line(snap: dict[str, Any]) -> str:
-    """The pool in one line (without the time, so that two lines can be compared)."""
-    pool = ", ".join(
-        f"{n} in use {s['total'] - s['free']}/{s['total']}" for n, s in snap["streams"].items()
-    )
+    """The pool in one line (without the time, so that two lines can be compared). The pool and
+    each model in the same units: blocks of all streams (K and V counted apart, as the daemon
+    does) and bytes of K and V together."""
+    streams = snap["streams"]
+    used = sum(s["total"] - s["free"] for s in streams.values())
+    total = sum(s["total"] for s in streams.values())
+    held = sum(m["bytes_total"] for m in snap["models"].values())
     models = " | ".join(
-        f"{model}: blocks {sum(m['blocks'].values())}, running {_count(m['running'])}, "
-        f"queued {_count(m['queued'])}"
+        f"{model}: blocks {sum(m['blocks'].values())}, {human_bytes(m['bytes_total'])}, "
+        f"running {_count(m['running'])}, queued {_count(m['queued'])}"
         for model, m in snap["models"].items()
     )
-    return f"pool {pool} | {models}"
+    return (
+        f"pool {used}/{total} blocks in use ({'+'.join(streams)}), {human_bytes(held)} | {models}"
+    )
 
 
 def live_view(sample: Callable[[], dict[str, Any]], stop: threading.Event, duration: float) -> None:

@@ -33,7 +33,7 @@ def test_a_model_waiting_at_its_own_limit_asks_no_other_models_cache(
     start_daemon: Callable[..., DaemonProcess], clients: Callable[..., ModelClient]
 ) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "100000")  # 100 blocks' worth
-    daemon.admin("model_set", model="a", limit=4 * BLOCK_BYTES)
+    daemon.admin("model_set", model="a", limit=4 * BLOCK_BYTES, create=True)
     a = clients(daemon, "a", BLOCK_BYTES)
     b = clients(daemon, "b", BLOCK_BYTES)
     assert a.allocate("a-1", 4)["ok"]  # a at its limit

@@ -114,10 +114,12 @@ def test_model_list_text_and_json(pool: LivePool) -> None:
         "WAITING",
         "SESSIONS",
         "RUNNING/QUEUED",
+        "SETTINGS",
     ]
     row = _row(result.stdout, "alpha")
     assert row[:7] == ["alpha", "28 KiB", "0 B", "none", "1", "28 KiB", row[6]]
     assert row[7:9] == ["0", "1"]  # waiting, sessions
+    assert row[-1] == "default" and alpha["settings_from"]["weight"] == "default"
     assert _row(result.stdout, "beta")[1] == "56 KiB"
 
 
@@ -148,16 +150,16 @@ def test_model_set_then_list_round_trip(pool: LivePool) -> None:
     view = ctl_json(pool.run_dir, "model", "set", "alpha", "--limit", "none")
     assert view["limit"] is None and view["reserve"] == 64 * KIB and view["weight"] == 2
     # A model without workers can be configured ahead of them (with a note on stderr).
-    ahead = run_ctl(pool.run_dir, "model", "set", "org/gamma", "--reserve", "128KiB")
+    ahead = run_ctl(pool.run_dir, "model", "set", "org/gamma", "--reserve", "128KiB", "--create")
     assert ahead.returncode == 0, ahead.stderr
     assert "no worker of model 'org/gamma' is connected" in ahead.stderr
     gamma = _models(pool)["org/gamma"]
     assert gamma["reserve"] == 128 * KIB and gamma["sessions"] == 0 and gamma["configured"]
-    # Its short label, as `model list` shows it, is not taken for a model name.
+    # Its short label, as `model list` shows it, names it (tests/test_ctl_model_names.py).
     label = run_ctl(pool.run_dir, "model", "set", "gamma", "--weight", "3")
-    assert label.returncode == 2
-    assert "'gamma' is the short label of model 'org/gamma'" in label.stderr
-    assert "gamma" not in _models(pool)
+    assert label.returncode == 0, label.stderr
+    assert label.stdout.startswith("model org/gamma: weight 1 -> 3")
+    assert "gamma" not in _models(pool) and _models(pool)["org/gamma"]["weight"] == 3
 
 
 def test_model_set_refusals_change_nothing(pool: LivePool) -> None:

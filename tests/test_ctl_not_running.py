@@ -48,7 +48,11 @@ def test_no_daemon(
     result = results[index]
     assert result.returncode == 3
     assert result.stdout == ""
-    assert result.stderr == f"vqpoolctl: vqpoold is not running: no admin.sock in {run_dir}\n"
+    # One line naming the command to start and the run directory looked in.
+    assert result.stderr == (
+        f"vqpoolctl: vqpoold is not running: no admin.sock in {run_dir}; start it with "
+        f"`vqpoold --run-dir {run_dir}`\n"
+    )
 
 
 def test_stale_socket_of_a_killed_daemon(

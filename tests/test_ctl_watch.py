@@ -106,19 +106,20 @@ def test_watch_redraws_follows_the_pool_and_quits_on_q(pool: LivePool) -> None:
     term = PtyProcess(VQPOOLCTL, "--run-dir", str(pool.run_dir), "watch", "--interval", "0.2")
     try:
         # The last line of a frame: once it is in, the whole first frame is.
-        beta_v = re.compile(r"beta\s+v\s+\[[^\]]+\] 7 blocks, 28\.0 KiB")
+        beta_v = re.compile(r"beta\s+v\s+\[[^\]]+\] 7 blocks ")
         first = term.read_until(lambda t: beta_v.search(t) is not None)
         assert f"vqpoold pid {pool.daemon.pid}" in first
         assert re.search(r"^k \[[^\]]+\] 11/128 in use, 117 free", first, re.M)
         assert "10/128 in use, 118 free" in first
-        assert re.search(r"alpha\s+k\s+\[[^\]]+\] 4 blocks, 16\.0 KiB", first)
+        # Bytes: K and V together, on the model's first line (4 + 3 blocks of 4 KiB).
+        assert re.search(r"alpha\s+k\s+\[[^\]]+\] 4 blocks, held 28\.0 KiB", first)
         bars = re.search(r"^k \[([^\]]+)\]", first, re.M)
         assert bars is not None and len(bars.group(1)) > 60  # the bar takes the width left
         assert all(len(line) <= 120 for line in term.last_frame())
 
         # A change in the pool shows up on a later refresh, with a non-zero allocation rate.
         pool.alpha.call("allocate", "k", 160, "a3")
-        alpha_k = re.compile(r"alpha\s+k\s+\[[^\]]+\] 14 blocks, 56\.0 KiB")
+        alpha_k = re.compile(r"alpha\s+k\s+\[[^\]]+\] 14 blocks, held 68\.0 KiB")
         later = term.read_until(lambda t: alpha_k.search(t) is not None)
         assert "21/128 in use, 107 free" in later
         assert re.search(r"allocations \d+\.\d blocks/s", later)
@@ -187,10 +188,10 @@ def test_watch_fits_a_narrow_terminal_and_tells_similar_models_apart(
         one = [line for line in frame if "1B" in line]
         assert three and one, text
         # Running on the k line, queued on the v line of each model.
-        assert re.search(r" 7 blocks, 28\.0 KiB +running 2$", three[0]), text
-        assert re.search(r" 0 blocks, 0 B +queued 3$", three[1]), text
-        assert re.search(r" 0 blocks, 0 B +running 1$", one[0]), text
-        assert re.search(r" 3 blocks, 12\.0 KiB +queued 0$", one[1]), text
+        assert re.search(r" 7 blocks, held 28\.0 KiB +running 2$", three[0]), text
+        assert re.search(r" 0 blocks +queued 3$", three[1]), text
+        assert re.search(r" 0 blocks, held 12\.0 KiB +running 1$", one[0]), text
+        assert re.search(r" 3 blocks +queued 0$", one[1]), text
         os.write(term.master, b"q")
         assert term.wait() == 0
     finally:

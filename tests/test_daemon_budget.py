@@ -135,7 +135,7 @@ def test_two_block_sizes_fill_the_budget_to_the_byte(start_daemon, clients) -> N
 
 def test_a_third_models_reserve_is_kept_while_others_are_saturated(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "10000")
-    daemon.admin("model_set", model="c", reserve=3000)
+    daemon.admin("model_set", create=True, model="c", reserve=3000)
     a = clients(daemon, "a", 1000)
     b = clients(daemon, "b", 500)
     assert a.allocate("a", 4)["ok"]
@@ -194,7 +194,7 @@ def test_a_shared_kv_pool_prices_blocks_asked_for_under_any_stream(start_daemon,
 
 def test_parked_requests_are_granted_in_weighted_order(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "6000")
-    daemon.admin("model_set", model="heavy", weight=2.0)
+    daemon.admin("model_set", create=True, model="heavy", weight=2.0)
     x = clients(daemon, "x", 1000)
     light = clients(daemon, "light", 1000)
     heavy = clients(daemon, "heavy", 1000)
@@ -290,7 +290,7 @@ def test_a_budget_change_refuses_parked_requests_it_makes_impossible(start_daemo
 
 def test_model_set_validates_and_changes_nothing_when_refused(start_daemon) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "10000")
-    view = daemon.admin("model_set", model="m", reserve=2000, limit=6000, weight=2.0)
+    view = daemon.admin("model_set", create=True, model="m", reserve=2000, limit=6000, weight=2.0)
     assert (view["reserve"], view["limit"], view["weight"], view["configured"]) == (
         2000,
         6000,
@@ -305,15 +305,15 @@ def test_model_set_validates_and_changes_nothing_when_refused(start_daemon) -> N
         {"limit": -2},
     ):
         with pytest.raises(ValueError):
-            daemon.admin("model_set", model="m", **bad)
+            daemon.admin("model_set", create=True, model="m", **bad)
     assert daemon.admin("model_list") == before
-    assert daemon.admin("model_set", model="m", limit=-1)["limit"] is None
+    assert daemon.admin("model_set", create=True, model="m", limit=-1)["limit"] is None
 
 
 def test_fit_answers_each_verdict(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "16000")
-    daemon.admin("model_set", model="llama", reserve=4000, limit=10000)
-    daemon.admin("model_set", model="qwen", reserve=2000)
+    daemon.admin("model_set", create=True, model="llama", reserve=4000, limit=10000)
+    daemon.admin("model_set", create=True, model="qwen", reserve=2000)
     llama = clients(daemon, "llama", {"k": 500, "v": 500})
     qwen = clients(daemon, "qwen", 1000)
     assert llama.allocate("l", 3)["ok"]  # 1500
@@ -330,6 +330,7 @@ def test_fit_answers_each_verdict(start_daemon, clients) -> None:
     assert answers[6]["verdict"] == "never"
     assert answers[6]["limit"] == 10000 and answers[6]["budget"] == 16000
     worker_side = llama.call("fit", {"context": 32, "concurrency": 2})
+    assert answers[2].pop("model") == "llama"  # the admin op names the model it priced
     assert worker_side["ok"] and worker_side["result"] == answers[2]
     with pytest.raises(ValueError, match="no worker of model gemma"):
         daemon.admin("fit", model="gemma", context=32)
@@ -354,7 +355,7 @@ def test_fit_past_any_real_context_or_concurrency_is_a_bad_request(start_daemon,
     reply = llama.call("fit", largest)
     assert reply["ok"] and reply["result"]["verdict"] == "never", reply
     assert reply["result"]["need"] == MAX_FIT_CONTEXT // BLOCK * 1000 * MAX_FIT_CONCURRENCY
-    assert daemon.admin("fit", model="llama", **largest) == reply["result"]
+    assert daemon.admin("fit", model="llama", **largest) == {"model": "llama", **reply["result"]}
     # Numbers past what the wire carries (the largest bytes per block a hello may declare):
     # a clear refusal, not INTERNAL.
     huge = clients(daemon, "huge", {"k": MAX_BYTES_PER_BLOCK, "v": MAX_BYTES_PER_BLOCK})
@@ -376,7 +377,7 @@ def test_without_a_budget_nothing_binds_and_views_show_null(start_daemon, client
     assert [(m["model"], m["held"], m["limit"], m["sessions"]) for m in models] == [
         ("a", 3000, None, 1)
     ]
-    daemon.admin("model_set", model="a", limit=4000)
+    daemon.admin("model_set", create=True, model="a", limit=4000)
     assert error_code(a.allocate("a2", 2)) == ErrorCode.POOL_EXHAUSTED
     daemon.audit()
 
@@ -494,7 +495,7 @@ def test_the_start_line_names_the_budget_and_models(start_daemon) -> None:
 
 def test_budget_metrics_are_published(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "8000", "--metrics-port", "0")
-    daemon.admin("model_set", model="a", reserve=1000, limit=6000, weight=2.0)
+    daemon.admin("model_set", create=True, model="a", reserve=1000, limit=6000, weight=2.0)
     a = clients(daemon, "a", 1000)
     b = clients(daemon, "b", 1000)
     assert a.allocate("a", 3)["ok"]
@@ -618,7 +619,7 @@ def send_growth(client: ModelClient, owner: str, wait: float) -> int:
 
 def test_growths_go_ahead_of_admissions_while_owed(start_daemon, clients) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "10000")
-    daemon.admin("model_set", model="a", weight=2.0)  # a's share: 2/3 of the budget
+    daemon.admin("model_set", create=True, model="a", weight=2.0)  # a's share: 2/3 of the budget
     running, admitting = clients(daemon, "a", 1000), clients(daemon, "a", 1000)
     b = clients(daemon, "b", 1000)
     assert running.allocate("r", 5)["ok"]

@@ -33,6 +33,7 @@ from daemon_harness import AgentError, AgentProcess, remove_tree, short_tmpdir
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vqpool.daemon.budget.live_settings import LIVE_SETTINGS_FILE
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
 from worker_agent import run_op
@@ -245,6 +246,10 @@ class DaemonMachine(RuleBasedStateMachine):
     @rule()
     def restart_daemon(self) -> None:
         self.daemon.stop(signal.SIGKILL)
+        # Settings made live outlive a restart (tests/test_ctl_live_settings.py), but the
+        # in-process session declares no bytes per block, so a budget kept would refuse its
+        # hello: the new daemon starts from the options alone, as after removing the file.
+        (self.daemon.run_dir / LIVE_SETTINGS_FILE).unlink(missing_ok=True)
         self.daemon = DaemonProcess(self.daemon.run_dir, *self.options).start()
         # Every session re-syncs (heartbeats every 0.25 s); the pool is rebuilt from the
         # options, so shrinks are undone, and every block held is claimed back.
@@ -259,7 +264,7 @@ class DaemonMachine(RuleBasedStateMachine):
         for session in self.sessions:
             session.call("n_free", "k")
         self.total = {"k": PER_STREAM, "v": PER_STREAM}
-        # Live budget settings die with the daemon; claims are charged to their models.
+        # Without the file the live settings are gone; claims are charged to their models.
         self.budget = UNLIMITED
         self.settings = {}
         self.may_exceed = set()
@@ -301,6 +306,7 @@ class DaemonMachine(RuleBasedStateMachine):
         try:
             view = self.daemon.admin(
                 "model_set",
+                create=True,
                 model=name,
                 reserve=wanted.reserve,
                 limit=-1 if wanted.limit is None else wanted.limit,

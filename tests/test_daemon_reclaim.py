@@ -33,7 +33,7 @@ def lending_daemon(start: Callable[..., DaemonProcess], *args: str) -> DaemonPro
         "--lend-reserves",
         *args,
     )
-    daemon.admin("model_set", model="a", reserve=32 * BYTES_PER_BLOCK)
+    daemon.admin("model_set", create=True, model="a", reserve=32 * BYTES_PER_BLOCK)
     return daemon
 
 

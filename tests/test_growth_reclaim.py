@@ -37,8 +37,8 @@ def stack() -> Iterator[ServingStack]:
         [],
         daemon_args=("--budget", f"{BUDGET_BLOCKS * BLOCK_BYTES}B", "--lease", "1"),
     ).start()
-    serving.daemon.admin("model_set", model="big", weight=2.0)
-    serving.daemon.admin("model_set", model="small", weight=1.0)
+    serving.daemon.admin("model_set", create=True, model="big", weight=2.0)
+    serving.daemon.admin("model_set", create=True, model="small", weight=1.0)
     # A growth may wait up to a second here (the default is 0.1 s): room for a busy machine.
     serving.workers["big"] = serving.start_worker(
         LLAMA,

@@ -45,8 +45,10 @@ def test_demo_short_runs_end_to_end() -> None:
     # the requests changed, with labelled numbers; then the summary and the shrink.
     live = [line for line in out.splitlines() if re.match(r"\[ *\d+\.\ds\] pool ", line)]
     assert len(live) >= 2, out
-    assert re.search(r"\] pool k in use \d+/48, v in use \d+/48 \| builtin:llama: ", live[0])
-    assert re.search(r"blocks \d+, running \d+, queued \d+", live[-1])
+    assert re.search(
+        r"\] pool \d+/96 blocks in use \(k\+v\), [\d.]+ \w+ \| builtin:llama: ", live[0]
+    )
+    assert re.search(r"blocks \d+, [\d.]+ \w+, running \d+, queued \d+", live[-1])
     states = [line.split("] ", 1)[1] for line in live]
     assert all(a != b for a, b in itertools.pairwise(states)), live
     assert "peak blocks" in out and "exhaustions" in out

@@ -37,7 +37,7 @@ def stack() -> Iterator[ServingStack]:
         ),
         worker_args=["--max-concurrent", "2", "--queue-timeout", "30", "--prompt-cache-bytes", "0"],
     ).start()
-    serving.daemon.admin("model_set", model="a", reserve=RESERVE_BLOCKS * BLOCK_BYTES)
+    serving.daemon.admin("model_set", create=True, model="a", reserve=RESERVE_BLOCKS * BLOCK_BYTES)
     yield serving
     serving.stop()
 

@@ -12,11 +12,12 @@ them. See docs/budget.md and docs/protocol.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from vqpool.daemon.budget.holdings import Holdings, Items
 from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
+from vqpool.daemon.budget.live_settings import LiveSettings
 from vqpool.daemon.budget.parking import ParkedRequest, Parking
 from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
@@ -31,6 +32,7 @@ from vqpool.daemon.budget.views import (
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
+from vqpool.shared.model_names import resolve_model
 from vqpool.shared.protocol import ALLOCATE
 
 log = logging.getLogger("vqpoold")
@@ -53,6 +55,8 @@ class BudgetAccounting:
         models: Settings of the configured models.
         lend_reserves: Let models borrow other models' unused reserves (taken back by reclaim).
         reclaim_deadline: Seconds a worker has to answer a reclaim ask.
+        live: Where live settings changes are kept (``budget/live_settings.py``): ``budget``
+            and ``models`` are then its settings in effect (None: kept in memory only).
 
     Raises:
         ValueError: Reserves summing over the budget, or bad settings.
@@ -66,8 +70,10 @@ class BudgetAccounting:
         *,
         lend_reserves: bool = False,
         reclaim_deadline: float = DEFAULT_RECLAIM_DEADLINE,
+        live: LiveSettings | None = None,
     ) -> None:
         self._coord = coord
+        self.live = LiveSettings(None, budget, models or {}) if live is None else live
         self.ledger = BudgetLedger(
             MAX_BYTES if budget is None else budget, models, lend_reserves=lend_reserves
         )
@@ -201,16 +207,82 @@ class BudgetAccounting:
         """Change the budget live; parked allocations it made impossible are answered (how
         many)."""
         refused = self.parking.answer_refused(self.ledger.set_budget(budget))
+        self.live.set_budget(budget)
         self.parking.hand_out()
         return refused
 
-    def set_model(self, model: str, settings: ModelSettings) -> int:
-        """Change a model's settings live; as :meth:`set_budget`. A limit below what the model
-        holds is met by reclaim from the model's own sessions (``plan_limits``)."""
+    def set_model(self, model: str, settings: ModelSettings, fields: Iterable[str]) -> int:
+        """Change a model's settings live (``fields``: those set; kept as set live); as
+        :meth:`set_budget`. A limit below what the model holds is met by reclaim from the
+        model's own sessions (``plan_limits``)."""
+        self.live.check_room(model)
         refused = self.parking.answer_refused(self.ledger.set_model(model, settings))
+        self.live.set_model(model, {field: getattr(settings, field) for field in fields})
         self.reclaim.limit_changed(model)
         self.parking.hand_out()
         return refused
+
+    def unset_model(self, model: str) -> int:
+        """Drop a model's live settings: it falls back to the config file's, or to the defaults
+        (and leaves the ledger if it holds and waits for nothing and no worker serves it); as
+        :meth:`set_budget`.
+
+        Raises:
+            ValueError: ``model`` has no live settings, or its config file's reserve no longer
+                fits the budget (nothing changes).
+        """
+        live = self.live
+        if model not in live.models:
+            where = "the config file" if model in live.config_models else "the defaults"
+            raise ValueError(f"model {model!r} has no live settings (its settings are {where}'s)")
+        configured = model in live.config_models
+        refused = self.parking.answer_refused(
+            self.ledger.set_model(model, live.base(model), configured=configured)
+        )
+        live.unset_model(model)
+        self.reclaim.limit_changed(model)  # the config file's limit may be lower
+        if not configured and all(s.model != model for s in self._coord.sessions):
+            self.ledger.forget_model(model)
+        self.parking.hand_out()
+        return refused
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def known_models(self) -> set[str]:
+        """The models the daemon knows: served by a connected worker, in the ledger (holding
+        bytes, waiting, or with settings of their own), or in the config file."""
+        return (
+            {s.model for s in self._coord.sessions}
+            | self.ledger.snapshot().models.keys()
+            | self.live.config_models.keys()
+        )
+
+    def resolve(self, given: str) -> str | None:
+        """The full name of the known model ``given`` names (its name, or a label that names
+        only it: :func:`~vqpool.shared.model_names.resolve_model`), or None.
+
+        Raises:
+            ValueError: ``given`` is ambiguous (the message names the candidates).
+        """
+        return resolve_model(given, self.known_models())
+
+    def model_named(self, given: str, *, create: bool = False) -> str:
+        """As :meth:`resolve`, for a model that must be known; with ``create``, ``given`` is
+        taken as the full name of a model, known or not.
+
+        Raises:
+            ValueError: ``given`` is ambiguous, or names no known model (and not ``create``).
+        """
+        if create:
+            return given
+        found = self.resolve(given)
+        if found is not None:
+            return found
+        raise ValueError(
+            f"no model {given!r}: no worker of it is connected, the config file does not name "
+            "it and it has no settings; check the name (`vqpoolctl model list`), or set it "
+            "ahead of its workers with create (`vqpoolctl model set NAME --create`)"
+        )
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -220,7 +292,7 @@ class BudgetAccounting:
 
     def model_views(self, now: float) -> list[dict[str, Any]]:
         """The ``model_list`` admin op's views."""
-        return model_views(self.ledger, self._coord.sessions, now)
+        return model_views(self.ledger, self._coord.sessions, now, self.live.settings_from)
 
     def model_view(self, name: str, now: float) -> dict[str, Any]:
         """The view of one model the ledger knows or a session serves."""

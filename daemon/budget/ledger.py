@@ -624,8 +624,11 @@ class BudgetLedger:
         self._settled = False
         return self._refuse_impossible()
 
-    def set_model(self, model: str, settings: ModelSettings) -> list[tuple[Ticket, Verdict]]:
-        """Set ``model``'s settings live (it becomes configured). A limit or reserve below what
+    def set_model(
+        self, model: str, settings: ModelSettings, *, configured: bool = True
+    ) -> list[tuple[Ticket, Verdict]]:
+        """Set ``model``'s settings live (it becomes ``configured``: kept when its workers are
+        gone; False for settings falling back to the defaults). A limit or reserve below what
         it holds takes nothing back: the model gets nothing more until it is under its limit.
         Call :meth:`grants` afterwards.
 
@@ -636,7 +639,7 @@ class BudgetLedger:
             ValueError: ``settings`` is not ModelSettings, or the reserves would sum over the
                 budget (nothing changed).
         """
-        self._book.set_model(model, settings)
+        self._book.set_model(model, settings, configured=configured)
         self._settled = False
         return self._refuse_impossible()
 

@@ -177,7 +177,7 @@ class ModelBook:
             limit = rec.settings.limit
             rec.limit = budget if limit is None else min(limit, budget)
 
-    def set_model(self, model: str, settings: ModelSettings) -> None:
+    def set_model(self, model: str, settings: ModelSettings, *, configured: bool = True) -> None:
         """Set ``model``'s settings (see :meth:`BudgetLedger.set_model`).
 
         Raises:
@@ -196,7 +196,7 @@ class ModelBook:
         held = rec.held
         unused_before = old_reserve - held if held < old_reserve else 0
         rec.settings = settings
-        rec.configured = True
+        rec.configured = configured
         rec.reserve = settings.reserve
         rec.limit = self.budget if settings.limit is None else min(settings.limit, self.budget)
         rec.weight = float(settings.weight)

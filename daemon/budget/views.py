@@ -5,7 +5,7 @@ that are only the budget's show as None."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
@@ -52,9 +52,14 @@ def budget_view(ledger: BudgetLedger, now: float, refused: int = 0) -> dict[str,
 
 
 def model_views(
-    ledger: BudgetLedger, sessions: Iterable[Session], now: float
+    ledger: BudgetLedger,
+    sessions: Iterable[Session],
+    now: float,
+    settings_from: Callable[[str], dict[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One view per model the ledger knows or a live session serves, by name."""
+    """One view per model the ledger knows or a live session serves, by name; with
+    ``settings_from``, where each of its settings comes from (``live``, ``config``,
+    ``default``)."""
     snap = ledger.snapshot(now)
     load: dict[str, list[int]] = {}
     for session in sessions:
@@ -102,6 +107,8 @@ def model_views(
             }
         if not limited and row["limit"] is None:
             row["effective_limit"] = None
+        if settings_from is not None:
+            row["settings_from"] = settings_from(name)
         views.append(
             {"model": name, **row, "sessions": n_sessions, "running": running, "queued": queued}
         )

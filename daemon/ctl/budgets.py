@@ -24,6 +24,7 @@ MODEL_HEADERS = [
     "WAITING",
     "SESSIONS",
     "RUNNING/QUEUED",
+    "SETTINGS",
 ]
 RIGHT_ALIGNED = {"HELD", "RESERVE", "LIMIT", "WEIGHT", "BORROWED", "ENTITLED", "WAITING"}
 LABEL_WIDTH = 40
@@ -96,6 +97,23 @@ def _running_queued(view: dict[str, Any]) -> str:
     return f"{'-' if running is None else running}/{'-' if queued is None else queued}"
 
 
+SOURCES = ("live", "config", "default")
+"""Where a model's setting comes from (``settings_from`` of a ``model_list`` view)."""
+
+
+def settings_source(view: dict[str, Any]) -> str:
+    """Where a model's settings come from: ``config``, ``live``, ``default``, or per source
+    the fields from it (``live: limit; config: reserve, weight``)."""
+    sources: dict[str, str] = view.get("settings_from") or {}
+    by_source = {
+        source: [field for field, of in sources.items() if of == source] for source in SOURCES
+    }
+    used = [source for source in SOURCES if by_source[source]]
+    if len(used) <= 1:
+        return used[0] if used else "-"
+    return "; ".join(f"{source}: {', '.join(by_source[source])}" for source in used)
+
+
 def model_row(label: str, view: dict[str, Any]) -> list[object]:
     """One row of :data:`MODEL_HEADERS` for a ``model_list`` view."""
     return [
@@ -109,6 +127,7 @@ def model_row(label: str, view: dict[str, Any]) -> list[object]:
         waiting(view),
         view["sessions"],
         _running_queued(view),
+        settings_source(view),
     ]
 
 

@@ -54,7 +54,8 @@ class Ctl:
             admin_socket = socket_path(self.run_dir, ADMIN_SOCKET_NAME)
             if not admin_socket.exists():
                 raise CtlError(
-                    f"vqpoold is not running: no {ADMIN_SOCKET_NAME} in {self.run_dir}",
+                    f"vqpoold is not running: no {ADMIN_SOCKET_NAME} in {self.run_dir}; start "
+                    f"it with `vqpoold --run-dir {self.run_dir}`",
                     Exit.NOT_RUNNING,
                 )
             # Imported here: pyzmq takes ~20 ms to import, which --help and usage errors need

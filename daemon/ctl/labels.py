@@ -4,12 +4,15 @@ Model names are Hugging Face ids (``mlx-community/Llama-3.2-3B-Instruct-4bit``),
 built-in names. Cutting them to a column from the right makes ``...-3B-...`` and ``...-1B-...``
 the same; these labels drop the leading path parts that all names do not need (the org or the
 directories) and, if still too long, elide the middle while keeping the characters where each
-label first differs from the others.
+label first differs from the others. A label that is not elided names its model wherever a model
+name is given (:mod:`vqpool.shared.model_names`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+
+from vqpool.shared.model_names import name_parts
 
 
 def _shortest_distinct_suffix(parts: list[str], others: list[list[str]]) -> str:
@@ -46,7 +49,7 @@ def elide(text: str, width: int, keep: int = 0, mark: str = "…") -> str:
 
 def model_labels(names: Collection[str], width: int, mark: str = "…") -> dict[str, str]:
     """A distinct label of at most ``width`` characters for each of ``names``."""
-    parts = {name: name.rstrip("/").split("/") for name in names}
+    parts = {name: name_parts(name) for name in names}
     short = {
         name: _shortest_distinct_suffix(p, [q for other, q in parts.items() if other != name])
         for name, p in parts.items()

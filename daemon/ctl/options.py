@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from vqpool.daemon.ctl.exits import EXIT_CODES_HELP
 from vqpool.shared.config import RUN_DIR_ENV
 from vqpool.shared.protocol import ADMIN_OP_SPECS
 
@@ -27,6 +28,30 @@ def common_options() -> argparse.ArgumentParser:
         help=f"how long to wait for the daemon's reply (default {DEFAULT_TIMEOUT:g})",
     )
     return common
+
+
+def add_action(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    description: str,
+    *,
+    json: bool = True,
+) -> argparse.ArgumentParser:
+    """The parser of action ``name`` of a command that has several (``model list``, ``model
+    set``...): its one-line ``summary``, its ``description``, the exit codes, the common options
+    and (with ``json``) ``--json``."""
+    parser = actions.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common_options()],
+    )
+    if json:
+        add_json(parser)
+    return parser
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ import psutil
 import zmq
 from vqpool.daemon.budget.accounting import BudgetAccounting
 from vqpool.daemon.budget.ledger import BudgetLedger
+from vqpool.daemon.budget.live_settings import LiveSettings
 from vqpool.daemon.budget.settings import models_from_toml
 from vqpool.daemon.budget.types import ModelSettings
 from vqpool.daemon.core.coordinator import Coordinator, new_boot_id
@@ -177,12 +178,17 @@ class Server:
             claim_grace=self.settings.claim_grace,
             boot_id=boot_id,
         )
+        # Settings made live before a restart, over the config file's (the pool keeps the
+        # shape the config file's budget gives it, as before the restart).
+        live = LiveSettings.load(run_dir, budget, models)
+        budget, models = live.effective_budget(), live.effective_models()
         accounting = BudgetAccounting(
             coord,
             budget,
             models,
             lend_reserves=self.settings.lend_reserves,
             reclaim_deadline=self.settings.reclaim_deadline,
+            live=live,
         )
         state = DaemonState(coord, accounting)
         fd_limit_before, fd_limit = raise_open_file_limit()

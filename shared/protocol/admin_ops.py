@@ -28,12 +28,18 @@ AUDIT = "audit"
 BUDGET = "budget"
 MODEL_SET = "model_set"
 MODEL_LIST = "model_list"
+MODEL_UNSET = "model_unset"
 CACHE_DROP = "cache_drop"
 
 NO_MODEL_LIMIT = -1
 """``model_set``'s ``limit`` for "no limit of its own"."""
 
-MODEL_FIELD = Field("model", check_str, help="the model's full name, as its workers give it")
+MODEL_FIELD = Field(
+    "model",
+    check_str,
+    help="the model's name, as its workers give it, or a short label of it that names only it "
+    "(as `vqpoolctl model list` shows it)",
+)
 
 ADMIN_OP_SPECS = op_table(
     OpSpec(
@@ -132,11 +138,21 @@ ADMIN_OP_SPECS = op_table(
         MODEL_SET,
         "Set one model's budget settings live: RESERVE (bytes kept for it), LIMIT (bytes it "
         "may hold at most; -1: no limit of its own) and WEIGHT (its share of spare bytes). "
-        "Fields not given keep their value. Invalid settings (reserves over the budget, a "
-        "reserve over the limit, a weight outside [0.001, 1000]) are refused and nothing "
-        "changes. Returns the model's view, as in ``model_list``.",
+        "Fields not given keep their value; the settings outlive a restart. Invalid settings "
+        "(reserves over the budget, a reserve over the limit, a weight outside [0.001, 1000]) "
+        "are refused and nothing changes; so is a MODEL no connected worker, config file or "
+        "earlier setting names, unless CREATE (a model configured ahead of its workers, named "
+        "in full). Returns the model's view, as in ``model_list``.",
         (
             MODEL_FIELD,
+            Field(
+                "create",
+                check_bool,
+                required=False,
+                default=False,
+                help="set a model nobody knows yet (no worker connected, not configured), "
+                "taking MODEL as its full name",
+            ),
             Field(
                 "reserve",
                 check_int,
@@ -159,6 +175,15 @@ ADMIN_OP_SPECS = op_table(
                 "others' (default 1)",
             ),
         ),
+    ),
+    OpSpec(
+        MODEL_UNSET,
+        "Remove the settings made live for MODEL: it falls back to its config file's settings, "
+        "or to the defaults (and leaves ``model_list`` when no worker of it is connected and it "
+        "holds nothing). Refused, changing nothing, for a model without live settings, or when "
+        "its config file's reserve would no longer fit the budget. Returns the model's full "
+        "name and its view as in ``model_list`` (null when it left the list).",
+        (MODEL_FIELD,),
     ),
     OpSpec(
         MODEL_LIST,

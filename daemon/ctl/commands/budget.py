@@ -7,8 +7,9 @@ without one (then nothing binds). SIZE sets it: 6GiB, 512MiB, 1.5GB (decimal), o
 machine's physical memory. Prints the change and how many parked requests were refused because
 the new budget can never satisfy them. Lowering the budget below what is held takes nothing
 back: no request is granted until holdings fall under it. A budget smaller than the sum of the
-reserves is refused (exit 4) and nothing changes. --json prints the daemon's budget map (with
-SIZE: the map before and after the change).
+reserves is refused (exit 4) and nothing changes. A budget set here outlives a restart of the
+daemon (it keeps it in its run directory, over its config file's). --json prints the daemon's
+budget map (with SIZE: the map before and after the change).
 """
 
 from __future__ import annotations

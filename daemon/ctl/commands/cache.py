@@ -5,10 +5,10 @@ entries, lookups, hits, hit rate, prompt tokens reused from the cache and prefil
 evicted, as the workers last reported them in their heartbeat ("-" for a model none of whose
 workers reports a prompt cache).
 
-cache drop MODEL: tell every worker of MODEL (its full name, as `vqpoolctl sessions` shows it) to
-drop its prompt cache. The daemon tells each worker in the answer to its next heartbeat (within
-a quarter of the lease), so the blocks come back within that time, not at once. Exits 4 when no
-worker of MODEL is connected.
+cache drop MODEL: tell every worker of MODEL (its name as `vqpoolctl sessions` shows it, or a
+label naming only it, as in `model list`) to drop its prompt cache. The daemon tells each worker
+in the answer to its next heartbeat (within a quarter of the lease), so the blocks come back
+within that time, not at once. Exits 4 when no worker of MODEL is connected.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 
 from vqpool.daemon.ctl.context import Ctl
-from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, Exit
-from vqpool.daemon.ctl.options import add_json, common_options, op_help
+from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.ctl.options import add_action, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.protocol import CACHE_DROP
@@ -27,26 +27,11 @@ LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    common = common_options()
-    listing = actions.add_parser(
-        "list",
-        help="the prompt caches per model",
-        description=LIST_HELP,
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[common],
-    )
-    add_json(listing)
-    dropping = actions.add_parser(
-        "drop",
-        help="make a model's workers drop their prompt cache",
-        description=DROP_HELP,
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[common],
+    add_action(actions, "list", "the prompt caches per model", LIST_HELP)
+    dropping = add_action(
+        actions, "drop", "make a model's workers drop their prompt cache", DROP_HELP
     )
     dropping.add_argument("name", metavar="MODEL", help=op_help(CACHE_DROP, "model"))
-    add_json(dropping)
 
 
 def _list(ctl: Ctl) -> int:

@@ -86,7 +86,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         words = f"{words}: {_never_reason(answer)}"
     need, per_sequence = answer["need"], answer["bytes_per_sequence"]
     ctl.print(
-        f"{args.model}: {args.concurrency} x {args.context} tokens need {format_bytes(need)} "
+        f"{answer['model']}: {args.concurrency} x {args.context} tokens need {format_bytes(need)} "
         f"({format_bytes(per_sequence)} per sequence)"
     )
     ctl.print(words)

@@ -5,15 +5,24 @@ held, its reserve (a floor no other model may take), its limit (a cap on what it
 "none": only the budget bounds it), its weight (how spare bytes are shared while models wait),
 bytes borrowed (held above the reserve), its entitlement (its fair share now), requests waiting
 for memory (their bytes, and how long the oldest has waited), its sessions, and requests its
-workers run and queue. Above the table, the budget line as `vqpoolctl budget` prints it. Model
+workers run and queue, and where its settings come from (the config file, set live, or the
+defaults). Above the table, the budget line as `vqpoolctl budget` prints it. Model
 names lose the prefix they do not need (as in `watch`); --json has the full names.
 
-model set NAME [--reserve SIZE] [--limit SIZE|none] [--weight W]: change the settings of model
-NAME (the name its workers give, in full, as `vqpoolctl sessions` shows it), live, and print
-what changed. A model without workers may be configured ahead of them. The daemon refuses a
-value it cannot honour (reserves that would not fit the budget together, a weight <= 0...) with
-exit 4 and changes nothing. Settings set here last until the daemon restarts (put them in its
-config file to keep them).
+model set NAME [--reserve SIZE] [--limit SIZE|none] [--weight W] [--create]: change the
+settings of model NAME (the name its workers give, as `vqpoolctl sessions` shows it, or the
+short label `model list` shows when no other model has it), live, and print what changed. A
+name no connected worker, config file or earlier setting knows is refused (a typo must not leave
+a phantom model behind): --create sets it all the same, for a model configured ahead of its
+workers (NAME in full). The daemon refuses a value it cannot honour (reserves that would not fit
+the budget together, a weight <= 0...) or an ambiguous label with exit 4 and changes nothing.
+Settings set here outlive a restart of the daemon (it keeps them in its run directory, over its
+config file's; the SETTINGS column of `model list` says which settings are whose).
+
+model unset NAME: remove the settings set live for model NAME (full name or label, as for set):
+it falls back to its config file's settings, or to the defaults; a model no worker serves that
+holds nothing and has no config file settings leaves `model list`. Exit 4, nothing changed, for
+a model without live settings.
 """
 
 from __future__ import annotations
@@ -23,15 +32,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from vqpool.daemon.ctl.budgets import budget_report, size, weight
+from vqpool.daemon.ctl.budgets import budget_report, settings_source, size, weight
 from vqpool.daemon.ctl.context import Ctl
-from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, CtlError, Exit
-from vqpool.daemon.ctl.labels import model_labels
-from vqpool.daemon.ctl.options import add_json, common_options, op_help
+from vqpool.daemon.ctl.exits import CtlError, Exit
+from vqpool.daemon.ctl.options import add_action, op_help
 from vqpool.shared.byte_sizes import parse_bytes
-from vqpool.shared.protocol import MODEL_SET, NO_MODEL_LIMIT
+from vqpool.shared.protocol import MODEL_SET, MODEL_UNSET, NO_MODEL_LIMIT
 
-LIST_HELP, SET_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
+LIST_HELP, SET_HELP, UNSET_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:4])
 
 DEFAULTS = {"reserve": 0, "limit": None, "weight": 1.0}
 """The settings of a model nobody configured (docs/budget.md)."""
@@ -62,24 +70,8 @@ def _weight(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    common = common_options()
-    listing = actions.add_parser(
-        "list",
-        help="the models' budget figures, one row each",
-        description=LIST_HELP,
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[common],
-    )
-    add_json(listing)
-    setting = actions.add_parser(
-        "set",
-        help="change a model's reserve, limit or weight",
-        description=SET_HELP,
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[common],
-    )
+    add_action(actions, "list", "the models' budget figures, one row each", LIST_HELP)
+    setting = add_action(actions, "set", "change a model's reserve, limit or weight", SET_HELP)
     setting.add_argument("name", metavar="NAME", help=op_help(MODEL_SET, "model"))
     setting.add_argument(
         "--reserve",
@@ -99,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help=op_help(MODEL_SET, "weight"),
     )
-    add_json(setting)
+    setting.add_argument("--create", action="store_true", help=op_help(MODEL_SET, "create"))
+    unsetting = add_action(actions, "unset", "remove a model's live settings", UNSET_HELP)
+    unsetting.add_argument("name", metavar="NAME", help=op_help(MODEL_UNSET, "model"))
 
 
 def _list(ctl: Ctl) -> int:
@@ -110,24 +104,6 @@ def _list(ctl: Ctl) -> int:
     for line in budget_report(listing):
         ctl.print(line)
     return Exit.OK
-
-
-def _check_name(name: str, known: list[str]) -> None:
-    """Refuse a short label (as `model list` shows it) given for a model's full name: the
-    settings would go to a model no worker is named after."""
-    if name in known:
-        return
-    full = [other for other, label in model_labels(known, 10**6).items() if label == name]
-    if full:
-        raise CtlError(
-            f"{name!r} is the short label of model {full[0]!r}: give its full name",
-            Exit.BAD_ARGUMENTS,
-        )
-    print(
-        f"vqpoolctl: note: no worker of model {name!r} is connected; "
-        "its settings apply when one is",
-        file=sys.stderr,
-    )
 
 
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -150,23 +126,51 @@ def _set(ctl: Ctl, args: argparse.Namespace) -> int:
             "model set: give at least one of --reserve, --limit, --weight", Exit.BAD_ARGUMENTS
         )
     views = {v["model"]: v for v in ctl.call("model_list")["models"]}
-    _check_name(args.name, list(views))
-    before = views.get(args.name, DEFAULTS)
-    after = ctl.call("model_set", model=args.name, **settings)
+    after = ctl.call("model_set", model=args.name, create=args.create, **settings)
     if ctl.as_json:
         ctl.print_json(after)
         return Exit.OK
-    changes = _changes(before, after)
-    ctl.print(f"model {args.name}: {', '.join(changes) if changes else 'unchanged'}")
+    name = after["model"]
+    changes = _changes(views.get(name, DEFAULTS), after)
+    ctl.print(f"model {name}: {', '.join(changes) if changes else 'unchanged'}")
+    _print_now(ctl, after)
+    if not after["sessions"]:
+        print(
+            f"vqpoolctl: note: no worker of model {name!r} is connected; "
+            "its settings apply when one is",
+            file=sys.stderr,
+        )
+    return Exit.OK
+
+
+def _print_now(ctl: Ctl, view: dict[str, Any]) -> None:
     ctl.print(
-        f"now: reserve {size(after['reserve'])}, limit {size(after['limit'])}, weight "
-        f"{weight(after['weight'])}; holds {size(after['held'])}, entitled to "
-        f"{size(after['entitlement'])}"
+        f"now: reserve {size(view['reserve'])}, limit {size(view['limit'])}, weight "
+        f"{weight(view['weight'])} ({settings_source(view)}); holds {size(view['held'])}, "
+        f"entitled to {size(view['entitlement'])}"
     )
+
+
+def _unset(ctl: Ctl, args: argparse.Namespace) -> int:
+    result = ctl.call("model_unset", model=args.name)
+    if ctl.as_json:
+        ctl.print_json(result)
+        return Exit.OK
+    view = result["view"]
+    if view is None:
+        ctl.print(
+            f"model {result['model']}: live settings removed; no worker serves it and it holds "
+            "nothing: it left the list"
+        )
+        return Exit.OK
+    ctl.print(f"model {result['model']}: live settings removed")
+    _print_now(ctl, view)
     return Exit.OK
 
 
 def run(ctl: Ctl, args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(ctl)
+    if args.action == "unset":
+        return _unset(ctl, args)
     return _set(ctl, args)

@@ -1,8 +1,9 @@
 """Live view of the pool, redrawn every INTERVAL seconds; quit with q or Ctrl-C.
 
 Shows, per stream, blocks in use against the total as a bar with the free count; per model and
-stream, the blocks its workers hold as bars (with bytes held, and on the first stream's line the
-bytes their prompt caches hold of all that) and the requests its workers are
+stream, the blocks its workers hold as bars (on the first stream's line the bytes they hold, K
+and V together, and the bytes their prompt caches hold of all that) and the requests its workers
+are
 running and have queued (as the workers last reported them in their heartbeat; "-" for a
 worker that does not report them); fragmentation; and the rates of block allocations and of
 refused (exhausted) allocations since the previous refresh; then the memory budget (budget,
@@ -169,7 +170,9 @@ def _model_bars(
     streams: dict[str, dict[str, int]],
     width: int,
 ) -> list[str]:
-    """Per model and stream, the blocks held as a bar, with bytes and requests."""
+    """Per model and stream, the blocks held as a bar, with requests; on the model's first
+    line the bytes it holds and, of those, the bytes its prompt caches hold: both K and V bytes
+    together (a stream's own bytes beside the cache's K+V would show cached above held)."""
     label_width = max(len(labels[name]) for name in models)
     heads: list[str] = []
     fractions: list[float] = []
@@ -183,9 +186,11 @@ def _model_bars(
             held = model["blocks"].get(stream, 0)
             heads.append(f"{labels[name]:<{label_width}} {stream}")
             fractions.append(held / counts["total"] if counts["total"] else 0.0)
-            held_text = f"{held} blocks, {human_bytes(model['bytes'].get(stream, 0))}"
-            if model["prompt_cache"] is not None and i == 0:
-                held_text += f" (cached {human_bytes(model['prompt_cache']['bytes'])})"
+            held_text = f"{held} blocks"
+            if i == 0:
+                held_text += f", held {human_bytes(model['bytes_total'])}"
+                if model["prompt_cache"] is not None:
+                    held_text += f" (cached {human_bytes(model['prompt_cache']['bytes'])})"
             held_texts.append(held_text)
             loads.append(model_loads[i] if i < len(model_loads) else "")
     held_width = max(len(text) for text in held_texts)

@@ -16,7 +16,7 @@ PARAMS = ADMIN_ARGS[CACHE_DROP]
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     coord = state.coord
-    model = args["model"]
+    model = state.budget.resolve(args["model"]) or args["model"]
     sessions = [s for s in coord.sessions if s.model == model]
     if not sessions:
         raise ValueError(f"cache_drop: no worker of model {model} is connected")

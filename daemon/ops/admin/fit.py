@@ -14,10 +14,13 @@ PARAMS = ADMIN_ARGS[FIT]
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     coord = state.coord
-    model = args["model"]
+    model = state.budget.resolve(args["model"]) or args["model"]
     priced = [s for s in coord.sessions if s.model == model and s.bytes_per_block]
     if not priced:
         raise ValueError(
             f"no worker of model {model} is connected; its bytes per block are unknown"
         )
-    return fit_answer(state, model, priced[0].bytes_per_block, args["context"], args["concurrency"])
+    answer = fit_answer(
+        state, model, priced[0].bytes_per_block, args["context"], args["concurrency"]
+    )
+    return {"model": model, **answer}

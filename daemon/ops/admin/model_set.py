@@ -14,7 +14,8 @@ PARAMS = ADMIN_ARGS[MODEL_SET]
 
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
-    model = args["model"]
+    budget = state.budget
+    model = budget.model_named(args["model"], create=args["create"])
     fields: dict[str, Any] = {
         k: args[k] for k in ("reserve", "limit", "weight") if args[k] is not None
     }
@@ -24,7 +25,6 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
         fields["limit"] = None
     elif fields.get("limit", 0) < 0:
         raise ValueError(f"model {model!r}: limit must be >= 0 bytes, or -1 for none")
-    budget = state.budget
     settings = model_settings(fields, budget.ledger.settings_of(model), where=f"model {model!r}")
-    budget.set_model(model, settings)
+    budget.set_model(model, settings, fields)
     return budget.model_view(model, time.monotonic())
