@@ -227,3 +227,20 @@ def test_the_openai_client_drives_the_worker(stack: ServingStack) -> None:
     )
     assert [c.usage.total_tokens for c in streamed if c.usage] == [len(PROMPT) + 10]
     stack.wait_for_no_blocks()
+
+
+def test_a_request_naming_the_models_short_label_is_served(stack: ServingStack) -> None:
+    # vqpoolctl shows a model by its last path parts; a request naming that label is served
+    # (the same rule as the admin commands), another model's label is still a 404.
+    full = "org/tiny-labelled"
+    worker = stack.start_worker(LLAMA, ["--served-model-name", full], name="labelled")
+    try:
+        for name in (full, "tiny-labelled"):
+            body = {"model": name, "prompt": "x", "max_tokens": 2}
+            reply = request_json(worker.url, "POST", "/v1/completions", body)
+            assert reply.status == 200 and reply.body["model"] == full, reply
+        for name in ("labelled", "org", "other/tiny-labelled"):
+            body = {"model": name, "prompt": "x", "max_tokens": 2}
+            assert request_json(worker.url, "POST", "/v1/completions", body).status == 404
+    finally:
+        worker.stop()

@@ -29,6 +29,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vqpool.shared.model_names import tail_matches
 from vqpool.worker.models.loading import LoadedModel
 from vqpool.worker.sched.scheduler import SamplingParams
 
@@ -209,6 +210,15 @@ def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     return model.tokenizer.apply_chat_template(parsed)
 
 
+def _names_this_model(requested: Any, names: Collection[str]) -> bool:
+    """Whether a request's ``model`` names the model served here: one of its names, or the
+    short label ``vqpoolctl`` shows for it (the same rule as the admin commands: see
+    ``vqpool.shared.model_names``; every name here is the one model, so no tail is ambiguous)."""
+    if not isinstance(requested, str):
+        return False
+    return requested in names or bool(tail_matches(requested, names))
+
+
 def parse_completion(
     body: Any,
     kind: str,
@@ -229,7 +239,7 @@ def parse_completion(
         raise ApiError(400, "the request body must be a JSON object")
     names = served_names or (model.name,)
     requested = body.get("model")
-    if requested is not None and requested not in names:
+    if requested is not None and not _names_this_model(requested, names):
         raise ApiError(
             404,
             f"model {_shown(requested)} is not served here; this worker serves "
