@@ -6,7 +6,10 @@ the real allocator and this model side by side and compares every result.
 
 ``claim`` (not in the seed) takes specific ids without moving them in the free list: a claimed
 id stays listed as a placeholder, skipped (and dropped) when allocation or shrink reaches it, and
-free again at its old place if it is freed first.
+free again at its old place if it is freed first. In a pool that grows, a claimed id beyond the
+pool, within ``max_blocks``, grows the pool to hold it (a restart of a grown pool): the ids
+skipped on the way are the *gap*, part of no stream until a claim names them or a growth hands
+them out, lowest first, before any new id.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class ReferencePool:
                 self.blocks[bid] = RefBlock(stream=s)
             next_id += per_stream
         self.next_id = next_id
+        self.gap_lo = next_id  # the gap: [gap_lo, next_id) less gap_taken
+        self.gap_taken: set[int] = set()
         self.owner_blocks: dict[Owner, list[int]] = {}
         self.active: set[Owner] = set()
         self.counters = RefCounters(n_blocks=len(self.blocks))
@@ -100,9 +105,25 @@ class ReferencePool:
             raise ValueError(ids)
         if fills is not None and (len(fills) != len(ids) or not all(0 <= n <= size for n in fills)):
             raise ValueError(fills)
+        grown: list[int] = []
         for bid in ids:
-            if bid not in self.free[s] or self.blocks[bid].owner is not None:
+            if bid in self.free[s] and self.blocks[bid].owner is None:
+                continue
+            if bid < self.gap_lo or bid in self.gap_taken:
                 raise LookupError(bid)
+            max_blocks = self.config.max_blocks
+            if not self.config.grow_on_exhaustion or (
+                max_blocks is not None
+                and (bid >= max_blocks or len(self.blocks) + len(grown) + 1 > max_blocks)
+            ):
+                raise LookupError(bid)
+            grown.append(bid)
+        for bid in grown:  # held, on no free list: freeing it lists it as used before
+            self.blocks[bid] = RefBlock(stream=s, ever_allocated=True)
+            self.gap_taken.add(bid)
+            self.next_id = max(self.next_id, bid + 1)
+        self.counters.n_grown += len(grown)
+        self.counters.n_blocks = len(self.blocks)
         self.active.add(owner)
         for i, bid in enumerate(ids):
             block = self.blocks[bid]
@@ -141,9 +162,9 @@ class ReferencePool:
             if self.config.max_blocks is not None:
                 n_short = min(n_short, self.config.max_blocks - len(self.blocks))
             for _ in range(max(0, n_short)):
-                self.blocks[self.next_id] = RefBlock(stream=s)
-                free.append(self.next_id)
-                self.next_id += 1
+                bid = self._next_growth_id()
+                self.blocks[bid] = RefBlock(stream=s)
+                free.append(bid)
                 self.counters.n_grown += 1
             self.counters.n_blocks = len(self.blocks)
         if self.n_free(s) < n_needed:
@@ -168,6 +189,20 @@ class ReferencePool:
             ids.append(bid)
             self.counters.n_allocations += 1
         return self._hand_out(owner, ids)
+
+    def _next_growth_id(self) -> int:
+        """The id a growth lists next: the gap's lowest untaken id, else a new one."""
+        while self.gap_lo < self.next_id:
+            bid = self.gap_lo
+            self.gap_lo += 1
+            if bid in self.gap_taken:
+                self.gap_taken.discard(bid)
+                continue
+            return bid
+        bid = self.next_id
+        self.next_id += 1
+        self.gap_lo = self.next_id
+        return bid
 
     def _free_one(self, bid: int) -> None:
         block = self.blocks.get(bid)
