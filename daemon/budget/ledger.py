@@ -380,6 +380,15 @@ class BudgetLedger:
                     self._pending.remove(request.ticket)
                 return GRANTED
             self._queue.remove(request)
+            # The queue was settled with the request in it. Without it, a head it held back
+            # (placed ahead of it and blocked, or its demand lowering their share) may go: the
+            # next grants() must look again, unless the request is queued back in its place.
+            self._settled = False
+            verdict = self._wait(request, queue, self._book.shortage(rec, n_bytes))
+            if verdict.queued:
+                # The newest of the waiting, as when settled: the queue is as it was then.
+                self._settled = True
+            return verdict
         return self._wait(request, queue, self._book.shortage(rec, n_bytes))
 
     def _wait(self, request: Waiter, queue: bool, reason: Reason) -> Verdict:
