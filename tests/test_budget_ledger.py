@@ -1136,3 +1136,125 @@ def test_a_budget_lowered_below_holdings_needs_the_excess_back() -> None:
     ledger.set_budget(50)
     need = ledger.reclaim_need()
     assert need.short == 30 and need.excess[0][0] == "b"
+
+
+# -- reclaim planning with many waiting models ----------------------------------------------
+
+
+def reference_reclaim_need(
+    ledger: BudgetLedger, queued: dict[str, list[int]], up_to_share: bool, margin: float
+) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
+    """What reclaim_need answers, computed the straightforward way from the snapshot: one
+    water-filling for the entitlements, and one more per waiting model for its full share."""
+    snap = ledger.snapshot()
+    views = snap.models
+
+    def shares(wanting_all: str | None = None) -> dict[str, float]:
+        names, parts, idle = [], [], 0
+        for name, v in views.items():
+            demand = v.effective_limit if name == wanting_all else v.held + v.waiting_bytes
+            idle += max(0, v.reserve - demand)
+            if demand:
+                names.append(name)
+                parts.append((min(demand, v.reserve), min(demand, v.effective_limit), v.weight))
+        capacity = snap.budget if snap.lend_reserves else snap.budget - idle
+        return dict(zip(names, water_fill(capacity, parts), strict=True))
+
+    over = max(0, snap.total_held - snap.budget)
+    if not any(queued.values()) and not over:
+        return 0, {}, []
+    entitlement = shares()
+    wanted: dict[str, int] = {}
+    unused = 0
+    for name, sizes in queued.items():
+        if not sizes:
+            continue
+        v = views[name]
+        share = entitlement.get(name, 0.0)
+        owed = up_to_share and v.held < share
+        if owed and margin:
+            owed = v.held < (1.0 - margin) * shares(name).get(name, 0.0)
+        target = min(share, v.effective_limit if owed else v.reserve)
+        want = 0
+        for n in sizes:
+            if v.held + want + n > target:
+                break
+            want += n
+        if want:
+            wanted[name] = want
+            unused += max(0, v.reserve - v.held)
+    if wanted:
+        protected = 0 if snap.lend_reserves else snap.protected - unused
+        short = max(0, sum(wanted.values()) - (snap.budget - snap.total_held - protected))
+    else:
+        short = over
+    if not short:
+        return 0, wanted, []
+    excess = [
+        (name, v.held - int(entitlement.get(name, 0.0)))
+        for name, v in views.items()
+        if v.held > int(entitlement.get(name, 0.0))
+    ]
+    excess.sort(key=lambda item: (-item[1] / views[item[0]].weight, item[0]))
+    return short, wanted, excess
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reclaim_need_with_many_waiting_models_matches_a_straightforward_computation(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    budget = rng.randrange(10**6, 10**9)
+    n_models = rng.choice([8, 40, 130])
+    configs = {}
+    reserved = 0
+    for i in range(n_models):
+        reserve = rng.randrange(0, budget // n_models) if rng.random() < 0.3 else 0
+        reserved += reserve
+        limit = rng.choice([None, None, reserve + rng.randrange(1, budget)])
+        configs[f"m{i}"] = ModelSettings(reserve, limit, rng.choice([0.5, 1, 2, 3.7, 10]))
+    ledger = BudgetLedger(
+        budget,
+        configs,
+        max_waiting_per_model=8,
+        max_waiting=10_000,
+        lend_reserves=rng.random() < 0.5,
+    )
+    for name in configs:
+        if rng.random() < 0.4:
+            ledger.charge(name, rng.randrange(0, 3 * budget // n_models))
+    queued: dict[str, list[int]] = defaultdict(list)
+    for t in range(4 * n_models):
+        name = f"m{rng.randrange(n_models)}"
+        n = rng.randrange(1, 4 * budget // n_models)
+        if ledger.request(name, n, t, 9.0, 0.0).queued:
+            queued[name].append(n)
+    assert ledger.grants() == []  # nothing granted after the last request: the queue is as built
+    for up_to_share in (False, True):
+        for margin in (0.0, 0.1, 0.25):
+            need = ledger.reclaim_need(up_to_share=up_to_share, margin=margin)
+            got = (need.short, need.wanted, need.excess)
+            assert got == reference_reclaim_need(ledger, queued, up_to_share, margin)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_share_table_gives_each_full_share_of_its_own_water_filling(seed: int) -> None:
+    rng = random.Random(seed)
+    budget = rng.randrange(10**3, 10**9)
+    n_models = rng.choice([3, 8, 40])
+    configs = {}
+    for i in range(n_models):
+        reserve = rng.randrange(0, budget // n_models) if rng.random() < 0.3 else 0
+        limit = rng.choice([None, reserve + rng.randrange(0, budget)])
+        configs[f"m{i}"] = ModelSettings(reserve, limit, rng.choice([0.5, 1, 2, 3.7]))
+    ledger = BudgetLedger(budget, configs, max_waiting=10**5, lend_reserves=rng.random() < 0.5)
+    for name in configs:
+        if rng.random() < 0.5:
+            ledger.charge(name, rng.randrange(0, 3 * budget // n_models))
+    for t in range(3 * n_models):
+        ledger.request(f"m{rng.randrange(n_models)}", rng.randrange(1, budget), t, 9.0, 0.0)
+    book = ledger._book
+    table = book.share_table()
+    assert table.entitlement == book.entitlements()
+    for rec in book.models.values():
+        assert table.full_share(rec) == pytest.approx(book.entitlements(rec).get(rec, 0.0))

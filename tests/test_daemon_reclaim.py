@@ -188,3 +188,36 @@ def test_preemptions_are_counted_once_across_a_reopened_session(
     wait_until(lambda: reclaim_view(daemon)["preemptions"] >= 5, 5.0)
     worker.call("ping")
     assert reclaim_view(daemon)["preemptions"] == 5
+
+
+def test_the_loop_plans_reclaim_only_when_something_changed(
+    start_daemon: Callable[..., DaemonProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
+) -> None:
+    daemon = lending_daemon(start_daemon, "--reclaim-deadline", "30")
+    stubborn = start_worker(daemon.run_dir, "c")
+    stubborn.call("reclaim_handler", "stall")
+    wait_until(lambda: reclaim_view(daemon)["listening_sessions"] == 1, 5.0)
+    fill_on_loan(stubborn, 6, 10)  # 60 of 64 blocks
+    raw = RawClient(daemon.run_dir)
+    try:
+        hello = {"pid": os.getpid(), "model": "a", "nonce": os.urandom(8).hex()}
+        reply = raw.call("hello", {**hello, "bytes_per_block": BYTES_PER_BLOCK})
+        raw.sid, raw.boot = reply["result"]["sid"], reply["result"]["boot"]
+        args = {"stream": "k", "n_tokens": 20 * BLOCK, "owner": "a-0", "wait": 20.0}
+        raw.send(raw.encode("allocate", args))  # waits for a's reserve, lent to c
+        wait_until(lambda: reclaim_view(daemon)["asked"] == 1, 5.0)  # c is asked, stalls
+        plans = reclaim_view(daemon)["plans"]
+        assert plans >= 1
+        # Nothing changes while a waits: loop turns (admin pings, and the time they take,
+        # many times the 5 ms between two plans) plan nothing more.
+        for _ in range(100):
+            daemon.admin("ping")
+        assert daemon.admin("budget")["waiting"] == 1
+        assert reclaim_view(daemon)["plans"] == plans
+        # A change (c frees 10 blocks, still short of a's 20) is planned for once more.
+        stubborn.call("free_all", "c-0")
+        wait_until(lambda: reclaim_view(daemon)["plans"] > plans, 5.0)
+    finally:
+        raw.close()
+    daemon.audit()
