@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -593,4 +594,30 @@ def test_one_process_cannot_fill_the_waiting_cap_for_everybody(
     with pytest.raises(AgentError) as waited:
         other.call("allocate", "k", BLOCK, "o", "fp16", 0.3)
     assert re.search(r"allocate: waited [0-9.e-]+s for", str(waited.value))  # it was queued
+    daemon.audit()
+
+
+def test_a_waiting_request_is_granted_when_a_free_and_a_refused_try_share_a_loop_turn(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "100000")
+    daemon.admin("model_set", model="c", weight=8)
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    c = clients(daemon, "c", 1000)
+    assert a.allocate("a1", 70)["ok"] and a.allocate("a2", 20)["ok"]  # 10 blocks' bytes free
+    b.send_allocate("b1", 20, wait=6.0)
+    wait_until(lambda: daemon.admin("budget")["waiting"] == 1, 5.0)
+    # The free and c's wait-0 try, held until the daemon reads them together: c is first in
+    # the policy order and does not fit, b's 20 do once a's are freed.
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        a.send(a.encode("free_all", {"owner": "a2"}))
+        c.send_allocate("c1", 80, wait=0.0)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert a.recv()["ok"]
+    assert error_code(c.recv()) == ErrorCode.POOL_EXHAUSTED
+    reply = b.recv(timeout=3.0)  # granted now, not refused when its 6 s are over
+    assert reply["ok"], reply
     daemon.audit()
