@@ -18,7 +18,6 @@ and RSS, so the same script measures any revision of vqpoold on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,9 @@ from typing import Any
 import msgpack
 import psutil
 import zmq
+from reply_flood import Session
 from vqpool.shared.protocol import encode_request
+from vqpool.worker.testing.launch import DaemonProcess
 
 N_ITEMS = 4096
 N_SESSIONS = 4
@@ -38,53 +39,24 @@ PER_SESSION = 64
 BLOCK = 16
 
 
-class Session:
-    """One raw protocol session on a DEALER, with declared bytes per block."""
+def replies_now(session: Session) -> list[dict[str, Any]]:
+    """The replies ``session`` has received so far, without waiting."""
+    found = []
+    while session.socket.poll(0):
+        found.append(msgpack.unpackb(session.socket.recv()))
+    return found
 
-    def __init__(self, context: zmq.Context[Any], endpoint: str, model: str, bpb: int) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
-        self.rid = 0
-        self.sid: int | None = None
-        self.boot: str | None = None
-        hello = self.call(
-            "hello",
-            {
-                "pid": os.getpid(),
-                "model": model,
-                "nonce": os.urandom(8).hex(),
-                "bytes_per_block": bpb,
-            },
-        )
-        assert hello["ok"], hello
-        self.sid, self.boot = hello["result"]["sid"], hello["result"]["boot"]
 
-    def send(self, op: str, args: dict[str, Any]) -> None:
-        self.rid += 1
-        self.socket.send(encode_request(self.rid, op, args, self.sid, self.boot))
-
-    def recv(self, timeout: float = 30.0) -> dict[str, Any]:
-        if not self.socket.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no reply in {timeout} s")
-        reply: dict[str, Any] = msgpack.unpackb(self.socket.recv())
-        return reply
-
-    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        self.send(op, args)
-        return self.recv()
-
-    def replies_now(self) -> list[dict[str, Any]]:
-        found = []
-        while self.socket.poll(0):
-            found.append(msgpack.unpackb(self.socket.recv()))
-        return found
+def send(session: Session, op: str, args: dict[str, Any]) -> None:
+    """Send a request without reading its reply."""
+    session.rid += 1
+    session.socket.send(encode_request(session.rid, op, args, session.sid, session.boot))
 
 
 def victim(endpoint: str) -> None:
     """Another process: one waiting allocate of another model; print what it got."""
     context: zmq.Context[Any] = zmq.Context()
-    session = Session(context, endpoint, "victim", 1000)
+    session = Session(context, endpoint, "victim", bytes_per_block=1000)
     args = {"stream": "k", "n_tokens": BLOCK, "owner": "v", "wait": 0.5}
     start = time.monotonic()
     reply = session.call("allocate", args)
@@ -92,15 +64,6 @@ def victim(endpoint: str) -> None:
     message = "granted" if reply["ok"] else reply["error"]["message"]
     print(f"another process's waiting request, answered after {took:.2f} s: {message[:110]}")
     context.destroy(linger=0)
-
-
-def wait_for_socket(run_dir: Path, daemon: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 15
-    while not (run_dir / "worker.sock").exists():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("vqpoold did not start")
-        time.sleep(0.05)
-    time.sleep(0.2)
 
 
 def main() -> None:
@@ -113,29 +76,17 @@ def main() -> None:
         victim(options.victim)
         return
     base = Path(tempfile.mkdtemp(prefix="vqwait", dir="/tmp"))
-    run_dir = base / "run"
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vqpool.daemon",
-            "--run-dir",
-            str(run_dir),
-            "--n-blocks",
-            "512",
-            "--budget",
-            str(8 * 10**6),
-        ],
-        stderr=subprocess.DEVNULL,
-    )
+    daemon = DaemonProcess(base / "run", "--n-blocks", "512", "--budget", str(8 * 10**6))
     context: zmq.Context[Any] = zmq.Context()
     try:
-        wait_for_socket(run_dir, daemon)
-        endpoint = f"ipc://{run_dir / 'worker.sock'}"
-        holder = Session(context, endpoint, "holder", 100_000)
+        daemon.start()
+        endpoint = f"ipc://{daemon.run_dir / 'worker.sock'}"
+        holder = Session(context, endpoint, "holder", bytes_per_block=100_000)
         args = {"stream": "k", "n_tokens": 80 * BLOCK, "owner": "h", "wait": 0.0}
         assert holder.call("allocate", args)["ok"]
-        sessions = [Session(context, endpoint, f"name-{m}", 1000) for m in range(N_SESSIONS)]
+        sessions = [
+            Session(context, endpoint, f"name-{m}", bytes_per_block=1000) for m in range(N_SESSIONS)
+        ]
         process = psutil.Process(daemon.pid)
         rss_before = process.memory_info().rss
         for n in range(options.per_session):
@@ -144,9 +95,9 @@ def main() -> None:
                     ["k", BLOCK, f"{m}-{n}-{i}-".ljust(128, "o"), "fp16"]
                     for i in range(options.items)
                 ]
-                session.send("allocate_many", {"items": items, "wait": 30.0})
+                send(session, "allocate_many", {"items": items, "wait": 30.0})
         time.sleep(2.0)  # let the daemon take them all in
-        refusals = [r for s in sessions for r in s.replies_now() if not r["ok"]]
+        refusals = [r for s in sessions for r in replies_now(s) if not r["ok"]]
         rss_after = process.memory_info().rss
         n_sent = options.per_session * N_SESSIONS
         print(
@@ -160,8 +111,7 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--victim", endpoint], check=True)
     finally:
         context.destroy(linger=0)
-        daemon.terminate()
-        daemon.wait(10)
+        daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -42,6 +42,17 @@ def fill_on_loan(worker: AgentProcess, n_owners: int, blocks_each: int) -> None:
         worker.call("allocate", "k", blocks_each * BLOCK, f"{worker.name}-{i}")
 
 
+def stubborn_on_loan(
+    daemon: DaemonProcess, start_worker: Callable[[Path, str], AgentProcess]
+) -> AgentProcess:
+    """A worker of model c that polls for asks but never gives back, holding 60 of 64 blocks
+    (28 of a's 32-block reserve on loan)."""
+    stubborn = start_worker(daemon.run_dir, "c")
+    stubborn.call("reclaim_handler", "stall")
+    fill_on_loan(stubborn, 6, 10)
+    return stubborn
+
+
 def reclaim_view(daemon: DaemonProcess) -> dict:
     return daemon.admin("budget")["reclaim"]
 
@@ -114,9 +125,7 @@ def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
     start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon, "--reclaim-deadline", "0.5")
-    stubborn = start_worker(daemon.run_dir, "c")
-    stubborn.call("reclaim_handler", "stall")
-    fill_on_loan(stubborn, 6, 10)
+    stubborn = stubborn_on_loan(daemon, start_worker)
     owner_a = start_worker(daemon.run_dir, "a")
     with pytest.raises(AgentError) as refused:
         owner_a.call("allocate", "k", 20 * BLOCK, "a-0", "fp16", 1.5)
@@ -195,10 +204,7 @@ def test_the_loop_plans_reclaim_only_when_something_changed(
     start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon, "--reclaim-deadline", "30")
-    stubborn = start_worker(daemon.run_dir, "c")
-    stubborn.call("reclaim_handler", "stall")
-    wait_until(lambda: reclaim_view(daemon)["listening_sessions"] == 1, 5.0)
-    fill_on_loan(stubborn, 6, 10)  # 60 of 64 blocks
+    stubborn = stubborn_on_loan(daemon, start_worker)
     raw = RawClient(daemon.run_dir)
     try:
         hello = {"pid": os.getpid(), "model": "a", "nonce": os.urandom(8).hex()}
