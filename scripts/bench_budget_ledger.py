@@ -8,7 +8,9 @@ Prints the median of several runs, in ns per call, of:
 - ``allocate(1 block)`` + ``free`` of the allocator, the work the check sits next to, and the
   ratio of the two (the daemon's allocate round trip is ~50-100 us more on top);
 - ``request`` of a model that must wait while other models' requests wait (the slow path);
-- ``credit`` + ``grants()`` handing one waiting request out with 8 models waiting.
+- ``credit`` + ``grants()`` handing one waiting request out with 8 models waiting;
+- one reclaim plan (``plan_reclaim``: what the daemon's loop computes when it plans asks) with
+  8, 128 and 512 models waiting, each for one request, while one model holds the budget.
 
     scripts/bench_budget_ledger.py            # full run, a few seconds
     scripts/bench_budget_ledger.py --quick    # a smoke run of every measurement
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from vqpool.daemon.budget.ledger import BudgetLedger, ModelSettings
+from vqpool.daemon.budget.reclaim_book import ReclaimBook, plan_reclaim
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
 GiB = 2**30
@@ -135,6 +138,34 @@ def credit_grants() -> Callable[[int], None]:
     return body
 
 
+def reclaim_plan(n_waiting_models: int) -> Callable[[], Callable[[int], None]]:
+    """One reclaim plan with ``n_waiting_models`` models waiting after a change of holdings (no
+    session to ask: the plan is computed in full every time, nothing is asked)."""
+
+    def make() -> Callable[[int], None]:
+        ledger = BudgetLedger(
+            GiB, max_waiting_per_model=4, max_waiting=n_waiting_models + 10, lend_reserves=True
+        )
+        ledger.charge("holder", GiB)
+        for i in range(n_waiting_models):
+            ledger.request(f"waiter-{i}", BLOCK_BYTES * (1 + i % 7), ("w", i), math.inf, 0.0)
+        book = ReclaimBook()
+
+        def holders(models: object) -> dict[str, list[tuple[int, int]]]:
+            return {}
+
+        def body(loops: int) -> None:
+            for _ in range(loops):
+                # A byte held and given back: a change, so every plan is computed anew.
+                ledger.charge("holder", 1)
+                ledger.credit("holder", 1)
+                plan_reclaim(ledger, book, holders, 0.0)
+
+        return body
+
+    return make
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny loop counts: a smoke run")
@@ -154,6 +185,10 @@ def main() -> None:
     print(f"request that must wait, 8 models waiting:      {slow:8.0f} ns")
     handout = per_call_ns(slow_loops, runs, lambda: credit_grants())
     print(f"credit+grants()+re-request, 8 models waiting:  {handout:8.0f} ns")
+    for n_waiting in (8, 128, 512):
+        plan_loops = max(1, min(slow_loops, 200_000 // n_waiting**2))
+        plan_ns = per_call_ns(plan_loops, min(runs, 3), reclaim_plan(n_waiting))
+        print(f"reclaim plan, {n_waiting:3d} models waiting:             {plan_ns / 1e6:8.3f} ms")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ N_REPLIES = 64
 class Session:
     """One raw protocol session on a DEALER."""
 
-    def __init__(self, context: zmq.Context[Any], endpoint: str, model: str) -> None:
+    def __init__(
+        self, context: zmq.Context[Any], endpoint: str, model: str, **hello_args: Any
+    ) -> None:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
@@ -45,7 +47,9 @@ class Session:
         self.sid: int | None = None
         self.boot: str | None = None
         nonce = os.urandom(8).hex()
-        hello = self.call("hello", {"pid": os.getpid(), "model": model, "nonce": nonce})
+        hello = self.call(
+            "hello", {"pid": os.getpid(), "model": model, "nonce": nonce, **hello_args}
+        )
         self.sid, self.boot = hello["result"]["sid"], hello["result"]["boot"]
 
     def call_raw(self, op: str, args: dict[str, Any]) -> bytes:

@@ -347,6 +347,34 @@ def test_a_new_request_does_not_overtake_the_blocked_turn_holder() -> None:
     ledger.check_invariants()
 
 
+def test_a_wait_0_try_after_a_free_leaves_no_waiting_request_with_its_bytes_free() -> None:
+    # A free and a wait-0 allocation handled in one loop turn: the free unsettles the queue,
+    # the try is decided before grants() runs. Placed first in the policy order and blocked,
+    # it held b's head back (b over its share with c's demand counted); once it has gone,
+    # nothing holds b back, and the next grants() must grant it.
+    ledger = BudgetLedger(100, {"c": ModelSettings(weight=8)})
+    ledger.charge("a", 90)
+    assert ledger.request("b", 20, "b", 9.0, 0.0).queued  # 10 free: waits
+    ledger.credit("a", 20)  # 30 free: b's 20 fit; grants() not called yet
+    v = ledger.try_grant("c", 80)
+    assert (v.outcome, v.queued) == (Outcome.WAIT, False)
+    assert ledger.grants() == ["b"]
+    ledger.check_invariants()
+
+
+def test_a_request_refused_a_place_in_the_queue_after_a_free_leaves_no_one_waiting() -> None:
+    # The same through _wait: c's request is settled with it in place, then refused
+    # (the queue is full), and b must still be granted by the next grants().
+    ledger = BudgetLedger(100, {"c": ModelSettings(weight=8)}, max_waiting=1)
+    ledger.charge("a", 90)
+    assert ledger.request("b", 20, "b", 9.0, 0.0).queued
+    ledger.credit("a", 20)
+    v = ledger.request("c", 80, "c", 9.0, 0.0)
+    assert (v.outcome, v.reason, v.queued) == (Outcome.QUEUE_FULL, Reason.ALL_QUEUES_FULL, False)
+    assert ledger.grants() == ["b"]
+    ledger.check_invariants()
+
+
 def test_try_grant_and_past_deadlines_never_queue() -> None:
     ledger = BudgetLedger(10)
     ledger.charge("a", 10)
@@ -765,6 +793,10 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(MODELS), n=st.integers(0, 120), wait=st.integers(0, 5))
     def request(self, model: str, n: int, wait: int) -> None:
+        self._request(model, n, wait)
+        self._settle()
+
+    def _request(self, model: str, n: int, wait: int) -> None:
         ledger = self.ledger
         ticket = self.next_ticket
         self.next_ticket += 1
@@ -785,10 +817,13 @@ class LedgerMachine(RuleBasedStateMachine):
             assert not ledger.is_waiting(ticket)
             if v.outcome is Outcome.NEVER:
                 assert n > v.ceiling
-        self._settle()
 
     @rule(model=st.sampled_from(MODELS), n=st.integers(0, 120))
     def try_grant(self, model: str, n: int) -> None:
+        self._try_grant(model, n)
+        self._settle()
+
+    def _try_grant(self, model: str, n: int) -> None:
         ledger = self.ledger
         held_before = ledger.held(model)
         v = ledger.try_grant(model, n)
@@ -801,26 +836,57 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert not self.queued[model], "overtook its own model's waiters"
         else:
             assert ledger.held(model) == held_before
-        self._settle()
 
     @precondition(lambda self: self.ledger.total_held > 0)
     @rule(data=st.data())
     def credit(self, data: st.DataObject) -> None:
-        holders = [m for m, v in self.ledger.snapshot().models.items() if v.held]
-        model = data.draw(st.sampled_from(holders))
-        n = data.draw(st.integers(1, self.ledger.held(model)))
-        self.ledger.credit(model, n)
-        self._refresh_over_flags()
+        self._credit(data)
         self._settle()
 
-    @rule(model=st.sampled_from(MODELS), n=st.integers(0, 60))
-    def charge(self, model: str, n: int) -> None:
-        self.ledger.charge(model, n)
-        view = self.ledger.snapshot().models[model]
-        if view.held > view.effective_limit:
-            self.over_limit_ok.add(model)
-        if self.ledger.total_held > self.ledger.budget:
-            self.over_budget_ok = True
+    def _credit(self, data: st.DataObject, for_a_head: bool = False) -> None:
+        ledger = self.ledger
+        holders = [m for m, v in ledger.snapshot().models.items() if v.held]
+        model = data.draw(st.sampled_from(holders))
+        held = ledger.held(model)
+        amounts = st.integers(1, held)
+        if for_a_head:  # often just what a waiting head lacks
+            free = ledger.budget - ledger.total_held
+            lacks = [self.bytes_of[q[0]] - free for q in self.queued.values() if q]
+            amounts |= st.sampled_from([min(held, max(1, n)) for n in lacks])
+        n = data.draw(amounts)
+        ledger.credit(model, n)
+        self._refresh_over_flags()
+
+    @precondition(lambda self: self.ledger.total_held > 0)
+    @rule(data=st.data(), wait=st.none() | st.integers(0, 5))
+    def free_and_allocate_in_one_turn(self, data: st.DataObject, wait: int | None) -> None:
+        """The daemon's loop turn: a free, then an allocation (a wait-0 try, or a request that
+        may be refused a place) handled before grants() runs. The allocation is drawn mostly
+        for a model with nothing waiting, often the one first in the policy order, and for a
+        little more than is free: one placed first in the policy order, blocked, that then
+        leaves the queue. With nothing waiting, a long wait is queued first (when the
+        bytes are short): the request the free is for."""
+        if not self.model_of:
+            model = data.draw(st.sampled_from(MODELS))
+            free = max(0, self.ledger.budget - self.ledger.total_held)
+            self._request(model, data.draw(st.integers(free + 1, free + 60)), 20)
+            if not self.model_of:
+                return
+        self._credit(data, for_a_head=True)
+        snap = self.ledger.snapshot()
+        idle = [m for m in MODELS if not self.queued[m]] or MODELS
+
+        def order(m: str) -> tuple[bool, float]:
+            view = snap.models.get(m)
+            return (False, 0.0) if view is None else (view.held >= view.reserve, -view.weight)
+
+        model = data.draw(st.sampled_from(idle) | st.just(min(idle, key=order)))
+        free = max(0, snap.budget - snap.total_held)
+        n = data.draw(st.integers(0, 120) | st.integers(1, 60).map(lambda e: free + e))
+        if wait is None:
+            self._try_grant(model, n)
+        else:
+            self._request(model, n, wait)
         self._settle()
 
     @precondition(lambda self: self.model_of)
@@ -931,6 +997,44 @@ class LedgerMachine(RuleBasedStateMachine):
             assert heads_blocked_by_bytes, f"{name}'s head of {n} fits and nothing blocks it"
             assert view.held + n > view.entitlement, f"{name} within its share left waiting"
 
+    @invariant()
+    def nobody_waits_with_its_bytes_free_and_nothing_ahead(self) -> None:
+        """After grants(): a waiting head whose bytes are free (the three rules hold) waits only
+        behind another model's head that comes before it in the policy order and does not fit
+        (the backfill guard); nothing else may keep it waiting."""
+        if not hasattr(self, "ledger"):
+            return
+        ledger = self.ledger
+        snap = ledger.snapshot()
+        free = snap.budget - snap.total_held
+
+        def fits(view: Any, n: int) -> bool:
+            unused_own = max(0, view.reserve - view.held)
+            protected = 0 if ledger.lend_reserves else snap.protected - unused_own
+            return view.held + n <= view.effective_limit and n <= free - protected
+
+        def policy_key(view: Any, ticket: int, n: int) -> tuple[int, float, int]:
+            if view.held < view.reserve:
+                return (0, 0.0, ticket)
+            return (1, (view.held + n) / view.weight, ticket)
+
+        heads = []
+        for name, queue in self.queued.items():
+            if queue:
+                view = snap.models[name]
+                n = self.bytes_of[queue[0]]
+                if view.held + n <= view.effective_limit:  # else it waits for its own bytes
+                    heads.append((policy_key(view, queue[0], n), name, fits(view, n)))
+        heads.sort()
+        blocked_ahead = None
+        for _, name, fit in heads:
+            if not fit:
+                blocked_ahead = blocked_ahead or name
+                continue
+            assert blocked_ahead is not None, (
+                f"{name}'s head waits with its bytes free and nothing ahead of it"
+            )
+
 
 # 200 examples of 50 steps (was 300): 10,000 ledger steps a run, in about 3 s; every run draws
 # new examples, so the suite's runs keep exploring.
@@ -1032,3 +1136,125 @@ def test_a_budget_lowered_below_holdings_needs_the_excess_back() -> None:
     ledger.set_budget(50)
     need = ledger.reclaim_need()
     assert need.short == 30 and need.excess[0][0] == "b"
+
+
+# -- reclaim planning with many waiting models ----------------------------------------------
+
+
+def reference_reclaim_need(
+    ledger: BudgetLedger, queued: dict[str, list[int]], up_to_share: bool, margin: float
+) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
+    """What reclaim_need answers, computed the straightforward way from the snapshot: one
+    water-filling for the entitlements, and one more per waiting model for its full share."""
+    snap = ledger.snapshot()
+    views = snap.models
+
+    def shares(wanting_all: str | None = None) -> dict[str, float]:
+        names, parts, idle = [], [], 0
+        for name, v in views.items():
+            demand = v.effective_limit if name == wanting_all else v.held + v.waiting_bytes
+            idle += max(0, v.reserve - demand)
+            if demand:
+                names.append(name)
+                parts.append((min(demand, v.reserve), min(demand, v.effective_limit), v.weight))
+        capacity = snap.budget if snap.lend_reserves else snap.budget - idle
+        return dict(zip(names, water_fill(capacity, parts), strict=True))
+
+    over = max(0, snap.total_held - snap.budget)
+    if not any(queued.values()) and not over:
+        return 0, {}, []
+    entitlement = shares()
+    wanted: dict[str, int] = {}
+    unused = 0
+    for name, sizes in queued.items():
+        if not sizes:
+            continue
+        v = views[name]
+        share = entitlement.get(name, 0.0)
+        owed = up_to_share and v.held < share
+        if owed and margin:
+            owed = v.held < (1.0 - margin) * shares(name).get(name, 0.0)
+        target = min(share, v.effective_limit if owed else v.reserve)
+        want = 0
+        for n in sizes:
+            if v.held + want + n > target:
+                break
+            want += n
+        if want:
+            wanted[name] = want
+            unused += max(0, v.reserve - v.held)
+    if wanted:
+        protected = 0 if snap.lend_reserves else snap.protected - unused
+        short = max(0, sum(wanted.values()) - (snap.budget - snap.total_held - protected))
+    else:
+        short = over
+    if not short:
+        return 0, wanted, []
+    excess = [
+        (name, v.held - int(entitlement.get(name, 0.0)))
+        for name, v in views.items()
+        if v.held > int(entitlement.get(name, 0.0))
+    ]
+    excess.sort(key=lambda item: (-item[1] / views[item[0]].weight, item[0]))
+    return short, wanted, excess
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reclaim_need_with_many_waiting_models_matches_a_straightforward_computation(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    budget = rng.randrange(10**6, 10**9)
+    n_models = rng.choice([8, 40, 130])
+    configs = {}
+    reserved = 0
+    for i in range(n_models):
+        reserve = rng.randrange(0, budget // n_models) if rng.random() < 0.3 else 0
+        reserved += reserve
+        limit = rng.choice([None, None, reserve + rng.randrange(1, budget)])
+        configs[f"m{i}"] = ModelSettings(reserve, limit, rng.choice([0.5, 1, 2, 3.7, 10]))
+    ledger = BudgetLedger(
+        budget,
+        configs,
+        max_waiting_per_model=8,
+        max_waiting=10_000,
+        lend_reserves=rng.random() < 0.5,
+    )
+    for name in configs:
+        if rng.random() < 0.4:
+            ledger.charge(name, rng.randrange(0, 3 * budget // n_models))
+    queued: dict[str, list[int]] = defaultdict(list)
+    for t in range(4 * n_models):
+        name = f"m{rng.randrange(n_models)}"
+        n = rng.randrange(1, 4 * budget // n_models)
+        if ledger.request(name, n, t, 9.0, 0.0).queued:
+            queued[name].append(n)
+    assert ledger.grants() == []  # nothing granted after the last request: the queue is as built
+    for up_to_share in (False, True):
+        for margin in (0.0, 0.1, 0.25):
+            need = ledger.reclaim_need(up_to_share=up_to_share, margin=margin)
+            got = (need.short, need.wanted, need.excess)
+            assert got == reference_reclaim_need(ledger, queued, up_to_share, margin)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_share_table_gives_each_full_share_of_its_own_water_filling(seed: int) -> None:
+    rng = random.Random(seed)
+    budget = rng.randrange(10**3, 10**9)
+    n_models = rng.choice([3, 8, 40])
+    configs = {}
+    for i in range(n_models):
+        reserve = rng.randrange(0, budget // n_models) if rng.random() < 0.3 else 0
+        limit = rng.choice([None, reserve + rng.randrange(0, budget)])
+        configs[f"m{i}"] = ModelSettings(reserve, limit, rng.choice([0.5, 1, 2, 3.7]))
+    ledger = BudgetLedger(budget, configs, max_waiting=10**5, lend_reserves=rng.random() < 0.5)
+    for name in configs:
+        if rng.random() < 0.5:
+            ledger.charge(name, rng.randrange(0, 3 * budget // n_models))
+    for t in range(3 * n_models):
+        ledger.request(f"m{rng.randrange(n_models)}", rng.randrange(1, budget), t, 9.0, 0.0)
+    book = ledger._book
+    table = book.share_table()
+    assert table.entitlement == book.entitlements()
+    for rec in book.models.values():
+        assert table.full_share(rec) == pytest.approx(book.entitlements(rec).get(rec, 0.0))

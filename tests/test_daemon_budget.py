@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RawClient, short_tmpdir, wait_until
+from daemon_harness import AgentError, RawClient, short_tmpdir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vqpool.daemon.server.settings import MAX_IDS_PER_STREAM, DaemonSettings
 from vqpool.shared.errors import BadRequestError, ErrorCode
@@ -736,3 +736,81 @@ def test_claims_in_a_claim_period_are_checked_against_the_budget(start_daemon) -
         for client in opened:
             client.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_session_over_its_waiting_bound_is_refused_and_another_still_waits(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", str(8 * 10**6))
+    holder = clients(daemon, "holder", 100_000)
+    assert holder.allocate("h", 80)["ok"]  # the budget is full: every other request waits
+    hostile = clients(daemon, "hostile", 1000)
+    # 4,096 items with 128-character owners keep about 1.6 MB each while they wait: two fit
+    # a session's bound (4 MiB), a third does not.
+    for n in range(2):
+        items = [["k", BLOCK, f"{n}-{i}-".ljust(128, "x"), "fp16"] for i in range(4096)]
+        hostile.send(hostile.encode("allocate_many", {"items": items, "wait": 20.0}))
+    wait_until(lambda: daemon.admin("budget")["waiting"] == 2, 5.0)
+    items = [["k", BLOCK, f"2-{i}-".ljust(128, "x"), "fp16"] for i in range(4096)]
+    refused = hostile.call("allocate_many", {"items": items, "wait": 20.0})
+    assert error_code(refused) == ErrorCode.POOL_EXHAUSTED
+    assert "this session's waiting requests would keep" in refused["error"]["message"]
+    assert daemon.admin("budget")["waiting"] == 2  # the refusal changed nothing
+    victim = clients(daemon, "victim", 1000)
+    victim.send_allocate("v", 1, wait=20.0)
+    wait_until(lambda: daemon.admin("budget")["waiting"] == 3, 5.0)  # queued, not refused
+    assert victim.no_reply()
+    assert holder.call("free_all", {"owner": "h"})["ok"]  # bytes for everyone waiting
+    assert victim.recv()["ok"]
+    daemon.audit()
+
+
+def test_one_process_cannot_fill_the_waiting_cap_for_everybody(
+    start_daemon, clients, start_worker
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", str(8 * 10**6))
+    holder = clients(daemon, "holder", 100_000)
+    assert holder.allocate("h", 80)["ok"]  # the budget is full: every other request waits
+    # One process (this one), four sessions under four model names: 256 waiting requests,
+    # the most one process may have.
+    sessions = [clients(daemon, f"name-{m}", 1000) for m in range(4)]
+    for m, session in enumerate(sessions):
+        for i in range(64):
+            session.send_allocate(f"{m}-{i}", 1, wait=20.0)
+    wait_until(lambda: daemon.admin("budget")["waiting"] == 256, 5.0)
+    fifth = clients(daemon, "name-4", 1000)
+    refused = fifth.allocate("more", 1, wait=20.0)
+    assert error_code(refused) == ErrorCode.POOL_EXHAUSTED
+    assert "requests waiting, the most one process may" in refused["error"]["message"]
+    # Another process's request still waits its turn (answered when its wait ends).
+    other = start_worker(daemon.run_dir, "other")
+    with pytest.raises(AgentError) as waited:
+        other.call("allocate", "k", BLOCK, "o", "fp16", 0.3)
+    assert re.search(r"allocate: waited [0-9.e-]+s for", str(waited.value))  # it was queued
+    daemon.audit()
+
+
+def test_a_waiting_request_is_granted_when_a_free_and_a_refused_try_share_a_loop_turn(
+    start_daemon, clients
+) -> None:
+    daemon = budget_daemon(start_daemon, "--budget", "100000")
+    daemon.admin("model_set", model="c", weight=8)
+    a = clients(daemon, "a", 1000)
+    b = clients(daemon, "b", 1000)
+    c = clients(daemon, "c", 1000)
+    assert a.allocate("a1", 70)["ok"] and a.allocate("a2", 20)["ok"]  # 10 blocks' bytes free
+    b.send_allocate("b1", 20, wait=6.0)
+    wait_until(lambda: daemon.admin("budget")["waiting"] == 1, 5.0)
+    # The free and c's wait-0 try, held until the daemon reads them together: c is first in
+    # the policy order and does not fit, b's 20 do once a's are freed.
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        a.send(a.encode("free_all", {"owner": "a2"}))
+        c.send_allocate("c1", 80, wait=0.0)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert a.recv()["ok"]
+    assert error_code(c.recv()) == ErrorCode.POOL_EXHAUSTED
+    reply = b.recv(timeout=3.0)  # granted now, not refused when its 6 s are over
+    assert reply["ok"], reply
+    daemon.audit()

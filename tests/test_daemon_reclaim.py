@@ -42,6 +42,17 @@ def fill_on_loan(worker: AgentProcess, n_owners: int, blocks_each: int) -> None:
         worker.call("allocate", "k", blocks_each * BLOCK, f"{worker.name}-{i}")
 
 
+def stubborn_on_loan(
+    daemon: DaemonProcess, start_worker: Callable[[Path, str], AgentProcess]
+) -> AgentProcess:
+    """A worker of model c that polls for asks but never gives back, holding 60 of 64 blocks
+    (28 of a's 32-block reserve on loan)."""
+    stubborn = start_worker(daemon.run_dir, "c")
+    stubborn.call("reclaim_handler", "stall")
+    fill_on_loan(stubborn, 6, 10)
+    return stubborn
+
+
 def reclaim_view(daemon: DaemonProcess) -> dict:
     return daemon.admin("budget")["reclaim"]
 
@@ -114,9 +125,7 @@ def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(
     start_worker: Callable[[Path, str], AgentProcess],
 ) -> None:
     daemon = lending_daemon(start_daemon, "--reclaim-deadline", "0.5")
-    stubborn = start_worker(daemon.run_dir, "c")
-    stubborn.call("reclaim_handler", "stall")
-    fill_on_loan(stubborn, 6, 10)
+    stubborn = stubborn_on_loan(daemon, start_worker)
     owner_a = start_worker(daemon.run_dir, "a")
     with pytest.raises(AgentError) as refused:
         owner_a.call("allocate", "k", 20 * BLOCK, "a-0", "fp16", 1.5)
@@ -188,3 +197,33 @@ def test_preemptions_are_counted_once_across_a_reopened_session(
     wait_until(lambda: reclaim_view(daemon)["preemptions"] >= 5, 5.0)
     worker.call("ping")
     assert reclaim_view(daemon)["preemptions"] == 5
+
+
+def test_the_loop_plans_reclaim_only_when_something_changed(
+    start_daemon: Callable[..., DaemonProcess],
+    start_worker: Callable[[Path, str], AgentProcess],
+) -> None:
+    daemon = lending_daemon(start_daemon, "--reclaim-deadline", "30")
+    stubborn = stubborn_on_loan(daemon, start_worker)
+    raw = RawClient(daemon.run_dir)
+    try:
+        hello = {"pid": os.getpid(), "model": "a", "nonce": os.urandom(8).hex()}
+        reply = raw.call("hello", {**hello, "bytes_per_block": BYTES_PER_BLOCK})
+        raw.sid, raw.boot = reply["result"]["sid"], reply["result"]["boot"]
+        args = {"stream": "k", "n_tokens": 20 * BLOCK, "owner": "a-0", "wait": 20.0}
+        raw.send(raw.encode("allocate", args))  # waits for a's reserve, lent to c
+        wait_until(lambda: reclaim_view(daemon)["asked"] == 1, 5.0)  # c is asked, stalls
+        plans = reclaim_view(daemon)["plans"]
+        assert plans >= 1
+        # Nothing changes while a waits: loop turns (admin pings, and the time they take,
+        # many times the 5 ms between two plans) plan nothing more.
+        for _ in range(100):
+            daemon.admin("ping")
+        assert daemon.admin("budget")["waiting"] == 1
+        assert reclaim_view(daemon)["plans"] == plans
+        # A change (c frees 10 blocks, still short of a's 20) is planned for once more.
+        stubborn.call("free_all", "c-0")
+        wait_until(lambda: reclaim_view(daemon)["plans"] > plans, 5.0)
+    finally:
+        raw.close()
+    daemon.audit()

@@ -151,6 +151,7 @@ class BudgetAccounting:
         wait = args["wait"]
         growth = args["growth"]
         if wait > 0:
+            self.parking.check_room(session, op, items)  # what waiting requests may keep
             # A growth's party is its session: one growth of each session waits at a time.
             verdict = ledger.request(
                 session.model,

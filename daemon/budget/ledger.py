@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from vqpool.daemon.budget.model_book import ModelBook, check_budget, never_reason
-from vqpool.daemon.budget.shares import water_fill
+from vqpool.daemon.budget.shares import ShareTable, water_fill
 from vqpool.daemon.budget.types import (
     DEFAULT_SETTINGS,
     GRANTED,
@@ -175,6 +175,7 @@ class BudgetLedger:
         self._waiters = self._queue.waiters
         self._pending: list[Ticket] = []
         self._settled = True  # no waiting request could be granted now (see _settle)
+        self._shares: tuple[int, ShareTable] | None = None  # (generation, table) of the last
         self.max_waiting_per_model = max_waiting_per_model
         self.max_waiting = max_waiting
 
@@ -196,6 +197,12 @@ class BudgetLedger:
     def n_waiting(self) -> int:
         """Requests waiting in all (0 means :meth:`grants` has nothing to do)."""
         return len(self._waiters)
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever holdings, settings or the waiting requests change: while it stays
+        the same, :meth:`reclaim_need` answers the same."""
+        return self._book.version + self._queue.version
 
     def held(self, model: str) -> int:
         """Bytes ``model`` holds (0 for a model never seen)."""
@@ -380,6 +387,15 @@ class BudgetLedger:
                     self._pending.remove(request.ticket)
                 return GRANTED
             self._queue.remove(request)
+            # The queue was settled with the request in it. Without it, a head it held back
+            # (placed ahead of it and blocked, or its demand lowering their share) may go: the
+            # next grants() must look again, unless the request is queued back in its place.
+            self._settled = False
+            verdict = self._wait(request, queue, self._book.shortage(rec, n_bytes))
+            if verdict.queued:
+                # The newest of the waiting, as when settled: the queue is as it was then.
+                self._settled = True
+            return verdict
         return self._wait(request, queue, self._book.shortage(rec, n_bytes))
 
     def _wait(self, request: Waiter, queue: bool, reason: Reason) -> Verdict:
@@ -555,14 +571,19 @@ class BudgetLedger:
         over = max(0, book.total_held - book.budget)
         if not self._waiters and not over:
             return ReclaimNeed(0, {}, [])
-        entitlement = book.entitlements()
+        # One water-filling per state of the ledger: the full shares are read off it.
+        generation = self.generation
+        if self._shares is None or self._shares[0] != generation:
+            self._shares = (generation, book.share_table())
+        table = self._shares[1]
+        entitlement = table.entitlement
         wanted: dict[str, int] = {}
         unused_of_wanting = 0
         for rec in self._queue.queued_models:
             share = entitlement.get(rec, 0.0)
             owed_share = up_to_share and rec.held < share
             if owed_share and margin:
-                owed_share = rec.held < (1.0 - margin) * book.entitlements(rec).get(rec, 0.0)
+                owed_share = rec.held < (1.0 - margin) * table.full_share(rec)
             target = min(share, rec.limit if owed_share else rec.reserve)
             want = 0
             for waiter in rec.queue.values():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vqpool.daemon.budget.shares import entitlements
+from vqpool.daemon.budget.shares import ShareTable, entitlements
 from vqpool.daemon.budget.types import (
     DEFAULT_SETTINGS,
     BudgetSnapshot,
@@ -68,6 +68,8 @@ class ModelBook:
         self.reserved = reserved
         self.protected = reserved  # nothing is held yet: every reserve is unused
         self.lend_reserves = bool(lend_reserves)
+        self.version = 0
+        """Bumped by every change of holdings or settings (what the fair shares depend on)."""
         for name, settings in configured.items():
             model = self.models[name] = ModelRecord(name, settings, budget)
             model.configured = True
@@ -90,6 +92,7 @@ class ModelBook:
         if found is None:
             check_model_name(name)
             found = self.models[name] = ModelRecord(name, DEFAULT_SETTINGS, self.budget)
+            self.version += 1
         return found
 
     # -- holdings ------------------------------------------------------------------------------
@@ -104,6 +107,7 @@ class ModelBook:
         model.held = held
         self.total_held += n_bytes
         self.protected += (reserve - held if held < reserve else 0) - unused_before
+        self.version += 1
 
     def take(self, rec: ModelRecord, n_bytes: int) -> bool:
         """Add ``n_bytes`` to ``rec``'s holdings if they fit; whether they did (the three rules,
@@ -118,6 +122,7 @@ class ModelBook:
                 rec.held = held
                 self.total_held += n_bytes
                 self.protected += (reserve - held if held < reserve else 0) - unused_own
+                self.version += 1
                 return True
         return False
 
@@ -161,6 +166,10 @@ class ModelBook:
         """Each model's fair share now (see :func:`~vqpool.daemon.budget.shares.entitlements`)."""
         return entitlements(self.models.values(), self.budget, self.lend_reserves, wanting_all)
 
+    def share_table(self) -> ShareTable:
+        """The fair shares now, with each model's full share (see :class:`ShareTable`)."""
+        return ShareTable(self.models.values(), self.budget, self.lend_reserves)
+
     # -- settings ------------------------------------------------------------------------------
 
     def set_budget(self, budget: int) -> None:
@@ -176,6 +185,7 @@ class ModelBook:
         for rec in self.models.values():
             limit = rec.settings.limit
             rec.limit = budget if limit is None else min(limit, budget)
+        self.version += 1
 
     def set_model(self, model: str, settings: ModelSettings, *, configured: bool = True) -> None:
         """Set ``model``'s settings (see :meth:`BudgetLedger.set_model`).
@@ -202,6 +212,7 @@ class ModelBook:
         rec.weight = float(settings.weight)
         self.reserved = reserved
         self.protected += (rec.reserve - held if held < rec.reserve else 0) - unused_before
+        self.version += 1
 
     def forget(self, model: str) -> bool:
         """Drop ``model`` if unconfigured, holding nothing and waiting for nothing (see
@@ -210,6 +221,7 @@ class ModelBook:
         if found is None or found.configured or found.held or found.queue:
             return False
         del self.models[model]
+        self.version += 1
         return True
 
     # -- answers for people --------------------------------------------------------------------

@@ -20,6 +20,13 @@ parked is not applied again: the worker socket finds it in :attr:`Parking.parked
 it, and the loop keeps the resend's envelope, so the late reply goes to the newest send. A parked
 request of a session that ended is dropped unanswered.
 
+What parked requests may keep is bounded (:meth:`Parking.check_room`), as the reply cache is:
+per session by the bytes their items keep (:data:`WAITING_BYTES_PER_SESSION`), and per process
+by count and bytes (:data:`WAITING_PER_PROCESS`, :data:`WAITING_BYTES_PER_PROCESS`), so that one
+process cannot take the ledger's global cap on waiting requests (or the daemon's memory) from
+everybody else, however many sessions or model names it opens. A request over a bound is
+refused (POOL_EXHAUSTED, saying which bound) and changes nothing.
+
 A worker's ``reclaim_poll`` waiting for an ask is parked the same way
 (``budget/reclaim_service.py``) and sent from the same outbox. See docs/budget.md and
 docs/protocol.md.
@@ -36,6 +43,30 @@ from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import BadRequestError, BlockPoolExhaustedError, RequestCancelledError
 from vqpool.shared.protocol import encode_result
+
+WAITING_BYTES_PER_SESSION = 4 << 20
+"""Bytes one session's parked requests may keep (estimated by :func:`kept_bytes`): room for a
+few thousand items with the longest owners, or hundreds of a worker's usual waiting
+allocations."""
+
+WAITING_BYTES_PER_PROCESS = 16 << 20
+"""Bytes the parked requests of all the sessions of one process may keep."""
+
+WAITING_PER_PROCESS = 256
+"""Requests the sessions of one process may have parked: a quarter of the ledger's cap on all
+waiting requests (``DEFAULT_MAX_WAITING``), so no one process fills it for everybody."""
+
+_REQUEST_COST = 512  # a parked request, its envelope and the ledger's waiter
+_ITEM_COST = 256  # an item's tuple, its stream and format strings, its owner (without text)
+
+
+def kept_bytes(items: Items) -> int:
+    """What a parked request of ``items`` keeps in the daemon's memory, estimated from above
+    (the item tuples and their strings; owners' text counted by length)."""
+    n = _REQUEST_COST
+    for _, _, owner, _ in items:
+        n += _ITEM_COST + len(owner) if type(owner) is str else _ITEM_COST
+    return n
 
 
 class Parked:
@@ -55,6 +86,7 @@ class ParkedRequest(Parked):
         "deadline",
         "growth",
         "items",
+        "kept",
         "n_bytes",
         "op",
         "rid",
@@ -82,6 +114,7 @@ class ParkedRequest(Parked):
         self.wait = wait
         self.deadline = now + wait
         self.growth = growth
+        self.kept = kept_bytes(items)
 
 
 class Parking:
@@ -103,6 +136,47 @@ class Parking:
         looks resends up in it)."""
         self.outbox: list[tuple[list[bytes], bytes]] = []
         """Late replies ready to send: (envelope, reply frame)."""
+
+    def check_room(self, session: Session, op: str, items: Items) -> None:
+        """Refuse a request that would take ``session`` or its process past what parked
+        requests may keep (see the module's docstring); call it before the ledger queues it.
+
+        Raises:
+            BlockPoolExhaustedError: Over a bound; nothing changed.
+        """
+        kept = kept_bytes(items)
+        session_kept = process_kept = process_count = 0
+        pid = session.pid
+        for parked in self.parked.values():
+            other = parked.session
+            if other is session:
+                session_kept += parked.kept
+            if other.pid == pid:
+                process_kept += parked.kept
+                process_count += 1
+        why = None
+        if session_kept + kept > WAITING_BYTES_PER_SESSION:
+            why = (
+                f"this session's waiting requests would keep {format_bytes(session_kept + kept)} "
+                f"of the daemon's memory, over the {format_bytes(WAITING_BYTES_PER_SESSION)} "
+                "one session's may"
+            )
+        elif process_count >= WAITING_PER_PROCESS:
+            why = (
+                f"process {pid} already has {process_count} requests waiting, the most one "
+                "process may"
+            )
+        elif process_kept + kept > WAITING_BYTES_PER_PROCESS:
+            why = (
+                f"process {pid}'s waiting requests would keep "
+                f"{format_bytes(process_kept + kept)} of the daemon's memory, over the "
+                f"{format_bytes(WAITING_BYTES_PER_PROCESS)} one process's may"
+            )
+        if why is not None:
+            raise BlockPoolExhaustedError(
+                f"{op}: not queued to wait for memory: {why}; retry when some of them are "
+                "answered, or ask for fewer items at a time"
+            )
 
     def park(self, parked: ParkedRequest) -> ParkedRequest:
         """Keep an allocation the ledger queued, under its ticket (session id, request id)."""

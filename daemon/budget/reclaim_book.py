@@ -123,6 +123,8 @@ class ReclaimBook:
         self._by_session: dict[int, ReclaimAsk] = {}
         self._open_bytes = 0  # bytes of the asks not answered and not late
         self._answered_at: dict[int, float] = {}  # sessions in their cool-down: when they answered
+        self.version = 0
+        """Bumped whenever an ask is made, answered, turns late or is dropped."""
 
     def open_ask(self, sid: int) -> ReclaimAsk | None:
         """The ask ``sid`` has not answered (late or not), if any."""
@@ -195,6 +197,7 @@ class ReclaimBook:
                 take -= n
                 remaining -= n
                 new.append(ask)
+                self.version += 1
             if remaining <= 0:
                 break
         return new
@@ -232,7 +235,9 @@ class ReclaimBook:
             if ask.late:
                 if now >= ask.deadline + self.deadline:
                     del self._by_session[ask.sid]
+                    self.version += 1
             elif now >= ask.deadline:
+                self.version += 1
                 ask.late = True
                 self._open_bytes -= ask.n_bytes
                 self.stats.late += 1
@@ -259,7 +264,14 @@ class ReclaimBook:
         if n > 0:
             self.stats.preemptions += n
 
+    def next_cool_down_end(self, now: float) -> float | None:
+        """When the earliest cool-down still running at ``now`` ends (a session that may be
+        asked again then)."""
+        ends = [t + self.cool_down for t in self._answered_at.values() if t + self.cool_down > now]
+        return min(ends) if ends else None
+
     def _close(self, ask: ReclaimAsk) -> None:
+        self.version += 1
         del self._by_session[ask.sid]
         if not ask.late:
             self._open_bytes -= ask.n_bytes

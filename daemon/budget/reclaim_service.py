@@ -38,8 +38,9 @@ from vqpool.shared.protocol import encode_result
 log = logging.getLogger("vqpoold")
 
 PLAN_INTERVAL = 0.005
-"""Seconds between two looks at the ledger's need while requests wait: a look costs one
-water-filling, and an ask answered in less than this is not the bottleneck."""
+"""Seconds at least between two plans while requests wait: a plan costs one water-filling, and
+an ask answered in less than this is not the bottleneck. A plan is made only when something it
+depends on changed (:meth:`ReclaimService.tick`)."""
 
 
 class ParkedPoll(Parked):
@@ -82,6 +83,11 @@ class ReclaimService:
         self._next_plan = 0.0
         self._next_poll_expiry = math.inf  # no parked poll's wait ends before this
         self._over_limit: set[str] = set()  # models set below their holdings, not back under
+        self._listeners_version = 0  # bumped when a session starts or stops polling
+        self._planned: tuple[int, int, int] | None = None  # what the last plan saw
+        self._replan_at = math.inf  # a cool-down ends: the last plan may have skipped it
+        self.plans = 0
+        """Plans made (each one water-filling): only when something changed."""
 
     # -- the worker ops ------------------------------------------------------------------------
 
@@ -93,7 +99,9 @@ class ReclaimService:
         one replaces the old, whose client has moved on; a resend of the parked one (same
         request id) keeps its place."""
         session.reclaimable = True
-        self.listeners.add(session.sid)
+        if session.sid not in self.listeners:
+            self.listeners.add(session.sid)
+            self._listeners_version += 1
         ask = self.book.open_ask(session.sid)
         if ask is not None:
             self.polls.pop(session.sid, None)
@@ -180,9 +188,22 @@ class ReclaimService:
                 else:
                     next_expiry = min(next_expiry, parked.deadline)
             self._next_poll_expiry = next_expiry
-        if now >= self._next_plan and self.listeners:
+        if now >= self._next_plan and self.listeners and self._plan_due(now):
             self._next_plan = now + PLAN_INTERVAL
             self._plan(now)
+            # What this plan saw, its own asks and refused growths included: the next plan
+            # waits for a change of holdings, settings, waiting requests, asks or listeners,
+            # or for a cool-down to end.
+            self._planned = self._inputs()
+            cool_down_end = self.book.next_cool_down_end(now)
+            self._replan_at = math.inf if cool_down_end is None else cool_down_end
+
+    def _inputs(self) -> tuple[int, int, int]:
+        return (self._ledger.generation, self.book.version, self._listeners_version)
+
+    def _plan_due(self, now: float) -> bool:
+        """Whether anything a plan depends on changed since the last one."""
+        return now >= self._replan_at or self._inputs() != self._planned
 
     def next_wake(self, now: float) -> float | None:
         """When :meth:`tick` must run next (None: nothing pending)."""
@@ -194,11 +215,15 @@ class ReclaimService:
         if self.listeners and (
             ledger.n_waiting or ledger.total_held > ledger.budget or self._over_limit
         ):
-            times.append(max(now, self._next_plan))
+            if self._inputs() != self._planned:
+                times.append(max(now, self._next_plan))
+            elif self._replan_at < math.inf:
+                times.append(max(self._replan_at, self._next_plan))
         return min(times) if times else None
 
     def _plan(self, now: float) -> None:
         ledger = self._ledger
+        self.plans += 1
 
         def holders(models: Collection[str]) -> dict[str, list[tuple[int, int]]]:
             found: dict[str, list[tuple[int, int]]] = {}
@@ -247,7 +272,9 @@ class ReclaimService:
 
     def session_ended(self, session: Session) -> None:
         self.polls.pop(session.sid, None)
-        self.listeners.discard(session.sid)
+        if session.sid in self.listeners:
+            self.listeners.discard(session.sid)
+            self._listeners_version += 1
         self.book.session_ended(session.sid)
 
     @staticmethod
@@ -273,4 +300,5 @@ class ReclaimService:
             "preemptions": stats.preemptions,
             "deadline_s": self.book.deadline,
             "listening_sessions": len(self.listeners),
+            "plans": self.plans,
         }

@@ -96,10 +96,13 @@ class WaitQueue:
         self.queued_models: dict[ModelRecord, None] = {}
         self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = 0
+        self.version = 0
+        """Bumped by every request queued or removed."""
 
     def enqueue(self, waiter: Waiter) -> None:
         """Queue ``waiter`` (numbered here: its place in arrival order)."""
         self._seq += 1
+        self.version += 1
         waiter.seq = self._seq
         rec, ticket = waiter.model, waiter.ticket
         if not rec.queue:
@@ -125,6 +128,7 @@ class WaitQueue:
         """Take ``waiter`` out of its queue and the indices (its deadline entry stays until it
         is popped or compacted away)."""
         rec = waiter.model
+        self.version += 1
         del rec.queue[waiter.ticket]
         del self.waiters[waiter.ticket]
         rec.waiting_bytes -= waiter.n_bytes
