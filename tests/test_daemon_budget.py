@@ -794,7 +794,7 @@ def test_a_waiting_request_is_granted_when_a_free_and_a_refused_try_share_a_loop
     start_daemon, clients
 ) -> None:
     daemon = budget_daemon(start_daemon, "--budget", "100000")
-    daemon.admin("model_set", model="c", weight=8)
+    daemon.admin("model_set", model="c", weight=8, create=True)
     a = clients(daemon, "a", 1000)
     b = clients(daemon, "b", 1000)
     c = clients(daemon, "c", 1000)
