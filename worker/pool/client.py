@@ -187,6 +187,12 @@ class PoolClient:
             return "re-declaring the blocks held here to a restarted vqpoold"
         return None
 
+    @property
+    def calls_kept(self) -> int:
+        """Frees (and fill updates) kept while the daemon did not answer, not sent yet: the
+        heartbeat sends them once it answers again."""
+        return self._calls.n_kept
+
     def daemon_unavailable(self) -> str | None:
         """Why nothing new can start now, in one line naming the daemon, when the heartbeat
         found it silent (its last ping went unanswered); None while it answers. No round trip:
