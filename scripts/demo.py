@@ -18,8 +18,9 @@ What it does, end to end, with real processes:
    one line per second, printed only when something in it changed;
 5. once the load is done, checks that no block is held, shrinks the pool with
    ``vqpoolctl shrink``, prints a summary table (with each model's share of the bytes held
-   while both wanted memory, and of the decode time, against its weight's share), and stops
-   everything cleanly.
+   while both wanted memory, and of the decode time, against its weight's share), says what
+   the preemption count and the shares mean, stops everything cleanly and ends with the
+   commands to try next by hand.
 
 Exit status 0 when all of that worked, 1 otherwise (the processes' logs are printed then).
 
@@ -339,6 +340,45 @@ def summary(
     print(f"\nShrink (vqpoolctl shrink): {retired} blocks retired ({per_stream})")
 
 
+# The demo's pool is small on purpose, so its preemption rate is high: on a 2-vCPU box runs of
+# the default options preempt 8-20 requests a second. Well above that, something else is slow.
+USUAL_PREEMPTIONS_PER_S = 30.0
+
+TRY_NEXT = """
+Try next, by hand (the demo has stopped its daemon and workers):
+  vqpoold --budget 64MiB &  vqpool-worker --model builtin:llama --port 8081 &
+  curl http://127.0.0.1:8081/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+  vqpoolctl watch                                 # the pool live, per model
+  vqpool-worker --model PATH --port 8082          # serve a real mlx-lm model directory"""
+
+
+def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
+    """Two short paragraphs: whether the preemption rate is normal, and what weights govern."""
+    if reserve == "full":
+        preemptions = (
+            "Preemptions: with --reserve full a request reserves all it needs at its start, so\n"
+            "few are preempted: mostly when a reclaim takes their model's bytes back."
+        )
+    else:
+        verdict = (
+            "normal for this deliberately small pool"
+            if preemptions_per_s <= USUAL_PREEMPTIONS_PER_S
+            else f"more than this demo usually shows (up to {USUAL_PREEMPTIONS_PER_S:.0f}/s)"
+        )
+        preemptions = (
+            f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}. A request grows its memory on\n"
+            "demand; when the pool is full, the newest request gives way and is recomputed later,\n"
+            "with identical tokens: it is delayed, not cut."
+        )
+    weights = (
+        "Weights govern memory, not CPU: the bytes share leans to the weights while both models\n"
+        "want memory; the decode share follows each worker's own load and is not expected to\n"
+        "follow the weights."
+    )
+    return f"\n{preemptions}\n{weights}"
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 
@@ -472,6 +512,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                 f"{loaded:.1f}s); reclaim asks: {asked} ({asked / loaded:.1f}/s); workers' "
                 f"--reserve {args.reserve}"
             )
+            print(what_it_showed(preempted / loaded, args.reserve))
             print(
                 f"\nprompt caches dropped (vqpoolctl cache drop): {human_bytes(cached)}; blocks "
                 f"in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
@@ -486,6 +527,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                 ok = False
         processes.clear()
         print("stopped workers and vqpoold" + ("" if ok else " (with errors)"))
+        if ok:
+            print(TRY_NEXT)
         return ok
     finally:
         for process in reversed(processes):

@@ -213,6 +213,21 @@ def test_metrics_help_describes_the_metrics_in_the_users_terms(pool: LivePool) -
         assert f"veloxquant_block_pool_{name}" in result.stdout
 
 
+def test_metrics_help_says_why_two_name_prefixes_are_kept(tmp_path: Path) -> None:
+    # Help needs no daemon: a run directory where none runs.
+    result = run_ctl(tmp_path, "help", "metrics")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "Two name prefixes, on purpose" in text
+    assert (
+        "veloxquant_block_pool_* are the pool counters exactly as the VeloxQuant block pool" in text
+    )
+    assert (
+        "everything vqpool adds (streams, models, budget, sessions, requests) is vqpool_*" in text
+    )
+    assert "Do not rename either set" in text
+
+
 def test_help_comes_from_the_command_modules(pool: LivePool) -> None:
     from vqpool.daemon.ctl.commands import COMMANDS
 

@@ -1,13 +1,16 @@
-"""The service files shipped in docs/ are valid and start vqpoold with options it accepts."""
+"""The service files shipped in docs/ are valid and start vqpoold and vqpool-worker with options
+they accept."""
 
 from __future__ import annotations
 
 import configparser
 import plistlib
+import re
 import shlex
 from pathlib import Path
 
 from vqpool.daemon.__main__ import build_parser
+from vqpool.worker.serve import build_parser as build_worker_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -26,10 +29,38 @@ def test_launchd_plist() -> None:
     assert plist["ProcessType"] == "Interactive"
 
 
-def test_systemd_user_unit() -> None:
+def _systemd_unit(name: str) -> configparser.ConfigParser:
     unit = configparser.ConfigParser(interpolation=None, strict=True)
     unit.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
-    unit.read(DOCS / "systemd" / "vqpoold.service")
+    assert unit.read(DOCS / "systemd" / name), name
+    return unit
+
+
+def _systemd_exec_words(command: str, env: dict[str, str]) -> list[str]:
+    """ExecStart's words with the environment substituted as systemd does: ``${VAR}`` as one
+    word, a word that is only ``$VAR`` split into words (none when empty)."""
+    words: list[str] = []
+    for word in shlex.split(command):
+        whole = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if whole:
+            words.extend(env.get(whole.group(1), "").split())
+        else:
+            words.append(re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env[m.group(1)], word))
+    return words
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), line
+            env[key] = value
+    return env
+
+
+def test_systemd_user_unit() -> None:
+    unit = _systemd_unit("vqpoold.service")
     service = unit["Service"]
     program, *args = shlex.split(service["ExecStart"])
     assert program.endswith("/vqpoold")
@@ -40,11 +71,52 @@ def test_systemd_user_unit() -> None:
     assert unit["Install"]["WantedBy"] == "default.target"
 
 
+def test_systemd_worker_template_unit_serves_the_model_its_environment_file_names() -> None:
+    unit = _systemd_unit("vqpool-worker@.service")
+    assert unit["Unit"]["Wants"] == "vqpoold.service"
+    assert unit["Unit"]["After"] == "vqpoold.service"
+    service = unit["Service"]
+    assert service["EnvironmentFile"] == "%h/.config/vqpool/worker-%i.env"  # one per instance
+    env = _env_file(DOCS / "systemd" / "vqpool-worker-example.env")
+    program, *args = _systemd_exec_words(service["ExecStart"], env)
+    assert program.endswith("/vqpool-worker")
+    options = build_worker_parser().parse_args(args)  # exits (fails the test) on a bad option
+    assert options.model == env["VQPOOL_MODEL"]
+    assert options.port == int(env["VQPOOL_PORT"])
+    assert options.max_concurrent == 4  # VQPOOL_WORKER_ARGS reached the worker, word by word
+    # With no extra options the command line still parses.
+    bare = _systemd_exec_words(service["ExecStart"], {**env, "VQPOOL_WORKER_ARGS": ""})
+    assert build_worker_parser().parse_args(bare[1:]).model == env["VQPOOL_MODEL"]
+    assert service["Type"] == "simple"
+    assert service["Restart"] == "on-failure"  # no daemon yet (exit 1): tried again
+    assert service["RestartPreventExitStatus"] == "2"  # bad options or model: not retried
+    assert service["KillSignal"] == "SIGTERM"
+    assert unit["Install"]["WantedBy"] == "default.target"
+
+
+def test_launchd_worker_plist_serves_one_model() -> None:
+    path = DOCS / "launchd" / "com.vqpool.worker.example.plist"
+    with open(path, "rb") as f:
+        plist = plistlib.load(f)
+    assert plist["Label"] == path.stem == "com.vqpool.worker.example"
+    program, *args = plist["ProgramArguments"]
+    assert program.endswith("/vqpool-worker")
+    options = build_worker_parser().parse_args(args)
+    assert options.model.endswith("/models/example") and options.port == 8081
+    assert plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["StandardErrorPath"].endswith("/Library/Logs/vqpool-worker.example.log")
+    assert plist["ProcessType"] == "Interactive"
+
+
 def test_operations_guide_covers_the_essentials() -> None:
     guide = (DOCS / "operations.md").read_text()
     for needle in (
         "launchd/com.vqpool.vqpoold.plist",
         "systemd/vqpoold.service",
+        "launchd/com.vqpool.worker.example.plist",
+        "systemd/vqpool-worker@.service",
+        "systemd/vqpool-worker-example.env",
         "$XDG_RUNTIME_DIR/vqpool",
         "vqpoolctl shrink",
         "--metrics-port",

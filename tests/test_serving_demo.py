@@ -69,3 +69,15 @@ def test_demo_short_runs_end_to_end() -> None:
     assert all(int(row[14]) >= 0 for row in summary.values())  # preempted
     preemptions = re.search(r"Preemptions under load: (\d+) \([\d.]+/s over [\d.]+s\)", out)
     assert preemptions, out
+    # The summary says what the counts mean, then what to try next, and ends there.
+    assert re.search(r"Preemptions: [\d.]+/s is (normal|more than)", out), out
+    assert "the newest request gives way and is recomputed later" in out
+    assert "Weights govern memory, not CPU" in out
+    assert "not expected to\nfollow the weights" in out
+    lines = out.rstrip().splitlines()
+    closing = lines[max(i for i, line in enumerate(lines) if line.startswith("Try next")) :]
+    assert closing[0].startswith("Try next, by hand") and len(closing) == 6, closing
+    assert "vqpool-worker --model builtin:llama" in closing[1] and "vqpoold" in closing[1]
+    assert closing[2].lstrip().startswith("curl http://127.0.0.1:8081/v1/chat/completions")
+    assert closing[-2].lstrip().startswith("vqpoolctl watch")
+    assert closing[-1].lstrip().startswith("vqpool-worker --model PATH")

@@ -11,7 +11,7 @@ Two threads meet here, and never on the allocator:
   between two requests, has published an immutable :class:`MetricsSnapshot`. The collector
   turns that snapshot into metric families.
 
-Metric names: the seed's ``veloxquant_block_pool_*`` series exactly as
+Metric names: VeloxQuant's ``veloxquant_block_pool_*`` series exactly as
 ``AllocationStats.to_prometheus`` writes them (read back from that text, so the names have one
 source), plus ``vqpool_*`` series for streams, models, sessions and requests.
 """
@@ -335,7 +335,7 @@ _MODEL_GAUGES = (
     (
         "vqpool_model_borrowed_bytes",
         "borrowed",
-        "Bytes a model holds above its reserve (what issue 13's reclaim may ask back).",
+        "Bytes a model holds above its reserve (what reclaim may ask back).",
     ),
     (
         "vqpool_model_waiting_requests",

@@ -17,6 +17,12 @@ VeloxQuant block pool exports, so existing dashboards keep working):
 The full set (per-model and per-stream gauges, session and request counters, request handling
 time) is served over HTTP by `vqpoold --metrics-port PORT` at http://127.0.0.1:PORT/metrics.
 With --json, a map of sample name to value.
+
+Two name prefixes, on purpose: veloxquant_block_pool_* are the pool counters exactly as the
+VeloxQuant block pool names them, kept so that its dashboards and alerts work unchanged on
+vqpool; everything vqpool adds (streams, models, budget, sessions, requests) is vqpool_*.
+Do not rename either set: a renamed series is a new series to Prometheus, and every dashboard
+and alert on the old name goes silent.
 """
 
 from __future__ import annotations
