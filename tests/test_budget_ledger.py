@@ -571,6 +571,24 @@ def test_fit_verdicts_in_order() -> None:
         ledger.fit("a", 1, 0)
 
 
+def test_fit_counts_the_models_own_prompt_cache_as_available_now() -> None:
+    ledger = BudgetLedger(100, {"a": ModelSettings(limit=60), "b": ModelSettings(reserve=20)})
+    ledger.charge("a", 50)  # 40 of it a's idle prompt cache
+    ledger.charge("b", 40)
+    plain = ledger.fit("a", 10, 1)
+    assert (plain.available_now, plain.own_cache_now) == (10, 0)
+    cached = ledger.fit("a", 10, 5, own_cache=40)
+    # Its cache given back, a holds 10: 50 more within its limit of 60 (the budget has 50).
+    assert (cached.verdict, cached.available_now, cached.own_cache_now) == ("now", 50, 40)
+    assert cached.max_concurrency_now == 5 and cached.held == 50
+    assert cached.available_after_return == 50  # b is within its reserve: nothing more to return
+    # A stale report of more than it holds counts only what it holds.
+    assert ledger.fit("a", 10, 1, own_cache=500).available_now == 60
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="own_cache"):
+            ledger.fit("a", 10, 1, own_cache=bad)  # type: ignore[arg-type]
+
+
 def test_the_fit_example_of_docs_budget_md() -> None:
     ledger = BudgetLedger(
         16 * GiB,

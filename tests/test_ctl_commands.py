@@ -191,8 +191,9 @@ def test_history_table_json_and_plot(pool: LivePool, tmp_path: Path) -> None:
     result = run_ctl(pool.run_dir, "history", "--limit", "2")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split()[:4] == ["#", "BLOCKS", "IN", "USE"]
-    assert [row.split()[:3] for row in rows] == [["1", "256", "14"], ["2", "256", "21"]]
+    assert header.split()[:5] == ["#", "TIME", "BLOCKS", "IN", "USE"]
+    cells = [row.split() for row in rows]
+    assert [[c[0], *c[2:4]] for c in cells] == [["1", "256", "14"], ["2", "256", "21"]]
 
 
 def test_metrics_text_and_json(pool: LivePool) -> None:

@@ -311,9 +311,15 @@ class BudgetAccounting:
             raise ValueError(
                 f"fit: model {model!r} declared 0 bytes per block: the budget does not bound it"
             )
-        return fit_to_wire(
-            self.ledger, self.ledger.fit(model, per_sequence, concurrency), per_sequence
+        # Its workers' idle prompt caches (reported in their pings): blocks it holds that they
+        # give back before a request of theirs waits, so available to it now.
+        own_cache = sum(
+            s.prompt_cache.get("bytes", 0)
+            for s in self._coord.sessions
+            if s.model == model and s.prompt_cache
         )
+        answer = self.ledger.fit(model, per_sequence, concurrency, own_cache)
+        return fit_to_wire(self.ledger, answer, per_sequence)
 
     def breaches(self) -> list[str]:
         """Held bytes past the ledger's rules, for ``audit``: over the budget, a model over its

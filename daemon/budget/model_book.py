@@ -226,18 +226,26 @@ class ModelBook:
 
     # -- answers for people --------------------------------------------------------------------
 
-    def fit(self, model: str, bytes_per_sequence: int, concurrency: int) -> FitAnswer:
+    def fit(
+        self, model: str, bytes_per_sequence: int, concurrency: int, own_cache: int = 0
+    ) -> FitAnswer:
         """See :meth:`BudgetLedger.fit` (the arguments are checked there)."""
         found = self.models.get(model)
         rec = ModelRecord(model, DEFAULT_SETTINGS, self.budget) if found is None else found
         need = bytes_per_sequence * concurrency
         held = rec.held
-        room_in_limit = max(0, rec.limit - held)
-        available_now = max(
-            0, min(room_in_limit, self.budget - self.total_held - self.protected_from(rec))
-        )
+        cache = min(own_cache, held)  # its cache's bytes are among what it holds
+        others_protected = self.protected_from(rec)
+
+        def grantable(held_now: int) -> int:
+            total = self.total_held - held + held_now
+            return max(0, min(rec.limit - held_now, self.budget - total - others_protected))
+
+        without_cache = grantable(held)
+        available_now = grantable(held - cache) if cache else without_cache
         others_reserves = self.reserved - rec.reserve
-        after_return = max(0, min(room_in_limit, self.budget - held - others_reserves))
+        kept = held - cache  # what it holds once its cache is given back
+        after_return = max(0, min(rec.limit - kept, self.budget - kept - others_reserves))
         most_ever = self.ceiling(rec)
         verdict: FitVerdict
         if need <= available_now:
@@ -259,6 +267,7 @@ class ModelBook:
             rec.limit,
             available_now // bytes_per_sequence,
             most_ever // bytes_per_sequence,
+            available_now - without_cache,
         )
 
     def snapshot(self, waiting: int, now: float | None) -> BudgetSnapshot:

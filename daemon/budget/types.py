@@ -221,14 +221,18 @@ class FitAnswer:
             reserves, even with the model holding nothing.
         need: bytes_per_sequence x concurrency.
         held: Bytes the model holds now.
-        available_now: Bytes the model could be granted now.
-        available_after_return: Bytes it could be granted, on top of what it holds, once every
-            other model is back within its reserve.
+        available_now: Bytes the model could be granted now, its own idle prompt cache
+            counted (the cache's bytes are ended requests' KV, which its workers give back
+            before a request of theirs waits).
+        available_after_return: Bytes it could be granted, on top of what it holds (less its
+            own prompt cache), once every other model is back within its reserve.
         most_ever: The most it could ever hold: min(limit, budget - other models' reserves).
         reserve: Its reserve.
         limit: Its limit in effect.
         max_concurrency_now: Sequences of this size that fit in ``available_now``.
         max_concurrency_ever: Sequences of this size that fit in ``most_ever``.
+        own_cache_now: How much of ``available_now`` is the model's own prompt cache (0 when
+            its workers report none).
     """
 
     verdict: FitVerdict
@@ -241,6 +245,7 @@ class FitAnswer:
     limit: int
     max_concurrency_now: int
     max_concurrency_ever: int
+    own_cache_now: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,7 @@ def fit_to_wire(ledger: BudgetLedger, answer: FitAnswer, per_sequence: int) -> d
         "limit": answer.limit if limited or answer.limit < ledger.budget else None,
         "max_concurrency_now": answer.max_concurrency_now,
         "max_concurrency_ever": answer.max_concurrency_ever,
+        "own_cache_now": answer.own_cache_now,
         "bytes_per_sequence": per_sequence,
         "budget": ledger.budget if limited else None,
     }

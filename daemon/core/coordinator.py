@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from vqpool.daemon.core.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.core.replies import ReplyCache
 from vqpool.daemon.core.sessions import Session, SessionTable
-from vqpool.daemon.core.timeline import StreamTimeline
+from vqpool.daemon.core.timeline import HistoryClock, StreamTimeline
 from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
     ClaimConflictError,
@@ -73,6 +73,7 @@ class Coordinator:
         lease: Seconds a stopped worker keeps its blocks after it was last heard from.
         run_dir: Where the sockets live (for the admin's eyes).
         timeline: Blocks in use per stream over time, sampled by the server loop.
+        history_clock: The times of the allocator's history rows, stamped by the server loop.
         claim_period: The claim period of this start (see ``daemon/core/claims.py``), or None when
             no worker of a previous daemon was alive at start.
         claiming: ``claim_period`` while it runs (allocations are refused), then None: the one
@@ -102,6 +103,7 @@ class Coordinator:
         self.started = time.time()
         self.started_monotonic = time.monotonic()
         self.timeline = StreamTimeline(self.allocator.streams)
+        self.history_clock = HistoryClock()
         self._holder: dict[Owner, Session] = {}
         self._max_tokens = MAX_BLOCKS_PER_ALLOCATE * config.block_size
         # Counters for the admin's stats; plain ints so the hot path pays one add.

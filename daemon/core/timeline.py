@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from vqpool.shared.allocator import BlockPoolAllocator
+from vqpool.shared.allocator import DEFAULT_HISTORY_SIZE, BlockPoolAllocator
 
 TIMELINE_SIZE = 3600
 """Samples kept: at least 15 minutes of a pool that changes on every tick."""
@@ -93,3 +93,45 @@ class StreamTimeline:
             }
             for s in samples
         ]
+
+
+class HistoryClock:
+    """Wall-clock times of the allocator's history rows, which carry none (the seed's
+    AllocationStats snapshots, kept as they are so the allocator's hot path stays a tuple copy).
+
+    The daemon loop calls :meth:`stamp` once a turn: it compares the newest row with the newest
+    one stamped (by identity: each row is a new tuple), so a turn that changed nothing costs one
+    look, and stamps each new row with the time now. A row's time is so the end of the loop turn
+    that recorded it (a turn is a batch of requests, milliseconds). The times are kept in a deque
+    as long as the history, aligned on its newest end.
+    """
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque(maxlen=DEFAULT_HISTORY_SIZE)
+        self._last: tuple[int, ...] | None = None
+
+    def stamp(self, allocator: BlockPoolAllocator, now: float | None = None) -> None:
+        """Give every history row recorded since the last call the time ``now`` (default the
+        wall clock)."""
+        rows = allocator.history_rows
+        if not rows or rows[-1] is self._last:
+            return
+        last = self._last
+        new = 0
+        for row in reversed(rows):
+            if row is last:
+                break
+            new += 1
+        stamp = time.time() if now is None else now
+        self._times.extend([stamp] * new)
+        self._last = rows[-1]
+
+    def rows(self, allocator: BlockPoolAllocator) -> list[tuple[float | None, tuple[int, ...]]]:
+        """The history rows, oldest first, each with its time (``None`` for a row older than the
+        clock, which a fresh daemon never has); stamps rows not yet stamped first."""
+        self.stamp(allocator)
+        rows = list(allocator.history_rows)
+        stamped = list(self._times)[-len(rows) :] if rows else []
+        times: list[float | None] = [None] * (len(rows) - len(stamped))
+        times.extend(stamped)
+        return list(zip(times, rows, strict=True))

@@ -70,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Exit.BAD_ARGUMENTS
     if args.command == HELP:
         return _show_help(parser, args.topic)
+    if getattr(args, "action", "") is None:  # `vqpoolctl model`: which action?
+        args.command_parser.print_help(sys.stderr)
+        names = ", ".join(args.action_names)
+        print(f"vqpoolctl {args.command}: name an action: {names}", file=sys.stderr)
+        return Exit.BAD_ARGUMENTS
     try:
         run_dir = resolve_run_dir(getattr(args, "run_dir", None))
         socket_path(run_dir, "admin.sock")  # refuses a path too long for a socket

@@ -30,6 +30,17 @@ def common_options() -> argparse.ArgumentParser:
     return common
 
 
+def add_actions(
+    parser: argparse.ArgumentParser,
+) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """The actions of a command that has several (``model list``, ``model set``...), to fill
+    with :func:`add_action`. Named without an action, the command shows its own help (the
+    actions and what each does) and exits 2 (see ``cli.main``), not a bare usage error."""
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    parser.set_defaults(command_parser=parser, action_names=actions.choices)
+    return actions
+
+
 def add_action(
     actions: argparse._SubParsersAction[argparse.ArgumentParser],
     name: str,

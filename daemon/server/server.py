@@ -402,6 +402,7 @@ class Server:
                 reclaim.tick(time.monotonic())
             if parking.outbox:
                 self._send_late_replies(worker, parking.outbox, coord)
+            coord.history_clock.stamp(coord.allocator)  # one look when nothing changed
             if self._metrics is not None:
                 self._metrics.publish_if_wanted()
             now = time.monotonic()

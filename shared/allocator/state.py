@@ -89,6 +89,13 @@ class AllocatorState:
             return AllocationStats(*self._counts)
 
     @property
+    def history_rows(self) -> deque[tuple[int, ...]]:
+        """The live history deque itself (each row the counts tuple of one snapshot, a new
+        tuple per row), no lock and no copy: for a caller on the thread that mutates the pool
+        to notice new rows cheaply (the daemon stamps them with a time). Do not modify it."""
+        return self._history
+
+    @property
     def history(self) -> deque[AllocationStats]:
         """The last ``DEFAULT_HISTORY_SIZE`` stats snapshots, oldest first, one per mutating call
         (allocate, including a failed one; free; free_all; a shrink that retired blocks)."""

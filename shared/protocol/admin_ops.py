@@ -86,7 +86,9 @@ ADMIN_OP_SPECS = op_table(
     OpSpec(
         HISTORY,
         "Recent allocator stats snapshots, oldest first: one per mutating call (allocate, "
-        "free, free_all, shrink), at most the last 256. With LIMIT, only the newest LIMIT. With "
+        "free, free_all, shrink), at most the last 256, each with the wall-clock TIME the "
+        "daemon recorded it at (the end of the loop turn that made it). With LIMIT, only the "
+        "newest LIMIT. With "
         "TIMELINE, the daemon's per-stream timeline instead: blocks in use and total per stream "
         "with wall-clock times, sampled every 0.25 s while the pool changes (at most 3600 "
         "samples).",

@@ -358,8 +358,9 @@ class PoolClient:
         """Whether ``concurrency`` sequences of ``context`` tokens fit this worker's model in
         the daemon's budget: ``{verdict: "now" | "within_reserve" | "after_others_return" |
         "never", need, held, available_now, available_after_return, most_ever, reserve, limit,
-        max_concurrency_now, max_concurrency_ever, bytes_per_sequence, budget}`` (bytes; limit
-        and budget None when unlimited). See docs/budget.md, "Will it fit?".
+        max_concurrency_now, max_concurrency_ever, own_cache_now, bytes_per_sequence, budget}``
+        (bytes; limit and budget None when unlimited; available_now counts the model's own idle
+        prompt cache, own_cache_now says how much). See docs/budget.md, "Will it fit?".
 
         Raises:
             ValueError: ``context`` <= 0 or ``concurrency`` < 1.

@@ -11,11 +11,19 @@ same files: weights and tokenizer are deterministic.
 
     path = write_model_dir(tmp / "llama", "llama")
     # vqpool-worker --model path, or mlx_lm.load(str(path))
+
+From a shell, for a quick local try without a download::
+
+    python -m vqpool.worker.testing.model_dirs /tmp/tiny-llama --arch llama
+    vqpool-worker --model /tmp/tiny-llama
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +148,40 @@ def write_config_dir(
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m vqpool.worker.testing.model_dirs DIR --arch ARCH [--seed N]``: write a model
+    directory and print the ``vqpool-worker`` line that serves it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m vqpool.worker.testing.model_dirs",
+        description=(
+            "Write a small Hugging Face-format model directory (random weights, a byte-level BPE "
+            "tokenizer, a chat template; a few hundred KiB, no download) that "
+            "`vqpool-worker --model DIR` serves. Its answers are random text: it is for trying "
+            "the serving path, not for reading."
+        ),
+    )
+    parser.add_argument("dir", metavar="DIR", type=Path, help="directory to write (created)")
+    parser.add_argument(
+        "--arch",
+        choices=sorted(ARCHITECTURES),
+        default="llama",
+        help="architecture (default: llama): one of %(choices)s",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (default: 0)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = write_model_dir(args.dir.resolve(), args.arch, args.seed)
+    except OSError as exc:
+        print(f"model_dirs: cannot write {args.dir}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.arch} model directory {path}")
+    print(f"serve it with: vqpool-worker --model {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

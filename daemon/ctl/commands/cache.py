@@ -17,7 +17,7 @@ import argparse
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.options import add_action, op_help
+from vqpool.daemon.ctl.options import add_action, add_actions, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.protocol import CACHE_DROP
@@ -26,7 +26,7 @@ LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions = add_actions(parser)
     add_action(actions, "list", "the prompt caches per model", LIST_HELP)
     dropping = add_action(
         actions, "drop", "make a model's workers drop their prompt cache", DROP_HELP

@@ -12,10 +12,12 @@ of that model. The verdict, best first:
   never                     over the model's limit, or over the budget less the other models'
                             reserves, even with the model holding nothing (exit 12)
 
-Prints the bytes needed and per sequence, what the model holds, the bytes it could get now,
-once others return, and at most; and the largest concurrency that fits now and ever. --json
-prints the daemon's answer (the exit status is the verdict's all the same). Exits 4 when no
-worker of the model is connected (its bytes per block are unknown).
+Prints the bytes needed and per sequence, what the model holds, the bytes it could get now
+(its own idle prompt cache counted: its workers give that back before a request waits; how
+much of "now" it is, if any), once others return, and at most; and the largest concurrency
+that fits now and ever. --json prints the daemon's answer (the exit status is the verdict's
+all the same). Exits 4 when no worker of the model is connected (its bytes per block are
+unknown).
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         f"({format_bytes(per_sequence)} per sequence)"
     )
     ctl.print(words)
+    own_cache = answer.get("own_cache_now", 0)  # a daemon before this field sends none
+    of_it = f" ({format_bytes(own_cache)} of it its own idle prompt cache)" if own_cache else ""
     ctl.print(
         f"holds {format_bytes(answer['held'])}; could get {format_bytes(answer['available_now'])} "
-        f"now, {format_bytes(answer['available_after_return'])} once others return, at most "
-        f"{format_bytes(answer['most_ever'])} ever"
+        f"now{of_it}, {format_bytes(answer['available_after_return'])} once others return, at "
+        f"most {format_bytes(answer['most_ever'])} ever"
     )
     ctl.print(
         f"reserve {format_bytes(answer['reserve'])}, limit {size(answer['limit'])}, budget "

@@ -35,7 +35,7 @@ from typing import Any
 from vqpool.daemon.ctl.budgets import budget_report, settings_source, size, weight
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import CtlError, Exit
-from vqpool.daemon.ctl.options import add_action, op_help
+from vqpool.daemon.ctl.options import add_action, add_actions, op_help
 from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.protocol import MODEL_SET, MODEL_UNSET, NO_MODEL_LIMIT
 
@@ -69,7 +69,7 @@ def _weight(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions = add_actions(parser)
     add_action(actions, "list", "the models' budget figures, one row each", LIST_HELP)
     setting = add_action(actions, "set", "change a model's reserve, limit or weight", SET_HELP)
     setting.add_argument("name", metavar="NAME", help=op_help(MODEL_SET, "model"))
