@@ -196,8 +196,10 @@ class SessionResync:
         self.records.append(record)
 
     def _adopt(self, hello: dict[str, Any]) -> None:
-        self._session.adopt(hello)
+        # NOTE: the preemption base first: a load reported once the new session is visible
+        # counts for it, never folded into its base (the daemon would see it as no change).
         self._on_open()
+        self._session.adopt(hello)
 
     def _claim_messages(self) -> Iterator[tuple[list[list[Any]], bool]]:
         """Claim messages re-declaring every owner held (one, empty, when none is)."""
