@@ -21,6 +21,9 @@ RUN_DIR_ENV = "VQPOOL_RUN_DIR"
 WORKER_SOCKET_NAME = "worker.sock"
 ADMIN_SOCKET_NAME = "admin.sock"
 LOCK_FILE_NAME = "vqpoold.lock"
+FRONT_SOCKET_NAME = "front.sock"
+"""The front door's control socket (``vqpool serve``): vqpoolctl ps, load and unload."""
+FRONT_LOCK_FILE_NAME = "front.lock"
 
 # sockaddr_un.sun_path holds 108 bytes on Linux and 104 on macOS, including the trailing NUL.
 MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" else 107
