@@ -28,6 +28,7 @@ from vqpool.daemon.budget.live_settings import LiveSettings
 from vqpool.daemon.budget.settings import models_from_toml
 from vqpool.daemon.budget.types import ModelSettings
 from vqpool.daemon.core.coordinator import Coordinator, new_boot_id
+from vqpool.daemon.front.catalog import budget_tables
 from vqpool.daemon.net.connection_guard import (
     LISTEN_BACKLOG,
     ConnectionGuard,
@@ -105,7 +106,7 @@ def budget_settings(settings: DaemonSettings) -> tuple[int | None, dict[str, Mod
     budget = None
     if settings.budget is not None:
         budget = parse_budget(settings.budget, psutil.virtual_memory().total)
-    models = models_from_toml(settings.models)
+    models = models_from_toml(budget_tables(settings.models))
     BudgetLedger(MAX_BYTES if budget is None else budget, models)  # checks the reserves
     return budget, models
 

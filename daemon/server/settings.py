@@ -143,6 +143,7 @@ def load_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{path}: [vqpoold] must be a table")
     if table is not data and "models" in data:  # [models."NAME"] tables beside [vqpoold]
         table = {**table, "models": data["models"]}
+    table = {k: v for k, v in table.items() if k != "serve"}  # vqpool serve's own table
     known = {f.name for f in fields(DaemonSettings)} - {"n_blocks_given"}
     settings: dict[str, Any] = {}
     for raw_key, value in table.items():

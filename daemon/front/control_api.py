@@ -1,0 +1,94 @@
+"""The front door's control socket, ``front.sock`` in the run directory (owner only): what
+``vqpoolctl ps``, ``load`` and ``unload`` ask.
+
+Routes (JSON): ``GET /models`` (the front door's pid and URL, and every model's row),
+``POST /load`` ``{"model": NAME, "timeout": S}`` (load it as a request would and wait),
+``POST /unload`` ``{"model": NAME, "timeout": S}`` (unload it as soon as its requests end;
+waits at most ``timeout`` for that). Names resolve as in the public API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from aiohttp import web
+from vqpool.daemon.front.catalog import Catalog
+from vqpool.daemon.front.errors import FrontError
+from vqpool.daemon.front.model_slot import ModelSlot
+from vqpool.daemon.front.public_api import json_errors
+from vqpool.daemon.front.supervisor import Supervisor
+
+MAX_CONTROL_BODY = 64 * 1024
+MAX_WAIT = 3600.0
+"""The longest a control request waits for a load or an unload."""
+
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+CATALOG = web.AppKey("catalog", Catalog)
+FRONT = web.AppKey("front", dict[str, Any])
+
+
+async def _target(request: web.Request) -> tuple[ModelSlot, float]:
+    try:
+        body = json.loads(await request.read())
+    except ValueError:
+        raise FrontError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        raise FrontError(400, 'the body must be {"model": NAME, "timeout": SECONDS}')
+    timeout = body.get("timeout", 60.0)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (0 <= timeout <= MAX_WAIT)
+    ):
+        raise FrontError(400, f"timeout must be 0..{MAX_WAIT:g} seconds", param="timeout")
+    try:
+        entry = request.app[CATALOG].resolve(body["model"])
+    except ValueError as exc:
+        raise FrontError(400, str(exc), param="model") from None
+    if entry is None:
+        names = ", ".join(request.app[CATALOG].names)
+        raise FrontError(404, f"model {body['model'][:200]!r} is not served; served: {names}")
+    return request.app[SUPERVISOR].slots[entry.name], float(timeout)
+
+
+def _row(request: web.Request, slot: ModelSlot) -> dict[str, Any]:
+    supervisor = request.app[SUPERVISOR]
+    return next(v for v in supervisor.views() if v["name"] == slot.name)
+
+
+async def models(request: web.Request) -> web.Response:
+    supervisor = request.app[SUPERVISOR]
+    max_loaded = supervisor.max_loaded
+    front: dict[str, Any] = request.app[FRONT]
+    return web.json_response(
+        {
+            **front,
+            "max_loaded": max_loaded,
+            "models": supervisor.views(),
+        }
+    )
+
+
+async def load(request: web.Request) -> web.Response:
+    slot, timeout = await _target(request)
+    await request.app[SUPERVISOR].load(slot, timeout)
+    return web.json_response(_row(request, slot))
+
+
+async def unload(request: web.Request) -> web.Response:
+    slot, timeout = await _target(request)
+    done = await request.app[SUPERVISOR].unload(slot, timeout)
+    return web.json_response({**_row(request, slot), "unloaded": done})
+
+
+def build_control_app(supervisor: Supervisor, catalog: Catalog, url: str) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_CONTROL_BODY)
+    app[SUPERVISOR] = supervisor
+    app[CATALOG] = catalog
+    app[FRONT] = {"pid": os.getpid(), "url": url}
+    app.router.add_get("/models", models)
+    app.router.add_post("/load", load)
+    app.router.add_post("/unload", unload)
+    return app

@@ -1,0 +1,137 @@
+"""One served model's state in the front door: loaded or not, its worker, its requests, its
+history of loads, unloads and failures.
+
+States: ``not_loaded`` -> ``loading`` -> ``loaded`` -> ``unloading`` -> ``not_loaded``; a load
+that fails or a worker that exits on its own goes straight back to ``not_loaded``. Only the
+supervisor changes a slot, on the event loop's one thread, so a check and the change it leads
+to never interleave with another request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vqpool.daemon.front.catalog import ModelEntry
+from vqpool.daemon.front.worker_process import WorkerProcess
+
+NOT_LOADED = "not_loaded"
+LOADING = "loading"
+LOADED = "loaded"
+UNLOADING = "unloading"
+
+FAILURE_WINDOW = 300.0
+"""Seconds a failed load or a crash counts toward backing off the next load."""
+MAX_BACKOFF = 30.0
+"""The longest a model's next load waits after repeated failures."""
+
+
+@dataclass
+class ModelSlot:
+    """What the front door knows of one model (see the module docstring)."""
+
+    entry: ModelEntry
+    state: str = NOT_LOADED
+    worker: WorkerProcess | None = None
+    running: int = 0
+    """Requests proxied to its worker now."""
+    queued: int = 0
+    """Requests waiting for it to load (or for room to load it)."""
+    keep_alive: float = 0.0
+    """Seconds it stays loaded once idle: the model's, or the last ended request's own."""
+    unload_when_idle: bool = False
+    """An operator asked to unload it: it goes as soon as its requests end."""
+    activity: int = 0
+    """Bumped whenever a request starts or ends, so a stale idle timer knows it is stale."""
+    idle_timer: asyncio.TimerHandle | None = None
+    last_used: float | None = None
+    """When (monotonic) its last request ended."""
+    last_used_wall: float | None = None
+    loaded_at: float | None = None
+    loaded_at_wall: float | None = None
+    unloaded_at_wall: float | None = None
+    loads: int = 0
+    unloads: dict[str, int] = field(default_factory=dict)
+    """Unloads by reason: idle, room, operator, shutdown."""
+    load_failures: int = 0
+    crashes: int = 0
+    last_load_seconds: float | None = None
+    last_error: str = ""
+    failure_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    retry_at: float = 0.0
+    """Monotonic time before which no load starts (a crash loop backs off)."""
+
+    def __post_init__(self) -> None:
+        self.keep_alive = self.entry.keep_alive
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def holds_room(self) -> bool:
+        """Whether it counts toward ``--max-loaded`` (a worker exists or is being started)."""
+        return self.state != NOT_LOADED
+
+    @property
+    def idle(self) -> bool:
+        """Loaded with no running or queued request."""
+        return self.state == LOADED and self.running == 0 and self.queued == 0
+
+    @property
+    def evictable(self) -> bool:
+        """Whether a load of another model may unload it to make room."""
+        return self.idle and not self.entry.pinned
+
+    @property
+    def failures(self) -> int:
+        """Total failures (failed loads and crashes): waiters compare it to see a new one."""
+        return self.load_failures + self.crashes
+
+    def record_failure(self, reason: str, now: float) -> None:
+        """A load failed or the worker exited on its own: back off when it keeps happening."""
+        self.last_error = reason
+        self.failure_times.append(now)
+        recent = sum(1 for t in self.failure_times if now - t < FAILURE_WINDOW)
+        backoff = 0.0 if recent < 2 else min(MAX_BACKOFF, 2.0 ** (recent - 2))
+        self.retry_at = now + backoff
+
+    def view(self, now: float) -> dict[str, Any]:
+        """Its row for ``/v1/models``, ``vqpoolctl ps`` and ``status --json``."""
+        idle_s = None
+        keep_alive_left = None
+        if self.state == LOADED and self.running == 0 and self.queued == 0:
+            idle_s = 0.0 if self.last_used is None else now - self.last_used
+            if self.entry.pinned or self.keep_alive == math.inf:
+                keep_alive_left = None
+            else:
+                keep_alive_left = max(0.0, self.keep_alive - idle_s)
+        worker = self.worker
+        return {
+            "name": self.name,
+            "path": self.entry.path,
+            "aliases": list(self.entry.aliases),
+            "state": self.state,
+            "pid": None if worker is None else worker.pid,
+            "url": worker.url if worker is not None and worker.address else None,
+            "running": self.running,
+            "queued": self.queued,
+            "pinned": self.entry.pinned,
+            "keep_alive_s": None if self.keep_alive == math.inf else self.keep_alive,
+            "keep_alive_left_s": keep_alive_left,
+            "idle_s": idle_s,
+            "last_used": self.last_used_wall,
+            "loaded_at": self.loaded_at_wall if self.state == LOADED else None,
+            "unloaded_at": self.unloaded_at_wall,
+            "loads": self.loads,
+            "unloads": dict(self.unloads),
+            "load_failures": self.load_failures,
+            "crashes": self.crashes,
+            "last_load_s": self.last_load_seconds,
+            "last_error": self.last_error or None,
+            "retry_in_s": max(0.0, self.retry_at - now) if self.retry_at > now else None,
+            "unload_when_idle": self.unload_when_idle,
+        }

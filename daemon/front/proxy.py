@@ -1,0 +1,69 @@
+"""Pass one completion request to its model's worker and the worker's answer back, unchanged.
+
+A streamed answer (server-sent events) is written on as each piece arrives, never buffered. A
+client that leaves cancels the handler (the server runs with handler cancellation), which
+closes the upstream connection: the worker sees its client gone, cancels the request and its
+blocks go back. A worker that dies mid-request is named in a 502 (or, once a stream has
+started, in a last error event).
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+from aiohttp import web
+from vqpool.daemon.front.errors import bad_gateway
+from vqpool.daemon.front.supervisor import Supervisor
+from vqpool.daemon.front.worker_process import WorkerProcess
+
+PASSED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "Allow")
+"""The worker's response headers a client sees (the rest describe the worker's connection)."""
+EVENT_STREAM = "text/event-stream"
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The one client session to every worker: no connection cap of its own (the worker
+    bounds its queue), no read deadline (a long completion streams for minutes)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=None)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
+async def forward(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    supervisor: Supervisor,
+    worker: WorkerProcess,
+    body: bytes,
+) -> web.StreamResponse:
+    """Send ``body`` to ``worker`` on the request's path; its answer as the response."""
+    headers = {"Content-Type": "application/json"}
+    if "Accept" in request.headers:
+        headers["Accept"] = request.headers["Accept"]
+    try:
+        upstream = await session.post(worker.url + request.path, data=body, headers=headers)
+    except aiohttp.ClientError as exc:
+        raise bad_gateway(await supervisor.exit_reason(worker, exc)) from None
+    try:
+        passed = {h: upstream.headers[h] for h in PASSED_HEADERS if h in upstream.headers}
+        if upstream.content_type != EVENT_STREAM:
+            try:
+                data = await upstream.read()
+            except aiohttp.ClientError as exc:
+                raise bad_gateway(await supervisor.exit_reason(worker, exc)) from None
+            return web.Response(status=upstream.status, body=data, headers=passed)
+        response = web.StreamResponse(status=upstream.status, headers=passed)
+        await response.prepare(request)
+        try:
+            async for piece in upstream.content.iter_any():
+                await response.write(piece)
+        except aiohttp.ClientError as exc:
+            reason = await supervisor.exit_reason(worker, exc)
+            error = bad_gateway(reason).body()
+            await response.write(f"data: {json.dumps(error)}\n\n".encode())
+        await response.write_eof()
+        return response
+    finally:
+        # Closing, not releasing: a request the client left must end at the worker too.
+        upstream.close()

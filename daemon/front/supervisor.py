@@ -1,0 +1,414 @@
+"""Which models are loaded: started on demand, one worker per model whatever the concurrency,
+unloaded when idle, and never while a request runs on them or waits for them.
+
+Every decision runs on the event loop's one thread between awaits, so a check and what it
+leads to are one step: a request that finds its model loaded is counted before anything else
+can look, and an idle timer that fires finds the model busy again if a request came first.
+
+- A request for a model that is not loaded queues on it (at most ``max_queue``, at most
+  ``timeout`` seconds) and the first one starts its load; the others wait for the same load.
+- A load needs room under ``max_loaded``: the least recently used idle model that is not pinned
+  is unloaded for it, one at a time; while none is idle, the load waits (it never preempts).
+  Loads waiting for room start in the order their first request came.
+- A failed load answers every request waiting for it with the worker's reason; the next
+  request tries again, after a backoff once failures repeat (:class:`ModelSlot`).
+- Idle is no running and no queued request; ``keep_alive`` counts from the last request's end.
+- An unload is SIGTERM to the worker, its exit, and its session gone from vqpoold (its blocks
+  back) before the model counts as not loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any
+
+from vqpool.daemon.front.catalog import Catalog
+from vqpool.daemon.front.errors import bad_gateway, overloaded
+from vqpool.daemon.front.metrics import FrontMetrics
+from vqpool.daemon.front.model_slot import (
+    LOADED,
+    LOADING,
+    NOT_LOADED,
+    UNLOADING,
+    ModelSlot,
+)
+from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
+from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.errors import VqpoolError
+
+log = logging.getLogger("vqpool.serve")
+
+SESSION_GONE_TIMEOUT = 15.0
+"""Seconds an unloaded worker's session may take to leave vqpoold (its goodbye is immediate;
+a worker that had to be killed is noticed by the daemon's peer check within its lease)."""
+EXIT_REASON_WAIT = 2.0
+"""Seconds a failed proxied request waits for its worker's exit, to name the crash."""
+
+
+class Supervisor:
+    """The served models' workers (see the module docstring).
+
+    Args:
+        catalog: The models served.
+        run_dir: vqpoold's run directory (workers join its pool; their logs go under it).
+        max_loaded: The most models loaded at once (None: no cap).
+        max_queue: The most requests waiting for one model to load.
+        load_timeout: Seconds a worker may take to serve once started.
+        metrics: Where loads, unloads and waits are counted.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        run_dir: Path,
+        *,
+        max_loaded: int | None,
+        max_queue: int,
+        load_timeout: float,
+        metrics: FrontMetrics,
+    ) -> None:
+        self.catalog = catalog
+        self.run_dir = run_dir
+        self.max_loaded = max_loaded
+        self.max_queue = max_queue
+        self.load_timeout = load_timeout
+        self.metrics = metrics
+        self.slots = {name: ModelSlot(entry) for name, entry in catalog.entries.items()}
+        self._waiting_since: dict[str, float] = {}
+        self._changed: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        metrics.watch(self.slots)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, slot: ModelSlot, keep_alive: float | None, timeout: float
+    ) -> AsyncIterator[WorkerProcess]:
+        """The model's worker for one request, loading the model first if needed; the request
+        counts as running until the block ends. ``keep_alive`` (seconds) replaces the model's
+        for the idle time after it.
+
+        Raises:
+            FrontError: 503 when the wait for the load outlasts ``timeout`` or the queue is
+                full, 502 when the load fails.
+        """
+        worker = await self._admit(slot, timeout)
+        try:
+            yield worker
+        finally:
+            self._release(slot, keep_alive)
+
+    async def _admit(self, slot: ModelSlot, timeout: float) -> WorkerProcess:
+        if self._closing:
+            raise overloaded("the server is shutting down")
+        if slot.state == LOADED and slot.worker is not None:
+            slot.running += 1
+            self._touch(slot)
+            return slot.worker
+        if slot.queued >= self.max_queue:
+            raise overloaded(f"{slot.queued} requests already wait for {slot.name} to load")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + timeout
+        failures_seen = slot.failures
+        if slot.queued == 0:
+            self._waiting_since[slot.name] = started
+        slot.queued += 1
+        self._touch(slot)
+        try:
+            while True:
+                if self._closing:
+                    raise overloaded("the server is shutting down")
+                if slot.state == LOADED and slot.worker is not None:
+                    break
+                if slot.failures != failures_seen:
+                    raise bad_gateway(slot.last_error)
+                now = loop.time()
+                if slot.state == NOT_LOADED and slot.retry_at > now:
+                    wait = slot.retry_at - now
+                    raise bad_gateway(
+                        f"{slot.last_error} (loads of {slot.name} keep failing: the next try "
+                        f"in {wait:.0f} s)",
+                        retry_after=wait,
+                    )
+                self._schedule()
+                if deadline <= now:
+                    raise overloaded(
+                        f"{slot.name} is still {self._why_waiting(slot)} after {timeout:g} s "
+                        "(--queue-timeout)"
+                    )
+                await self._wait_for_change(deadline - now)
+            slot.running += 1
+            self.metrics.queue_wait(slot.name, loop.time() - started)
+            return slot.worker
+        finally:
+            slot.queued -= 1
+            self._touch(slot)
+            self._settle(slot)
+            self._notify()
+
+    def _why_waiting(self, slot: ModelSlot) -> str:
+        if slot.state == NOT_LOADED:
+            return f"waiting for room to load (at most {self.max_loaded} models loaded at once)"
+        return slot.state
+
+    def _release(self, slot: ModelSlot, keep_alive: float | None) -> None:
+        slot.running -= 1
+        slot.last_used = asyncio.get_running_loop().time()
+        slot.last_used_wall = time.time()
+        slot.keep_alive = slot.entry.keep_alive if keep_alive is None else keep_alive
+        self._touch(slot)
+        self._settle(slot)
+        self._notify()
+
+    def _touch(self, slot: ModelSlot) -> None:
+        """A request started, ended or started waiting: the idle timer no longer holds."""
+        slot.activity += 1
+        if slot.idle_timer is not None:
+            slot.idle_timer.cancel()
+            slot.idle_timer = None
+
+    # -- idle --------------------------------------------------------------------------------------
+
+    def _settle(self, slot: ModelSlot) -> None:
+        """When ``slot`` just became idle: unload it now, or when its keep-alive runs out."""
+        if not slot.idle or self._closing:
+            return
+        if slot.unload_when_idle:
+            self._start_unload(slot, "operator")
+        elif slot.entry.pinned or slot.keep_alive == math.inf:
+            return
+        elif slot.keep_alive <= 0:
+            self._start_unload(slot, "idle")
+        else:
+            slot.idle_timer = asyncio.get_running_loop().call_later(
+                slot.keep_alive, self._idle_expired, slot, slot.activity
+            )
+
+    def _idle_expired(self, slot: ModelSlot, activity: int) -> None:
+        slot.idle_timer = None
+        if slot.activity == activity and slot.idle and not self._closing:
+            self._start_unload(slot, "idle")
+
+    # -- placement ---------------------------------------------------------------------------------
+
+    def _has_room(self) -> bool:
+        if self.max_loaded is None:
+            return True
+        return sum(s.holds_room for s in self.slots.values()) < self.max_loaded
+
+    def _schedule(self) -> None:
+        """Start the loads that have room, oldest wait first; free room for the next one."""
+        if self._closing:
+            return
+        now = asyncio.get_running_loop().time()
+        pending = [
+            s
+            for s in self.slots.values()
+            if s.state == NOT_LOADED and s.queued > 0 and s.retry_at <= now
+        ]
+        pending.sort(key=lambda s: self._waiting_since.get(s.name, now))
+        for slot in pending:
+            if not self._has_room():
+                self._free_room()
+                return
+            slot.state = LOADING
+            self._start(self._load(slot))
+
+    def _free_room(self) -> None:
+        """Unload the least recently used idle, unpinned model, unless one is unloading."""
+        if any(s.state == UNLOADING for s in self.slots.values()):
+            return
+        victims = [s for s in self.slots.values() if s.evictable]
+        if victims:
+            victim = min(victims, key=lambda s: s.last_used or 0.0)
+            self._start_unload(victim, "room")
+
+    # -- loads and unloads -------------------------------------------------------------------------
+
+    async def _load(self, slot: ModelSlot) -> None:
+        loop = asyncio.get_running_loop()
+        worker = WorkerProcess(slot.entry, self.run_dir)
+        slot.worker = worker
+        started = loop.time()
+        log.info("loading %s (%s)", slot.name, slot.entry.path)
+        try:
+            await worker.start(self.load_timeout)
+        except WorkerStartError as exc:
+            slot.state = NOT_LOADED
+            slot.worker = None
+            slot.load_failures += 1
+            slot.record_failure(str(exc), loop.time())
+            self.metrics.load_failed(slot.name)
+            log.warning("loading %s failed: %s", slot.name, exc)
+            self._notify()
+            return
+        except asyncio.CancelledError:  # shutting down mid-load
+            await worker.stop()
+            raise
+        slot.state = LOADED
+        slot.loads += 1
+        slot.loaded_at = loop.time()
+        slot.loaded_at_wall = time.time()
+        slot.last_load_seconds = slot.loaded_at - started
+        slot.last_used = slot.loaded_at  # an idle model's LRU age counts from its load at least
+        self.metrics.loaded(slot.name, slot.last_load_seconds)
+        log.info(
+            "loaded %s in %.2f s: pid %s on %s",
+            slot.name,
+            slot.last_load_seconds,
+            worker.pid,
+            worker.url,
+        )
+        self._start(self._watch(slot, worker))
+        self._settle(slot)
+        self._notify()
+
+    async def _watch(self, slot: ModelSlot, worker: WorkerProcess) -> None:
+        """A worker that exits while its model counts as loaded crashed: the next request
+        starts another."""
+        status = await worker.wait()
+        if slot.worker is not worker or slot.state != LOADED:
+            return  # an unload stopped it
+        reason = worker.exit_reason(status)
+        slot.state = NOT_LOADED
+        slot.worker = None
+        slot.crashes += 1
+        slot.unloaded_at_wall = time.time()
+        slot.record_failure(reason, asyncio.get_running_loop().time())
+        self._touch(slot)
+        self.metrics.crashed(slot.name)
+        log.warning("%s (%d running requests failed)", reason, slot.running)
+        self._notify()
+
+    def _start_unload(self, slot: ModelSlot, reason: str) -> None:
+        slot.state = UNLOADING
+        self._touch(slot)
+        self._start(self._unload(slot, reason))
+
+    async def _unload(self, slot: ModelSlot, reason: str) -> None:
+        worker = slot.worker
+        assert worker is not None
+        log.info("unloading %s (%s): pid %s", slot.name, reason, worker.pid)
+        status = await worker.stop()
+        if worker.pid is not None:
+            await self._session_gone(worker.pid)
+        slot.state = NOT_LOADED
+        slot.worker = None
+        slot.unload_when_idle = False
+        slot.keep_alive = slot.entry.keep_alive
+        slot.unloads[reason] = slot.unloads.get(reason, 0) + 1
+        slot.unloaded_at_wall = time.time()
+        self.metrics.unloaded(slot.name, reason)
+        log.info("unloaded %s (exit status %s)", slot.name, status)
+        self._notify()
+
+    async def _session_gone(self, pid: int) -> None:
+        """Wait until vqpoold holds no session of process ``pid`` (its blocks are back)."""
+
+        def poll() -> bool:
+            deadline = time.monotonic() + SESSION_GONE_TIMEOUT
+            with AdminClient(self.run_dir, timeout=2.0) as admin:
+                while time.monotonic() < deadline:
+                    sessions = admin.call("sessions")
+                    if not any(s["pid"] == pid for s in sessions):
+                        return True
+                    time.sleep(0.05)
+            return False
+
+        try:
+            gone = await asyncio.to_thread(poll)
+        except VqpoolError as exc:
+            log.warning("could not check that pid %d's session left vqpoold: %s", pid, exc)
+            return
+        if not gone:
+            log.warning(
+                "vqpoold still lists a session of pid %d %g s after it exited",
+                pid,
+                SESSION_GONE_TIMEOUT,
+            )
+
+    # -- operator ----------------------------------------------------------------------------------
+
+    async def load(self, slot: ModelSlot, timeout: float) -> None:
+        """Load ``slot``'s model as a request would (its keep-alive counts from now)."""
+        async with self.lease(slot, None, timeout):
+            pass
+
+    async def unload(self, slot: ModelSlot, timeout: float) -> bool:
+        """Unload ``slot``'s model as soon as its requests end; whether it is unloaded within
+        ``timeout`` seconds (else it goes when they end)."""
+        if slot.state == NOT_LOADED:
+            return True
+        slot.unload_when_idle = True
+        self._settle(slot)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while slot.state != NOT_LOADED:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            await self._wait_for_change(remaining)
+        return True
+
+    async def exit_reason(self, worker: WorkerProcess, error: BaseException) -> str:
+        """Why a proxied request to ``worker`` failed: its crash when it exited, else
+        ``error``."""
+        try:
+            status = await asyncio.wait_for(asyncio.shield(worker.wait()), EXIT_REASON_WAIT)
+        except TimeoutError:
+            return f"the worker of {worker.entry.name} failed the request: {error}"
+        return worker.exit_reason(status)
+
+    def views(self) -> list[dict[str, Any]]:
+        now = asyncio.get_running_loop().time()
+        return [slot.view(now) for slot in self.slots.values()]
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _start(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a supervisor task failed", exc_info=task.exception())
+
+    def _notify(self) -> None:
+        """Wake every waiter: something changed that may let it go on."""
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
+        if not self._closing:
+            asyncio.get_running_loop().call_soon(self._schedule)
+
+    async def _wait_for_change(self, timeout: float) -> None:
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+
+    async def close(self) -> None:
+        """Stop every worker (each ends its running requests first) and wait for them."""
+        self._closing = True
+        self._notify()
+        for slot in self.slots.values():
+            self._touch(slot)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        stopping = []
+        for slot in self.slots.values():
+            if slot.worker is not None and slot.state in (LOADED, LOADING, UNLOADING):
+                stopping.append(self._unload(slot, "shutdown"))
+        await asyncio.gather(*stopping, return_exceptions=True)
