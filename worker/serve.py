@@ -2,7 +2,7 @@
 
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
-                  [--prompt-cache-bytes SIZE]
+                  [--prompt-cache-bytes SIZE] [--exit-on-stdin-eof]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
@@ -22,12 +22,19 @@ back), the pool session says goodbye, MLX's streams are destroyed, exit status 0
 2 for bad options, a ``--model`` that names no model (one line: what is wrong, what to pass) or
 a model the pooled cache cannot serve; 1 when the daemon is not running or does not answer, or
 the port is taken.
+
+``--exit-on-stdin-eof`` is for a supervisor (``vqpool serve``) that starts the worker with stdin
+a pipe only it holds: when the supervisor dies, even by SIGKILL, the kernel closes the pipe, and
+the worker stops just as on SIGTERM, so no orphan keeps a model's memory and a restarted
+supervisor never finds a model loaded twice. Anything written to that pipe is read and ignored.
+Without the option stdin is never read (a worker started from a terminal leaves it alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -157,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each daemon call may take (default: %(default)g)",
     )
     parser.add_argument(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="stop as on SIGTERM when stdin reaches end of file: for a supervisor holding a "
+        "pipe to it, so the supervisor's death (even by SIGKILL) stops the worker",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -211,6 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, record_signal)
     signal.signal(signal.SIGINT, record_signal)
+    if args.exit_on_stdin_eof:
+        if sys.stdin is None:
+            log.error("--exit-on-stdin-eof needs a stdin to watch, and this process has none")
+            return 2
+        threading.Thread(
+            target=_stop_at_stdin_eof,
+            args=(sys.stdin.fileno(), stop),
+            daemon=True,
+            name="vqpool-stdin-eof",
+        ).start()
 
     # Everything that can fail in a moment is checked before mlx-lm is imported and the model
     # loads: the model argument, the daemon's socket, then (run_worker) the port.
@@ -226,6 +249,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vqpool.worker.run_worker import run_worker  # imports mlx-lm: after the checks above
 
     return run_worker(args, stop)
+
+
+def _stop_at_stdin_eof(fd: int, stop: threading.Event) -> None:
+    """Read ``fd`` (discarding what comes) until end of file, then set ``stop``."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError as exc:  # a broken link to the supervisor means it is gone, as EOF does
+        log.warning("reading stdin failed (%s): taken as end of file", exc)
+    log.info("stdin reached end of file (--exit-on-stdin-eof): stopping")
+    stop.set()
 
 
 def _daemon_missing(run_dir: str | None) -> str | None:

@@ -70,10 +70,16 @@ class _Process:
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 
-    def _spawn(self, preexec_fn: Callable[[], None] | None = None) -> None:
+    def _spawn(
+        self, preexec_fn: Callable[[], None] | None = None, stdin_pipe: bool = False
+    ) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.argv, stdout=log, stderr=log, preexec_fn=preexec_fn
+                self.argv,
+                stdin=subprocess.PIPE if stdin_pipe else None,
+                stdout=log,
+                stderr=log,
+                preexec_fn=preexec_fn,
             )
 
     @property
@@ -198,6 +204,8 @@ class WorkerProcess(_Process):
         run_dir: ``--run-dir`` (None: the worker's default); ignored with ``no_pool``.
         no_pool: Serve from stock caches (``--no-pool``).
         args: More options (``--max-concurrent``, ``--queue-timeout``, ...).
+        stdin_pipe: Its stdin is a pipe whose write end only this object holds (as a
+            supervisor's is; :meth:`close_stdin` closes it), not this process's stdin.
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class WorkerProcess(_Process):
         run_dir: Path | None = None,
         no_pool: bool = False,
         args: Sequence[str] = (),
+        stdin_pipe: bool = False,
     ) -> None:
         argv = [sys.executable, "-m", "vqpool.worker.serve", "--model", model, "--port", "0"]
         if no_pool:
@@ -216,11 +225,12 @@ class WorkerProcess(_Process):
             argv += ["--run-dir", str(run_dir)]
         super().__init__([*argv, *args], log_path)
         self.model = model
+        self.stdin_pipe = stdin_pipe
         self.url = ""
 
     def start(self, wait: bool = True, timeout: float = WORKER_READY_TIMEOUT) -> WorkerProcess:
         """Start it; with ``wait``, return once it serves (see :meth:`wait_ready`)."""
-        self._spawn()
+        self._spawn(stdin_pipe=self.stdin_pipe)
         if wait:
             self.wait_ready(timeout)
         return self
@@ -236,3 +246,8 @@ class WorkerProcess(_Process):
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"vqpool-worker {self.model} not ready after {timeout}s:\n{self.log()}")
+
+    def close_stdin(self) -> None:
+        """Close the write end of its stdin pipe (as a supervisor's death does)."""
+        assert self.process is not None and self.process.stdin is not None, "no stdin pipe"
+        self.process.stdin.close()
