@@ -14,6 +14,7 @@ Every refusal is a JSON error in the workers' shape. With an API key, every rout
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -35,6 +36,8 @@ log = logging.getLogger("vqpool.serve")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """The largest request body, as the workers'."""
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client left before its answer (nginx's)."""
 NAMES_SHOWN = 20
 """The most model names a 404 lists."""
 
@@ -163,6 +166,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
             return response
     except FrontError as error:
         status = error.status
+        raise
+    except asyncio.CancelledError:  # the client left
+        status = CLIENT_CLOSED
         raise
     finally:
         app[METRICS].request(entry.name, status)
