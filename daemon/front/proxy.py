@@ -17,6 +17,9 @@ from vqpool.daemon.front.errors import bad_gateway
 from vqpool.daemon.front.supervisor import Supervisor
 from vqpool.daemon.front.worker_process import WorkerProcess
 
+STREAM_END = b"data: [DONE]"
+"""How every whole stream of a worker ends: its streams end at the connection's close (no
+length, no chunks), so one that ends otherwise was cut (the worker died)."""
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "Allow")
 """The worker's response headers a client sees (the rest describe the worker's connection)."""
 EVENT_STREAM = "text/event-stream"
@@ -55,9 +58,13 @@ async def forward(
             return web.Response(status=upstream.status, body=data, headers=passed)
         response = web.StreamResponse(status=upstream.status, headers=passed)
         await response.prepare(request)
+        tail = b""
         try:
             async for piece in upstream.content.iter_any():
                 await response.write(piece)
+                tail = (tail + piece)[-64:]
+            if not tail.rstrip().endswith(STREAM_END):
+                raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except aiohttp.ClientError as exc:
             reason = await supervisor.exit_reason(worker, exc)
             error = bad_gateway(reason).body()
