@@ -13,7 +13,7 @@ Three parts, in one run, with real processes on private run directories:
    first event with text) over its requests, and aggregate generated tokens per second (its
    completion tokens / its batches' wall time). Reported: the medians over rounds, the median
    of the per-round deltas (ms) and ratios, with their spread (min to max of rounds).
-   Targets (issue 24): TTFT at most +5 ms p50, tokens/s at least 0.98x.
+   Targets: TTFT at most +5 ms p50, tokens/s at least 0.98x.
    Also the front door's CPU time (user + system, psutil) per proxied token, next to the
    worker's CPU time per generated token over the same batches.
 2. **Two models that do not fit together.** ``vqpool serve --model A --model B --max-loaded
