@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""vqpool demo: two models served at once, their KV caches drawn from one shared pool.
+"""vqpool demo: two models served behind one port, their KV caches drawn from one shared pool.
 
 What it does, end to end, with real processes:
 
-1. starts ``vqpoold`` with the configuration embedded below, in a private run directory under
-   /tmp (removed at the end): a byte budget the two models share, with a reserve for each and
-   weight 2 for the first (docs/budget.md);
-2. starts two ``vqpool-worker`` processes: two built-in tiny models with different
-   architectures and KV layouts (``builtin:llama``, ``builtin:qwen3``), or the two ``--model``
-   arguments (real mlx-lm models on a Mac);
-3. drives a short, bounded load at both: a few client threads per model send chat requests
-   (half of them streamed) for a fixed time; the pool is small enough that the two models
-   contend for blocks and requests wait in the workers' queues;
+1. starts ``vqpool serve`` (the front door) with the configuration embedded below, in a private
+   run directory under /tmp (removed at the end): it starts ``vqpoold`` with a byte budget the
+   two models share, with a reserve for each and weight 2 for the first (docs/budget.md), and
+   serves two models on one URL: two built-in tiny models with different architectures and KV
+   layouts (``builtin:llama``, ``builtin:qwen3``), or the two ``--model`` arguments (real
+   mlx-lm models on a Mac);
+2. sends one request naming each model to that URL: the front door starts each model's
+   ``vqpool-worker`` on demand;
+3. drives a short, bounded load through the same URL: a few client threads per model send
+   chat requests naming their model (half of them streamed) for a fixed time; the pool is small
+   enough that the two models contend for blocks and requests wait in the workers' queues;
 4. shows the pool live while it runs: per stream, blocks in use and free; per model, blocks
    held per stream, bytes, requests running and queued, all as the daemon knows them (the
    workers report their requests in their heartbeat): a redrawn view on a terminal, otherwise
@@ -19,8 +21,9 @@ What it does, end to end, with real processes:
 5. once the load is done, checks that no block is held, shrinks the pool with
    ``vqpoolctl shrink``, prints a summary table (with each model's share of the bytes held
    while both wanted memory, and of the decode time, against its weight's share), says what
-   the preemption count and the shares mean, stops everything cleanly and ends with the
-   commands to try next by hand.
+   the preemption count and the shares mean, shows the front door's view of its models (state,
+   worker, loads: what ``/v1/models`` and its control socket say), stops it with SIGTERM (it
+   stops its workers and vqpoold, and exits 0) and ends with the commands to try next by hand.
 
 Exit status 0 when all of that worked, 1 otherwise (the processes' logs are printed then).
 
@@ -47,22 +50,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.worker.models.loading import model_spec_problem
 from vqpool.worker.testing.http_client import HttpStatusError, request_json, stream_events
-from vqpool.worker.testing.launch import DaemonProcess, ProcessExitedError, WorkerProcess
+from vqpool.worker.testing.launch import ServeProcess
 
-# The daemon's configuration. A built-in model's block holds 4 KiB per stream (K and V apart),
+# The front door's configuration: vqpoold's settings and each model's budget, what it serves and
+# its worker's options. A built-in model's block holds 4 KiB per stream (K and V apart),
 # so the 320 KiB budget is 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
 # the 96 block ids (48 K + 48 V): the budget binds. The demo's requests need ~4-13 blocks per
 # stream each and up to 6 run at once, so the two models contend and some requests wait. Each
 # model keeps a reserve (no other model gets it); the first model weighs twice the second in
 # how the rest is shared. Real models (--model) get a budget their blocks fit in.
-DAEMON_CONFIG = """\
-# vqpoold configuration written by scripts/demo
+SERVE_CONFIG = """\
+# vqpool serve configuration written by scripts/demo
 [vqpoold]
 budget = "{budget}"
 n_blocks = 96
@@ -70,20 +75,31 @@ block_size = 16
 lease = 5.0
 log_level = "WARNING"
 
-[models."{first}"]
+[serve]
+log_level = "WARNING"
+load_timeout = {load_timeout}
+queue_timeout = {load_timeout}
+
+[models.{first}]
+path = {first}
 reserve = "{reserve}"
 weight = 2
-
-[models."{second}"]
+{worker_options}
+[models.{second}]
+path = {second}
 reserve = "{reserve}"
 weight = 1
-"""
+{worker_options}"""
 BUILTIN_BUDGET = ("320KiB", "64KiB")
 REAL_MODEL_BUDGET = ("1GiB", "128MiB")
 
 BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
 CLIENTS_PER_MODEL = 4
-WORKER_ARGS = ["--max-concurrent", "3", "--queue-timeout", "60"]
+WORKER_OPTIONS = """\
+max_concurrent = 3
+queue_timeout = 60
+reserve_mode = "{reserve_mode}"
+"""
 TOPICS = [
     "the unified memory of a laptop",
     "two models sharing one pool of blocks",
@@ -134,11 +150,13 @@ class ClientTally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def one_request(url: str, rng: random.Random, stream: bool, max_tokens: int) -> None:
-    """One chat request of up to ``max_tokens``; raises on anything but a complete answer."""
+def one_request(url: str, model: str, rng: random.Random, stream: bool, max_tokens: int) -> None:
+    """One chat request for ``model`` of up to ``max_tokens``; raises on anything but a
+    complete answer."""
     words = rng.randint(4, 30)
     topic = rng.choice(TOPICS)
     body = {
+        "model": model,
         "messages": [{"role": "user", "content": f"In {words} words: {topic}."}],
         "max_tokens": rng.randint(max_tokens // 5, max_tokens),
         "temperature": 0.7,
@@ -153,17 +171,19 @@ def one_request(url: str, rng: random.Random, stream: bool, max_tokens: int) -> 
         raise HttpStatusError(reply)
 
 
-def client_loop(url: str, seed: int, until: float, max_tokens: int, tally: ClientTally) -> None:
+def client_loop(
+    url: str, model: str, seed: int, until: float, max_tokens: int, tally: ClientTally
+) -> None:
     rng = random.Random(seed)
     n = 0
     while time.monotonic() < until:
         try:
-            one_request(url, rng, stream=n % 2 == 0, max_tokens=max_tokens)
+            one_request(url, model, rng, stream=n % 2 == 0, max_tokens=max_tokens)
             with tally.lock:
                 tally.ok += 1
         except HttpStatusError as exc:
             with tally.lock:
-                if exc.reply.status == 503:
+                if exc.reply.status == 503:  # the front door's or the worker's
                     tally.refused += 1
                 else:
                     tally.failed.append(str(exc))
@@ -278,13 +298,13 @@ def _percent(value: float | None) -> str:
 
 
 def summary(
-    workers: dict[str, WorkerProcess],
+    workers: dict[str, str],
     tallies: dict[str, ClientTally],
     shrink: list[dict[str, Any]],
     shares: ShareTally,
     views: dict[str, dict[str, Any]],
 ) -> None:
-    all_stats = {m: request_json(w.url, "GET", "/v1/stats").body for m, w in workers.items()}
+    all_stats = {m: request_json(url, "GET", "/v1/stats").body for m, url in workers.items()}
     busy_total = sum(s["busy_seconds"] for s in all_stats.values())
     weight_total = sum(views[m]["weight"] for m in workers if m in views)
     headers = [
@@ -345,12 +365,13 @@ def summary(
 USUAL_PREEMPTIONS_PER_S = 30.0
 
 TRY_NEXT = """
-Try next, by hand (the demo has stopped its daemon and workers):
-  vqpoold --budget 64MiB &  vqpool-worker --model builtin:llama --port 8081 &
-  curl http://127.0.0.1:8081/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+Try next, by hand (the demo has stopped its front door, workers and daemon):
+  vqpool serve --model builtin:llama --model builtin:qwen3 &    # vqpoold too; port 8080
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "builtin:qwen3", "messages": [{"role": "user", "content": "Hello"}]}'
+  curl http://127.0.0.1:8080/v1/models            # every model, loaded or not
   vqpoolctl watch                                 # the pool live, per model
-  vqpool-worker --model PATH --port 8082          # serve a real mlx-lm model directory"""
+  vqpool serve --model PATH                       # serve a real mlx-lm model directory"""
 
 
 def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
@@ -419,6 +440,44 @@ def shrink_pool(run_dir: Path, admin: AdminClient) -> list[dict[str, Any]]:
     return result
 
 
+def load_on_demand(url: str, models: list[str], timeout: float) -> dict[str, float | str]:
+    """One small request per model, all at once, through the one URL: the front door starts
+    each model's worker for its first request. Per model, the seconds its first answer took,
+    or the front door's one-line reason for a model that could not be loaded."""
+    took: dict[str, float | str] = {}
+
+    def first_request(model: str) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        started = time.monotonic()
+        reply = request_json(url, "POST", "/v1/chat/completions", body, timeout=timeout)
+        if reply.status == 200:
+            took[model] = time.monotonic() - started
+        else:
+            error = reply.body.get("error", {}) if isinstance(reply.body, dict) else {}
+            took[model] = str(error.get("message", reply.body))
+
+    threads = [threading.Thread(target=first_request, args=(m,)) for m in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return took
+
+
+def front_door_view(serve: ServeProcess) -> str:
+    """The front door's rows (what ``/v1/models`` and its control socket say), as a table."""
+    headers = ["model", "state", "pid", "worker", "running", "queued", "loads", "unloads", "idle"]
+    rows: list[list[object]] = []
+    for name, row in serve.rows().items():
+        unloads = ", ".join(f"{why} {n}" for why, n in row["unloads"].items()) or "0"
+        idle = "-" if row["idle_s"] is None else f"{row['idle_s']:.1f} s"
+        rows.append(
+            [name, row["state"], row["pid"] or "-", row["url"] or "-", row["running"],
+             row["queued"], row["loads"], unloads, idle]
+        )  # fmt: skip
+    return table(headers, rows)
+
+
 def run(args: argparse.Namespace, base: Path) -> bool:
     models = args.model or BUILTIN_MODELS
     duration = args.duration or (6.0 if args.short else 25.0)
@@ -426,41 +485,43 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     # on a slow or busy machine.
     max_tokens = 96 if args.short else 160
     run_dir = base / "run"
-    config = base / "vqpoold.toml"
+    config = base / "vqpool.toml"
     budget, reserve = BUILTIN_BUDGET if args.model is None else REAL_MODEL_BUDGET
+    load_timeout = 60 if args.model is None else 1800  # real models may download
+    first, second = (json.dumps(m) for m in models)  # TOML strings
     config.write_text(
-        DAEMON_CONFIG.format(budget=budget, reserve=reserve, first=models[0], second=models[1])
+        SERVE_CONFIG.format(
+            budget=budget,
+            reserve=reserve,
+            first=first,
+            second=second,
+            load_timeout=load_timeout,
+            worker_options=WORKER_OPTIONS.format(reserve_mode=args.reserve),
+        )
     )
-    processes: list[DaemonProcess | WorkerProcess] = []
+    serve = ServeProcess(run_dir, base / "serve.log", ["--config", str(config)])
     ok = explained = False
     try:
         print(
-            f"starting vqpoold (run directory {run_dir}) and {len(models)} workers ...", flush=True
+            f"starting vqpool serve (run directory {run_dir}): vqpoold and {len(models)} models "
+            "behind one port ...",
+            flush=True,
         )
-        daemon = DaemonProcess(
-            run_dir, "--config", str(config), log_path=base / "vqpoold.log"
-        ).start()
-        processes.append(daemon)
-        workers: dict[str, WorkerProcess] = {}
-        for i, model in enumerate(models):
-            worker = WorkerProcess(
-                model,
-                base / f"worker{i}.log",
-                run_dir=run_dir,
-                args=[*WORKER_ARGS, "--reserve", args.reserve],
-            )
-            workers[model] = worker.start(wait=False)
-            processes.append(worker)
-        ready_timeout = 60.0 if args.model is None else 1800.0  # real models may download
-        for worker in workers.values():
-            try:
-                worker.wait_ready(ready_timeout)
-            except ProcessExitedError as exc:
-                # The worker said why in one line (a model that cannot be loaded): say only that.
-                print(f"demo: {exc.last_line}", file=sys.stderr)
+        serve.start()
+        print(f"  serving {', '.join(models)} on {serve.url}", flush=True)
+        for model, took in load_on_demand(serve.url, models, load_timeout + 30).items():
+            if isinstance(took, str):
+                # The front door passed the worker's one-line reason on: say only that.
+                print(f"demo: {took}", file=sys.stderr)
                 explained = True
-                raise SystemExit(exc.status) from None
-            print(f"  {worker.model} on {worker.url}", flush=True)
+                raise SystemExit(2)
+            row = serve.rows()[model]
+            print(
+                f"  {model}: loaded by its first request in {took:.1f} s (worker pid "
+                f"{row['pid']} on {row['url']})",
+                flush=True,
+            )
+        workers = {name: row["url"] for name, row in serve.rows().items()}
 
         with AdminClient(run_dir) as admin:
             tallies = {m: ClientTally() for m in models}
@@ -468,12 +529,15 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             clients = [
                 threading.Thread(
                     target=client_loop,
-                    args=(workers[m].url, 100 * i + c, until, max_tokens, tallies[m]),
+                    args=(serve.url, m, 100 * i + c, until, max_tokens, tallies[m]),
                 )
                 for i, m in enumerate(models)
                 for c in range(CLIENTS_PER_MODEL)
             ]
-            print(f"driving {len(clients)} clients for {duration:.0f}s ...\n", flush=True)
+            print(
+                f"driving {len(clients)} clients for {duration:.0f}s at {serve.url} ...\n",
+                flush=True,
+            )
             stop_view = threading.Event()
             shares = ShareTally()
 
@@ -520,22 +584,24 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             ok = not failures and in_use == 0 and audit["ok"]
             for failure in failures[:10]:
                 print(f"FAILED request: {failure}")
-        for process in reversed(processes):
-            status = process.stop()
-            if status != 0:
-                print(f"{' '.join(process.argv[2:5])} exited with status {status}")
-                ok = False
-        processes.clear()
-        print("stopped workers and vqpoold" + ("" if ok else " (with errors)"))
+        print("\nThe front door's view of its models (its control socket; /v1/models alike):\n")
+        print(textwrap.indent(front_door_view(serve), "  "))
+        children = psutil.Process(serve.pid).children(recursive=True)
+        status = serve.stop()
+        _, left = psutil.wait_procs(children, timeout=10)
+        print(
+            f"\nvqpool serve stopped workers and vqpoold (SIGTERM: exit status {status}, "
+            f"{len(left)} of its {len(children)} processes left)"
+        )
+        ok = ok and status == 0 and not left
         if ok:
             print(TRY_NEXT)
         return ok
     finally:
-        for process in reversed(processes):
-            if process.process is not None:
-                process.stop()
+        if serve.process is not None and serve.process.poll() is None:
+            serve.stop()
         if not ok and not explained:
-            for log in sorted(base.glob("*.log")):
+            for log in [*sorted(base.glob("*.log")), *sorted(run_dir.glob("workers/*.log"))]:
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
 
 

@@ -56,6 +56,19 @@ QUICK_RUNS = {
             "| 2 | mlx_lm.server |",
         ),
     ),
+    "bench_front_door.py": (
+        240,
+        (
+            "| concurrency | TTFT p50 worker (ms) | TTFT p50 front door (ms) | TTFT delta (ms)",
+            "| 1 |",
+            "| 8 |",
+            "CPU per token: front door",
+            "| 6 | 0 |",  # two models: 6 requests, none failed
+            "| vqpool serve |",
+            "| mlx_lm.server |",
+            "vqpool serve exit statuses on SIGTERM: [0]",
+        ),
+    ),
     "bench_budget.py": (
         240,
         (

@@ -1,5 +1,5 @@
-"""The service files shipped in docs/ are valid and start vqpoold and vqpool-worker with options
-they accept."""
+"""The service files shipped in docs/ are valid and start vqpoold, vqpool-worker and vqpool serve
+with options they accept."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from vqpool.daemon.__main__ import build_parser
+from vqpool.daemon.front.cli import build_parser as build_serve_parser
 from vqpool.worker.serve import build_parser as build_worker_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -27,6 +28,19 @@ def test_launchd_plist() -> None:
     assert plist["KeepAlive"] == {"SuccessfulExit": False}  # restart after a crash only
     assert plist["StandardErrorPath"].endswith("/Library/Logs/vqpoold.log")
     assert plist["ProcessType"] == "Interactive"
+
+
+def test_launchd_plist_of_vqpool_serve() -> None:
+    with open(DOCS / "launchd" / "com.vqpool.serve.plist", "rb") as f:
+        plist = plistlib.load(f)
+    assert plist["Label"] == "com.vqpool.serve"
+    program, *args = plist["ProgramArguments"]
+    assert program.endswith("/vqpool")
+    options = vars(build_serve_parser().parse_args(args))  # exits (fails) on a bad option
+    assert options["command"] == "serve" and options["port"] == 8080
+    assert options["config"].endswith("/vqpool.toml")
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["StandardErrorPath"].endswith("/Library/Logs/vqpool-serve.log")
 
 
 def _systemd_unit(name: str) -> configparser.ConfigParser:

@@ -1,4 +1,5 @@
-"""scripts/demo --short, end to end: vqpoold, two workers, load, live view, shrink, summary.
+"""scripts/demo --short, end to end: vqpool serve (vqpoold, two workers behind one URL), load,
+live view, shrink, summary, the front door's view, SIGTERM.
 
 Runs ``scripts/demo.py`` with this interpreter: ``scripts/demo`` itself only sets up .venv
 (which the test suite already runs in) and then execs that same file.
@@ -55,7 +56,13 @@ def test_demo_short_runs_end_to_end() -> None:
     assert "blocks in use after the load: 0; audit: ok" in out
     shrink = re.search(r"Shrink \(vqpoolctl shrink\): (\d+) blocks retired", out)
     assert shrink and int(shrink.group(1)) > 0
-    assert "stopped workers and vqpoold" in out
+    assert "stopped workers and vqpoold (SIGTERM: exit status 0, 0 of its 3 processes left)" in out
+    # Both models behind the front door's one URL, each loaded by its first request there.
+    url = re.search(r"serving builtin:llama, builtin:qwen3 on (http://\S+)", out)
+    assert url and f"clients for 3s at {url.group(1)}" in out, out
+    for model in ("builtin:llama", "builtin:qwen3"):
+        assert re.search(rf"{model}: loaded by its first request in [\d.]+ s", out), out
+        assert re.search(rf"{model} +loaded +\d+ +http://\S+ +0 +0 +1 +0 ", out), out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
     # model, reserve (2 words), weight, weight/bytes/decode shares, requests, tokens, ...
     summary = {row[0]: row for row in rows if len(row) == 17}
@@ -76,8 +83,9 @@ def test_demo_short_runs_end_to_end() -> None:
     assert "not expected to\nfollow the weights" in out
     lines = out.rstrip().splitlines()
     closing = lines[max(i for i, line in enumerate(lines) if line.startswith("Try next")) :]
-    assert closing[0].startswith("Try next, by hand") and len(closing) == 6, closing
-    assert "vqpool-worker --model builtin:llama" in closing[1] and "vqpoold" in closing[1]
-    assert closing[2].lstrip().startswith("curl http://127.0.0.1:8081/v1/chat/completions")
+    assert closing[0].startswith("Try next, by hand") and len(closing) == 7, closing
+    assert "vqpool serve --model builtin:llama --model builtin:qwen3" in closing[1]
+    assert closing[2].lstrip().startswith("curl http://127.0.0.1:8080/v1/chat/completions")
+    assert closing[-3].lstrip().startswith("curl http://127.0.0.1:8080/v1/models")
     assert closing[-2].lstrip().startswith("vqpoolctl watch")
-    assert closing[-1].lstrip().startswith("vqpool-worker --model PATH")
+    assert closing[-1].lstrip().startswith("vqpool serve --model PATH")

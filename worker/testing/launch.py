@@ -1,9 +1,12 @@
-"""Start and stop vqpoold and vqpool-worker processes from Python (the demo, the benchmarks, tests).
+"""Start and stop vqpoold, vqpool-worker and vqpool serve processes from Python (the demo, the
+benchmarks, tests).
 
-Both run as real subprocesses of the current interpreter (``python -m vqpool.daemon``,
-``python -m vqpool.worker.serve``) with their stdout and stderr in a log file, so a caller that
-fails can show what the process said (and a worker's ready line is read from there). A
-:class:`DaemonProcess` also calls admin ops on its daemon, for the callers that check its state.
+Each runs as a real subprocess of the current interpreter (``python -m vqpool.daemon``,
+``python -m vqpool.worker.serve``, ``python -m vqpool.daemon.front serve``) with its stdout and
+stderr in a log file, so a caller that fails can show what the process said (and a worker's or
+front door's ready line is read from there). A :class:`DaemonProcess` also calls admin ops on
+its daemon, and a :class:`ServeProcess` reads its models' rows on its control socket, for the
+callers that check their state.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import psutil
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import ADMIN_SOCKET_NAME, WORKER_SOCKET_NAME
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.front_client import FrontDoorClient
 
 WORKER_READY_TIMEOUT = 60.0
 """Seconds a worker may take to serve (it loads its model first)."""
@@ -32,6 +36,14 @@ DAEMON_READY_TIMEOUT = 15.0
 DAEMON_STOP_TIMEOUT = 5.0
 """Seconds a stopped daemon may take to exit before SIGKILL (it takes well under one)."""
 _SERVING_LINE = re.compile(r"serving (\S+) on (http://[\w.:\[\]-]+)")
+
+SERVE_READY_TIMEOUT = 60.0
+"""Seconds ``vqpool serve`` may take to serve (it starts vqpoold; models load on demand)."""
+
+SERVE_STOP_TIMEOUT = 60.0
+"""Seconds a stopped ``vqpool serve`` may take to exit: it stops its workers first, each ending
+its running requests."""
+_FRONT_READY_LINE = re.compile(r"vqpool serve: serving .* on (http://[\w.:\[\]-]+)")
 
 
 def stop_process(process: subprocess.Popen[Any], sig: int, timeout: float) -> int:
@@ -251,3 +263,52 @@ class WorkerProcess(_Process):
         """Close the write end of its stdin pipe (as a supervisor's death does)."""
         assert self.process is not None and self.process.stdin is not None, "no stdin pipe"
         self.process.stdin.close()
+
+
+class ServeProcess(_Process):
+    """``vqpool serve --run-dir RUN_DIR --port 0 ...`` (the front door); :attr:`url` once it
+    serves.
+
+    Args:
+        run_dir: Its ``--run-dir`` (it starts vqpoold there unless one runs; a short path: its
+            sockets live there).
+        log_path: Where its stdout and stderr go (the vqpoold it starts logs there too).
+        args: More options (``--model``, ``--config``, ``--max-loaded``, ...).
+    """
+
+    def __init__(self, run_dir: Path, log_path: Path, args: Sequence[str] = ()) -> None:
+        argv = [sys.executable, "-m", "vqpool.daemon.front", "serve", "--run-dir", str(run_dir)]
+        super().__init__([*argv, "--port", "0", *args], log_path)
+        self.run_dir = run_dir
+        self.url = ""
+
+    def start(self, timeout: float = SERVE_READY_TIMEOUT) -> ServeProcess:
+        """Start it and return once it serves (its ready line, read every 10 ms).
+
+        Raises:
+            ProcessExitedError: It exited meanwhile (its last line says why).
+            RuntimeError: Not serving after ``timeout`` seconds.
+        """
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive("vqpool serve")
+            match = _FRONT_READY_LINE.search(self.log())
+            if match:
+                self.url = match.group(1)
+                return self
+            time.sleep(0.01)
+        raise RuntimeError(f"vqpool serve not serving after {timeout}s:\n{self.log()}")
+
+    def control(self, timeout: float = 600.0) -> FrontDoorClient:
+        """A client of its control socket (``timeout``: the longest a load may be waited for)."""
+        return FrontDoorClient(self.run_dir, timeout=timeout)
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """Each model's row (state, pid, url, loads, ...), by name."""
+        return {row["name"]: row for row in self.control().models()["models"]}
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = SERVE_STOP_TIMEOUT) -> int:
+        """Send ``sig`` (SIGTERM: it stops its workers and the vqpoold it started, then exits
+        0); its exit status."""
+        return super().stop(sig, timeout)
