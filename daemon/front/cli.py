@@ -39,7 +39,7 @@ from vqpool.daemon.front.control_api import build_control_app
 from vqpool.daemon.front.daemon_child import DaemonChild, DaemonStartError
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.public_api import build_public_app
-from vqpool.daemon.front.supervisor import Supervisor
+from vqpool.daemon.front.supervisor import DEFAULT_SWAP_GRACE, Supervisor
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError
 from vqpool.daemon.server.run_dir import open_lock_file, prepare_run_dir
 from vqpool.shared.config import (
@@ -57,6 +57,7 @@ KEEPALIVE_TIMEOUT = 15.0
 """Seconds an idle client connection is kept open between requests."""
 SHUTDOWN_GRACE = 5.0
 """Seconds the server waits for its handlers once the workers have stopped."""
+MAX_SWAP_GRACE = 60.0
 MAX_OPEN_FILES = 65536
 """File descriptors asked for: thousands of idle client connections must not starve it."""
 
@@ -69,6 +70,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "queue_timeout": 120.0,
     "max_queue": 128,
     "load_timeout": 600.0,
+    "swap_grace": DEFAULT_SWAP_GRACE,
     "budget": None,
     "log_level": "INFO",
 }
@@ -81,6 +83,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "queue_timeout": (int, float),
     "max_queue": (int,),
     "load_timeout": (int, float),
+    "swap_grace": (int, float),
     "budget": (int, str),
     "log_level": (str,),
 }
@@ -154,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a model's worker may take to start serving (default: 600)",
     )
     serve.add_argument(
+        "--swap-grace",
+        type=float,
+        metavar="S",
+        help="seconds after its last request before a model may be unloaded to make room for "
+        f"another (requests sent together arrive in any order) (default: {DEFAULT_SWAP_GRACE})",
+    )
+    serve.add_argument(
         "--log-level",
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -191,6 +201,8 @@ def serve_options(args: argparse.Namespace, file_table: dict[str, Any]) -> dict[
     for key in ("queue_timeout", "load_timeout"):
         if not options[key] > 0:
             raise UsageError(f"--{key.replace('_', '-')} must be > 0")
+    if not 0 <= options["swap_grace"] <= MAX_SWAP_GRACE:
+        raise UsageError(f"--swap-grace must be 0..{MAX_SWAP_GRACE:g} seconds")
     if not 0 <= options["port"] <= 65535:
         raise UsageError("--port must be 0..65535")
     if options["host"] not in LOOPBACK and not options["api_key"]:
@@ -272,6 +284,7 @@ async def serve(
         max_loaded=options["max_loaded"],
         max_queue=options["max_queue"],
         load_timeout=options["load_timeout"],
+        swap_grace=options["swap_grace"],
         metrics=metrics,
     )
     public = web.AppRunner(

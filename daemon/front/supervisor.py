@@ -47,6 +47,8 @@ log = logging.getLogger("vqpool.serve")
 SESSION_GONE_TIMEOUT = 15.0
 """Seconds an unloaded worker's session may take to leave vqpoold (its goodbye is immediate;
 a worker that had to be killed is noticed by the daemon's peer check within its lease)."""
+DEFAULT_SWAP_GRACE = 0.5
+"""Seconds a model that just served stays safe from being unloaded for another's load."""
 EXIT_REASON_WAIT = 2.0
 """Seconds a failed proxied request waits for its worker's exit, to name the crash."""
 
@@ -60,6 +62,8 @@ class Supervisor:
         max_loaded: The most models loaded at once (None: no cap).
         max_queue: The most requests waiting for one model to load.
         load_timeout: Seconds a worker may take to serve once started.
+        swap_grace: Seconds after its last request before a model may be unloaded to make
+            room for another.
         metrics: Where loads, unloads and waits are counted.
     """
 
@@ -71,6 +75,7 @@ class Supervisor:
         max_loaded: int | None,
         max_queue: int,
         load_timeout: float,
+        swap_grace: float = DEFAULT_SWAP_GRACE,
         metrics: FrontMetrics,
     ) -> None:
         self.catalog = catalog
@@ -78,6 +83,8 @@ class Supervisor:
         self.max_loaded = max_loaded
         self.max_queue = max_queue
         self.load_timeout = load_timeout
+        self.swap_grace = swap_grace
+        self._grace_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
         self.slots = {name: ModelSlot(entry) for name, entry in catalog.entries.items()}
         self._waiting_since: dict[str, float] = {}
@@ -224,13 +231,27 @@ class Supervisor:
             self._start(self._load(slot))
 
     def _free_room(self) -> None:
-        """Unload the least recently used idle, unpinned model, unless one is unloading."""
+        """Unload the least recently used idle, unpinned model, unless one is unloading or
+        its last request ended less than ``swap_grace`` ago (then try again when it has)."""
         if any(s.state == UNLOADING for s in self.slots.values()):
             return
         victims = [s for s in self.slots.values() if s.evictable]
-        if victims:
-            victim = min(victims, key=lambda s: s.last_used or 0.0)
-            self._start_unload(victim, "room")
+        if not victims:
+            return
+        victim = min(victims, key=lambda s: s.last_used or 0.0)
+        loop = asyncio.get_running_loop()
+        # NOTE: requests sent together (an editor's two models) arrive in any order; a model
+        # just used is likely asked again at once, so it is not swapped out within the grace.
+        wait = (victim.last_used or 0.0) + self.swap_grace - loop.time()
+        if wait > 0:
+            if self._grace_timer is None:
+                self._grace_timer = loop.call_later(wait, self._grace_over)
+            return
+        self._start_unload(victim, "room")
+
+    def _grace_over(self) -> None:
+        self._grace_timer = None
+        self._schedule()
 
     # -- loads and unloads -------------------------------------------------------------------------
 
@@ -401,6 +422,8 @@ class Supervisor:
     async def close(self) -> None:
         """Stop every worker (each ends its running requests first) and wait for them."""
         self._closing = True
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         self._notify()
         for slot in self.slots.values():
             self._touch(slot)
