@@ -158,6 +158,8 @@ class Supervisor:
             return slot.worker
         finally:
             slot.queued -= 1
+            if slot.failures != failures_seen and slot.answered > 0:
+                slot.answered -= 1
             self._touch(slot)
             self._settle(slot)
             self._notify()
@@ -220,7 +222,7 @@ class Supervisor:
         pending = [
             s
             for s in self.slots.values()
-            if s.state == NOT_LOADED and s.queued > 0 and s.retry_at <= now
+            if s.state == NOT_LOADED and s.queued > s.answered and s.retry_at <= now
         ]
         pending.sort(key=lambda s: self._waiting_since.get(s.name, now))
         for slot in pending:
