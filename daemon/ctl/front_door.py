@@ -3,17 +3,35 @@ the control socket, and its models' rows as text, for ``ps``, ``status`` and ``w
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 from urllib.parse import urlsplit
 
 from vqpool.daemon.ctl.budgets import labelled_lines
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.labels import model_labels
+from vqpool.daemon.ctl.options import add_json, positive_float
 from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, table
 from vqpool.shared.front_client import FrontDoorNotRunning
 
 LABEL_WIDTH = 40
 """Widest model label in the front door's tables (as in the budget table)."""
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser, verb: str, wait: float, waits_for: str
+) -> None:
+    """MODEL, ``--wait`` (default ``wait`` seconds, for ``waits_for``) and ``--json``: the
+    arguments of ``load`` and ``unload``."""
+    parser.add_argument("model", metavar="MODEL", help=f"the model to {verb} (as `ps` names it)")
+    parser.add_argument(
+        "--wait",
+        type=positive_float,
+        default=wait,
+        metavar="SECONDS",
+        help=f"how long to wait for {waits_for} (default {wait:g})",
+    )
+    add_json(parser)
 
 
 def front_door_or_none(ctl: Ctl) -> dict[str, Any] | None:

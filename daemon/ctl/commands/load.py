@@ -13,20 +13,11 @@ import argparse
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.front_door import port
-from vqpool.daemon.ctl.options import add_json, positive_float
+from vqpool.daemon.ctl.front_door import add_model_arguments, port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="the model to load (as `ps` names it)")
-    parser.add_argument(
-        "--wait",
-        type=positive_float,
-        default=60.0,
-        metavar="SECONDS",
-        help="how long to wait for the load (default 60)",
-    )
-    add_json(parser)
+    add_model_arguments(parser, "load", 60.0, "the load")
 
 
 def run(ctl: Ctl, args: argparse.Namespace) -> int:

@@ -13,19 +13,11 @@ import argparse
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.options import add_json, positive_float
+from vqpool.daemon.ctl.front_door import add_model_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="the model to unload (as `ps` names it)")
-    parser.add_argument(
-        "--wait",
-        type=positive_float,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long to wait for its requests to end (default 30)",
-    )
-    add_json(parser)
+    add_model_arguments(parser, "unload", 30.0, "its requests to end")
 
 
 def _requests(n: int, what: str) -> str:
