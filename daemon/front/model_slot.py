@@ -40,6 +40,9 @@ class ModelSlot:
     """Requests proxied to its worker now."""
     queued: int = 0
     """Requests waiting for it to load (or for room to load it)."""
+    queued_since_failure: int = 0
+    """Of ``queued``, those that came after its last failure: the others are about to fail
+    with it, and no longer call for a load."""
     keep_alive: float = 0.0
     """Seconds it stays loaded once idle: the model's, or the last ended request's own."""
     unload_when_idle: bool = False
@@ -94,6 +97,7 @@ class ModelSlot:
     def record_failure(self, reason: str, now: float) -> None:
         """A load failed or the worker exited on its own: back off when it keeps happening."""
         self.last_error = reason
+        self.queued_since_failure = 0
         self.failure_times.append(now)
         recent = sum(1 for t in self.failure_times if now - t < FAILURE_WINDOW)
         backoff = 0.0 if recent < 2 else min(MAX_BACKOFF, 2.0 ** (recent - 2))

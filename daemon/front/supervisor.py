@@ -122,6 +122,7 @@ class Supervisor:
         if slot.queued == 0:
             self._waiting_since[slot.name] = started
         slot.queued += 1
+        slot.queued_since_failure += 1
         self._touch(slot)
         try:
             while True:
@@ -151,6 +152,8 @@ class Supervisor:
             return slot.worker
         finally:
             slot.queued -= 1
+            if slot.failures == failures_seen:
+                slot.queued_since_failure -= 1
             self._touch(slot)
             self._settle(slot)
             self._notify()
@@ -213,7 +216,7 @@ class Supervisor:
         pending = [
             s
             for s in self.slots.values()
-            if s.state == NOT_LOADED and s.queued > 0 and s.retry_at <= now
+            if s.state == NOT_LOADED and s.queued_since_failure > 0 and s.retry_at <= now
         ]
         pending.sort(key=lambda s: self._waiting_since.get(s.name, now))
         for slot in pending:
