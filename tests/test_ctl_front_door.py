@@ -142,5 +142,7 @@ def test_a_failed_load_is_refused_with_the_workers_reason(tmp_path: Path) -> Non
         assert "no config.json" in result.stderr
         assert result.stderr.count("\n") == 1
         ps = run_ctl(front.run_dir, "ps")
-        assert int(_ps_rows(ps.stdout)["not-a-model"][-1]) >= 1  # failed loads
+        # Not loading again: the request that asked for the load has had its answer.
+        state, *_, crashes, failed_loads = _ps_rows(ps.stdout)["not-a-model"]
+        assert (state, crashes, failed_loads) == ("not_loaded", "0", "1")
         assert "not-a-model: last error: the worker of " in ps.stdout
