@@ -18,6 +18,7 @@ from vqpool.daemon.ctl.exits import EXIT_CODES_HELP, CtlError, Exit
 from vqpool.daemon.ctl.options import DEFAULT_TIMEOUT, common_options
 from vqpool.shared.config import resolve_run_dir, socket_path
 from vqpool.shared.errors import VqpoolError
+from vqpool.shared.front_client import FrontDoorNotRunning, FrontDoorRefused
 
 HELP = "help"
 
@@ -91,6 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CtlError as exc:
         print(f"vqpoolctl: {exc}", file=sys.stderr)
         return exc.code
+    except FrontDoorNotRunning as exc:
+        print(
+            f"vqpoolctl: {exc}; start it with `vqpool serve --run-dir {run_dir}`", file=sys.stderr
+        )
+        return Exit.NOT_RUNNING
+    except FrontDoorRefused as exc:
+        print(f"vqpoolctl: refused by vqpool serve ({exc.status}): {exc}", file=sys.stderr)
+        return Exit.REFUSED
     except (VqpoolError, ValueError) as exc:
         # An error reply: the daemon refused, and said why.
         print(f"vqpoolctl: refused by vqpoold: {exc}", file=sys.stderr)

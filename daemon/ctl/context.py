@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from vqpool.daemon.ctl.exits import CtlError, Exit
 from vqpool.shared.config import ADMIN_SOCKET_NAME, socket_path
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.front_client import FrontDoorClient
 from vqpool.shared.protocol import session_label
 
 if TYPE_CHECKING:
@@ -71,6 +72,11 @@ class Ctl:
                 f"within {self.timeout:g}s (a stale socket left by a killed daemon?)",
                 Exit.NOT_RUNNING,
             ) from None
+
+    def front_door(self, wait: float = 0.0) -> FrontDoorClient:
+        """A client of the control socket of the ``vqpool serve`` on the run directory, whose
+        calls may take ``wait`` seconds (a load) beyond the reply timeout."""
+        return FrontDoorClient(self.run_dir, timeout=self.timeout + wait)
 
     def print(self, text: str = "") -> None:
         print(text, file=self.out)

@@ -14,9 +14,11 @@ class Exit(IntEnum):
     BAD_ARGUMENTS = 2
     """The command line is wrong (argparse's own status for usage errors)."""
     NOT_RUNNING = 3
-    """No vqpoold answers on the run directory."""
+    """No vqpoold answers on the run directory (for ``ps``, ``load``, ``unload``: no ``vqpool
+    serve``)."""
     REFUSED = 4
-    """The daemon answered with an error: no such session, a value it does not accept..."""
+    """The daemon answered with an error: no such session, a value it does not accept... (or
+    the front door did: an unknown model, a load that failed)."""
     CANCELLED = 5
     """A confirmation was declined (evict without --yes answered no, or stdin closed)."""
     FIT_WITHIN_RESERVE = 10
@@ -31,8 +33,8 @@ EXIT_CODES_HELP = """exit codes:
   0  ok
   1  failed (unexpected error)
   2  bad arguments
-  3  vqpoold is not running (or not answering) on the run directory
-  4  refused by the daemon (no such session, a value it does not accept)
+  3  vqpoold (ps, load, unload: vqpool serve) is not running on the run directory
+  4  refused by the daemon or the front door (no such session or model, a failed load)
   5  cancelled (a confirmation was declined)
   10 fit: fits within the model's reserve, not now
   11 fit: fits once other models give back borrowed memory, not now

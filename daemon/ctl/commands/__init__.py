@@ -13,12 +13,15 @@ from vqpool.daemon.ctl.commands import (
     evict,
     fit,
     history,
+    load,
     metrics,
     model,
     owners,
+    ps,
     sessions,
     shrink,
     status,
+    unload,
     watch,
 )
 
@@ -37,5 +40,8 @@ COMMANDS: dict[str, ModuleType] = {
         history,
         metrics,
         watch,
+        ps,
+        load,
+        unload,
     )
 }

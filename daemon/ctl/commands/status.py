@@ -6,8 +6,10 @@ bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cach
 the memory budget: the budget, bytes held and free, reserves (lent) and requests waiting,
 reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions, and per
 model its bytes held, reserve, limit, weight, bytes borrowed above its reserve, entitlement and
-requests waiting (as `vqpoolctl model list`). Exits 3 when no daemon answers on the run
-directory.
+requests waiting (as `vqpoolctl model list`). When a front door (`vqpool serve`) runs on the
+run directory, then its URL and pid and each of its models' state and requests running and
+queued (as `vqpoolctl ps`; in --json its answer as "front_door", null when none runs). Exits 3
+when no daemon answers on the run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 from vqpool.daemon.ctl.budgets import budget_report
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.ctl.front_door import front_door_or_none, models_table
 from vqpool.daemon.ctl.options import add_json
 from vqpool.daemon.ctl.render import duration, human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import in_use, per_model, pool_line
@@ -30,9 +33,18 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     stats = ctl.call("stats")
     models = per_model(ctl.call("sessions"))
     listing = ctl.call("model_list")
+    front_door = front_door_or_none(ctl)
     if ctl.as_json:
         budget = {**listing["budget"], "models": listing["models"]}
-        ctl.print_json({**stats, "in_use": in_use(stats), "models": models, "budget": budget})
+        ctl.print_json(
+            {
+                **stats,
+                "in_use": in_use(stats),
+                "models": models,
+                "budget": budget,
+                "front_door": front_door,
+            }
+        )
         return Exit.OK
     st = stats["stats"]
     used = in_use(stats)
@@ -84,4 +96,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     ctl.print()
     for line in budget_report(listing):
         ctl.print(line)
+    if front_door is not None:
+        ctl.print()
+        ctl.print(models_table(front_door))
     return Exit.OK

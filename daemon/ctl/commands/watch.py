@@ -8,7 +8,9 @@ running and have queued (as the workers last reported them in their heartbeat; "
 worker that does not report them); fragmentation; and the rates of block allocations and of
 refused (exhausted) allocations since the previous refresh; then the memory budget (budget,
 bytes held and free, reserves, requests waiting) and per model its bytes held, reserve, limit,
-weight, bytes borrowed above its reserve and requests waiting for memory with their bytes.
+weight, bytes borrowed above its reserve and requests waiting for memory with their bytes;
+when a front door (`vqpool serve`) runs on the run directory, its URL and pid and each of its
+models' state and requests running and queued (as `vqpoolctl ps`; --json lines: "front_door").
 Lines fit the terminal's width;
 model names lose their org or directory prefix, and long ones their middle, keeping the part
 that tells them apart. When stdout is not a terminal (a pipe or a file), each refresh is
@@ -30,6 +32,7 @@ from typing import Any, TextIO
 from vqpool.daemon.ctl.budgets import budget_fields, labelled_lines, model_fields
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.ctl.front_door import front_door_or_none, model_lines
 from vqpool.daemon.ctl.labels import model_labels
 from vqpool.daemon.ctl.options import add_json, positive_float, positive_int
 from vqpool.daemon.ctl.render import bar, duration, ellipsis, fit_fields, human_bytes, percent
@@ -63,11 +66,17 @@ class Reading:
     sessions: list[dict[str, Any]]
     budgets: dict[str, Any]
     """The ``model_list`` reply: the budget map and one view per model."""
+    front_door: dict[str, Any] | None
+    """The front door's answer on its control socket (None: no ``vqpool serve`` runs)."""
 
     @classmethod
     def take(cls, ctl: Ctl) -> Reading:
         return cls(
-            time.monotonic(), ctl.call("stats"), ctl.call("sessions"), ctl.call("model_list")
+            time.monotonic(),
+            ctl.call("stats"),
+            ctl.call("sessions"),
+            ctl.call("model_list"),
+            front_door_or_none(ctl),
         )
 
     def rates(self, previous: Reading | None) -> dict[str, float | None]:
@@ -151,7 +160,10 @@ def render(reading: Reading, previous: Reading | None, width: int, interval: flo
         lines += _model_bars(models, labels, streams, width)
     else:
         lines.append("no worker sessions")
-    return lines + _budget_lines(reading.budgets, labels, width)
+    lines += _budget_lines(reading.budgets, labels, width)
+    if reading.front_door is not None:
+        lines += ["", *model_lines(reading.front_door, width)]
+    return lines
 
 
 def _budget_lines(budgets: dict[str, Any], labels: dict[str, str], width: int) -> list[str]:
@@ -212,6 +224,7 @@ def _json_lines(ctl: Ctl, interval: float, count: int | None) -> int:
                 **reading.rates(previous),
                 "models": per_model(reading.sessions),
                 "budget": {**reading.budgets["budget"], "models": reading.budgets["models"]},
+                "front_door": reading.front_door,
             }
             print(json.dumps(record, sort_keys=True), file=ctl.out, flush=True)
             n += 1

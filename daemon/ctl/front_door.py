@@ -1,0 +1,107 @@
+"""What vqpoolctl shows of the front door (``vqpool serve``) on the run directory: its answer on
+the control socket, and its models' rows as text, for ``ps``, ``status`` and ``watch``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+from urllib.parse import urlsplit
+
+from vqpool.daemon.ctl.budgets import labelled_lines
+from vqpool.daemon.ctl.context import Ctl
+from vqpool.daemon.ctl.labels import model_labels
+from vqpool.daemon.ctl.options import add_json, positive_float
+from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, table
+from vqpool.shared.front_client import FrontDoorNotRunning
+
+LABEL_WIDTH = 40
+"""Widest model label in the front door's tables (as in the budget table)."""
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser, verb: str, wait: float, waits_for: str
+) -> None:
+    """MODEL, ``--wait`` (default ``wait`` seconds, for ``waits_for``) and ``--json``: the
+    arguments of ``load`` and ``unload``."""
+    parser.add_argument("model", metavar="MODEL", help=f"the model to {verb} (as `ps` names it)")
+    parser.add_argument(
+        "--wait",
+        type=positive_float,
+        default=wait,
+        metavar="SECONDS",
+        help=f"how long to wait for {waits_for} (default {wait:g})",
+    )
+    add_json(parser)
+
+
+def front_door_or_none(ctl: Ctl) -> dict[str, Any] | None:
+    """The front door's answer to ``GET /models``, or None when no ``vqpool serve`` answers
+    on the run directory (``status`` and ``watch`` then show what they always did)."""
+    try:
+        return ctl.front_door().models()
+    except FrontDoorNotRunning:
+        return None
+
+
+def labels_of(answer: dict[str, Any]) -> dict[str, str]:
+    """A short distinct label per served model, as the other tables label models."""
+    return model_labels([row["name"] for row in answer["models"]], LABEL_WIDTH, ellipsis())
+
+
+def header_fields(answer: dict[str, Any]) -> list[str]:
+    """What to say of the front door itself: where it serves, its pid, how many models may be
+    loaded at once."""
+    cap = answer["max_loaded"]
+    loaded = "no cap on models loaded" if cap is None else f"at most {cap} models loaded"
+    return [f"vqpool serve on {answer['url']}", f"pid {answer['pid']}", loaded]
+
+
+def header(answer: dict[str, Any]) -> str:
+    return ", ".join(header_fields(answer))
+
+
+def port(row: dict[str, Any]) -> int | None:
+    """The port the model's worker serves on (None while it has none)."""
+    return None if row["url"] is None else urlsplit(row["url"]).port
+
+
+def keep_alive_left(row: dict[str, Any]) -> str:
+    """How long an idle loaded model stays: "pinned", "forever", the time left; "-" otherwise."""
+    if row["state"] != "loaded":
+        return "-"
+    if row["pinned"]:
+        return "pinned"
+    if row["keep_alive_s"] is None:
+        return "forever"
+    left = row["keep_alive_left_s"]
+    return "-" if left is None else duration(left)
+
+
+def idle(row: dict[str, Any]) -> str:
+    return "-" if row["idle_s"] is None else duration(row["idle_s"])
+
+
+def models_table(answer: dict[str, Any]) -> str:
+    """The front door and its models' state and requests, for ``status``."""
+    labels = labels_of(answer)
+    rows = [
+        [labels[row["name"]], row["state"], row["running"], row["queued"]]
+        for row in answer["models"]
+    ]
+    return header(answer) + "\n" + table(["MODEL", "STATE", "RUNNING", "QUEUED"], rows)
+
+
+def model_lines(answer: dict[str, Any], width: int) -> list[str]:
+    """The front door and one line per model (state, requests), for ``watch``: lines of at
+    most ``width`` columns."""
+    labels = model_labels(
+        [row["name"] for row in answer["models"]], max(12, width // 3), ellipsis()
+    )
+    label_width = max((len(label) for label in labels.values()), default=0)
+    state_width = max((len(row["state"]) for row in answer["models"]), default=0)
+    lines = fit_fields(header_fields(answer), width, ", ")
+    for row in answer["models"]:
+        state = f"{row['state']:<{state_width}}"
+        fields = [state, f"running {row['running']}, queued {row['queued']}"]
+        lines += labelled_lines(labels[row["name"]], label_width, fields, width)
+    return lines
