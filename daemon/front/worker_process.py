@@ -26,6 +26,8 @@ SIGKILL."""
 LOG_TAIL_BYTES = 4096
 _SERVING_LINE = re.compile(rb"serving .* on http://([\w.:\[\]-]+)")
 _UNSAFE = re.compile(r"[^\w.-]+")
+# The worker's log format: "2026-12-02 01:44:30,228 vqpool-worker[20596] ERROR message".
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \S+\[\d+\] [A-Z]+ ")
 
 
 class WorkerStartError(RuntimeError):
@@ -39,7 +41,8 @@ def log_path(run_dir: Path, name: str) -> Path:
 
 
 def last_log_line(path: Path) -> str:
-    """The last non-empty line of a worker's log ("" when there is none)."""
+    """The last non-empty line of a worker's log, without its time and level ("" when there
+    is none)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
@@ -47,7 +50,7 @@ def last_log_line(path: Path) -> str:
     except OSError:
         return ""
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    return _LOG_PREFIX.sub("", lines[-1]) if lines else ""
 
 
 class WorkerProcess:
