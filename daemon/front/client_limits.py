@@ -120,7 +120,12 @@ class Refusal(asyncio.Protocol):
 
 
 class ConnectionCap:
-    """The listening socket's protocol factory: aiohttp's, at most ``limit`` connections open."""
+    """The listening socket's protocol factory: aiohttp's, at most ``limit`` connections open.
+
+    Whether a connection has a request in progress, or is closing, is read from aiohttp's
+    ``RequestHandler`` (``_request_in_progress``, ``_force_close``, as of 3.14): it offers no
+    public way to tell.
+    """
 
     def __init__(self, server: web.Server, limit: int) -> None:
         self.server = server
