@@ -35,6 +35,14 @@ from typing import Any
 
 from aiohttp import web
 from vqpool.daemon.front.catalog import Catalog, catalog_from_config, parse_keep_alive
+from vqpool.daemon.front.client_limits import (
+    BODY_TIMEOUT,
+    HEAD_TIMEOUT,
+    LINGERING_TIME,
+    WRITE_TIMEOUT,
+    CappedTCPSite,
+    connection_cap,
+)
 from vqpool.daemon.front.control_api import build_control_app
 from vqpool.daemon.front.daemon_child import DaemonChild, DaemonStartError
 from vqpool.daemon.front.metrics import FrontMetrics
@@ -53,8 +61,6 @@ log = logging.getLogger("vqpool.serve")
 
 API_KEY_ENV = "VQPOOL_API_KEY"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-KEEPALIVE_TIMEOUT = 15.0
-"""Seconds an idle client connection is kept open between requests."""
 SHUTDOWN_GRACE = 5.0
 """Seconds the server waits for its handlers once the workers have stopped."""
 MAX_SWAP_GRACE = 60.0
@@ -73,6 +79,11 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "swap_grace": DEFAULT_SWAP_GRACE,
     "budget": None,
     "log_level": "INFO",
+    # Bounds on client connections (client_limits.py says why these values); hidden options.
+    "head_timeout": HEAD_TIMEOUT,
+    "body_timeout": BODY_TIMEOUT,
+    "write_timeout": WRITE_TIMEOUT,
+    "max_connections": None,
 }
 _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "host": (str,),
@@ -86,6 +97,10 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "swap_grace": (int, float),
     "budget": (int, str),
     "log_level": (str,),
+    "head_timeout": (int, float),
+    "body_timeout": (int, float),
+    "write_timeout": (int, float),
+    "max_connections": (int,),
 }
 
 
@@ -156,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a model's worker may take to start serving (default: 600)",
     )
+    for bound in ("--head-timeout", "--body-timeout", "--write-timeout"):
+        serve.add_argument(bound, type=float, help=argparse.SUPPRESS)
+    serve.add_argument("--max-connections", type=int, help=argparse.SUPPRESS)
     serve.add_argument(
         "--swap-grace",
         type=float,
@@ -195,10 +213,10 @@ def serve_options(args: argparse.Namespace, file_table: dict[str, Any]) -> dict[
     for key in _SERVE_TYPES:
         if hasattr(args, key):
             options[key] = getattr(args, key)
-    for key in ("max_loaded", "max_queue"):
+    for key in ("max_loaded", "max_queue", "max_connections"):
         if options[key] is not None and options[key] < 1:
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1")
-    for key in ("queue_timeout", "load_timeout"):
+    for key in ("queue_timeout", "load_timeout", "head_timeout", "body_timeout", "write_timeout"):
         if not options[key] > 0:
             raise UsageError(f"--{key.replace('_', '-')} must be > 0")
     if not 0 <= options["swap_grace"] <= MAX_SWAP_GRACE:
@@ -294,16 +312,24 @@ async def serve(
             metrics,
             queue_timeout=options["queue_timeout"],
             api_key=options["api_key"],
+            body_timeout=options["body_timeout"],
+            write_timeout=options["write_timeout"],
         ),
         handler_cancellation=True,
         access_log=None,
-        keepalive_timeout=KEEPALIVE_TIMEOUT,
+        keepalive_timeout=options["head_timeout"],  # also the request head's deadline
+        lingering_time=LINGERING_TIME,
         shutdown_timeout=SHUTDOWN_GRACE,
     )
     control = None
     try:
         await public.setup()
-        site = web.TCPSite(public, options["host"], options["port"], backlog=1024)
+        site = CappedTCPSite(
+            public,
+            options["host"],
+            options["port"],
+            max_connections=connection_cap(options["max_connections"]),
+        )
         try:
             await site.start()
         except OSError as exc:

@@ -4,18 +4,23 @@ A streamed answer (server-sent events) is written on as each piece arrives, neve
 client that leaves cancels the handler (the server runs with handler cancellation), which
 closes the upstream connection: the worker sees its client gone, cancels the request and its
 blocks go back. A worker that dies mid-request is named in a 502 (or, once a stream has
-started, in a last error event).
+started, in a last error event). A client that takes none of its answer for ``write_timeout``
+seconds is cut off the same way (client_limits.py says why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import aiohttp
 from aiohttp import web
 from vqpool.daemon.front.errors import bad_gateway
 from vqpool.daemon.front.supervisor import Supervisor
 from vqpool.daemon.front.worker_process import WorkerProcess
+
+log = logging.getLogger("vqpool.serve")
 
 STREAM_END = b"data: [DONE]"
 """How every whole stream of a worker ends: its streams end at the connection's close (no
@@ -39,6 +44,7 @@ async def forward(
     supervisor: Supervisor,
     worker: WorkerProcess,
     body: bytes,
+    write_timeout: float,
 ) -> web.StreamResponse:
     """Send ``body`` to ``worker`` on the request's path; its answer as the response."""
     headers = {"Content-Type": "application/json"}
@@ -55,22 +61,61 @@ async def forward(
                 data = await upstream.read()
             except aiohttp.ClientError as exc:
                 raise bad_gateway(await supervisor.exit_reason(worker, exc)) from None
-            return web.Response(status=upstream.status, body=data, headers=passed)
+            response = web.StreamResponse(status=upstream.status, headers=passed)
+            response.content_length = len(data)
+            await response.prepare(request)
+            await _send(request, response, data, write_timeout, eof=True)
+            return response
         response = web.StreamResponse(status=upstream.status, headers=passed)
         await response.prepare(request)
         tail = b""
         try:
             async for piece in upstream.content.iter_any():
-                await response.write(piece)
+                await _send(request, response, piece, write_timeout)
                 tail = (tail + piece)[-64:]
             if not tail.rstrip().endswith(STREAM_END):
                 raise aiohttp.ClientPayloadError("the stream ended before its [DONE]")
         except aiohttp.ClientError as exc:
             reason = await supervisor.exit_reason(worker, exc)
             error = bad_gateway(reason).body()
-            await response.write(f"data: {json.dumps(error)}\n\n".encode())
-        await response.write_eof()
+            await _send(request, response, f"data: {json.dumps(error)}\n\n".encode(), write_timeout)
+        await _send(request, response, b"", write_timeout, eof=True)
         return response
+    except ClientStalled:
+        return response  # its connection is closed: aiohttp sends nothing more
     finally:
         # Closing, not releasing: a request the client left must end at the worker too.
         upstream.close()
+
+
+class ClientStalled(Exception):
+    """The client took none of its answer for the write timeout; its connection is closed."""
+
+
+async def _send(
+    request: web.Request,
+    response: web.StreamResponse,
+    data: bytes,
+    timeout: float,
+    *,
+    eof: bool = False,
+) -> None:
+    """Write ``data`` (and end the answer when ``eof``); a client that takes none of it for
+    ``timeout`` seconds has its connection closed (its buffered answer dropped) and
+    :class:`ClientStalled` is raised."""
+    try:
+        async with asyncio.timeout(timeout):
+            if eof:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
+    except TimeoutError:
+        log.warning(
+            "%s %s: the client took no data for %g s: cut off",
+            request.method,
+            request.path,
+            timeout,
+        )
+        if request.transport is not None:
+            request.transport.abort()
+        raise ClientStalled from None

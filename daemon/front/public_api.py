@@ -46,6 +46,8 @@ CATALOG = web.AppKey("catalog", Catalog)
 METRICS = web.AppKey("metrics", FrontMetrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 QUEUE_TIMEOUT = web.AppKey("queue_timeout", float)
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+WRITE_TIMEOUT = web.AppKey("write_timeout", float)
 STARTED = web.AppKey("started", float)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,10 +96,16 @@ def api_key_check(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
 
 
 async def _read_body(request: web.Request) -> dict[str, Any]:
+    deadline = request.app[BODY_TIMEOUT]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(deadline):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise FrontError(413, f"the body is larger than {MAX_BODY_BYTES} bytes") from None
+    except TimeoutError:
+        raise FrontError(
+            408, f"the body did not arrive within {deadline:g} s", kind="timeout"
+        ) from None
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -161,7 +169,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
     status = 500
     try:
         async with supervisor.lease(slot, keep_alive, app[QUEUE_TIMEOUT]) as worker:
-            response = await forward(request, app[SESSION], supervisor, worker, data)
+            response = await forward(
+                request, app[SESSION], supervisor, worker, data, app[WRITE_TIMEOUT]
+            )
             status = response.status
             return response
     except FrontError as error:
@@ -209,6 +219,8 @@ def build_public_app(
     *,
     queue_timeout: float,
     api_key: str | None,
+    body_timeout: float,
+    write_timeout: float,
 ) -> web.Application:
     middlewares: list[Any] = [json_errors]
     if api_key:
@@ -218,6 +230,8 @@ def build_public_app(
     app[CATALOG] = catalog
     app[METRICS] = metrics
     app[QUEUE_TIMEOUT] = queue_timeout
+    app[BODY_TIMEOUT] = body_timeout
+    app[WRITE_TIMEOUT] = write_timeout
     app[STARTED] = time.time()
     for path in COMPLETION_ROUTES:
         app.router.add_post(path, completion)
