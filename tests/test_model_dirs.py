@@ -108,6 +108,8 @@ def test_demo_runs_on_model_dirs(model_dirs: dict[str, Path]) -> None:
     done = run_demo("--model", llama, "--model", qwen3, "--short", "--duration", "3", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "blocks in use after the load: 0; audit: ok" in done.stdout
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if "/" in line}
+    # The per-model table comes before the front door's view, whose rows name the models too.
+    per_model = done.stdout.split("The front door's view")[0]
+    rows = {line.split()[0]: line.split() for line in per_model.splitlines() if "/" in line}
     for model in (llama, qwen3):
         assert int(rows[model][1]) > 0  # requests answered
