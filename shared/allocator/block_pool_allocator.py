@@ -75,8 +75,9 @@ class BlockPoolAllocator(RestartClaims):
     def _allocate_chunk(
         self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
     ) -> BlockList:
-        """allocate(): the new allocation's record, its list filled with Blocks if
-        ``with_blocks`` (built before anything changes: building them can fail too)."""
+        """allocate(): the new allocation's record, its list filled with the pool's Blocks if
+        ``with_blocks`` (listed before anything changes, as making them can fail; their fields
+        set once the allocation is made)."""
         if n_tokens <= 0:
             raise ValueError(f"BlockPoolAllocator: n_tokens must be > 0, got {n_tokens}")
         if not self._separate_kv:
@@ -128,7 +129,7 @@ class BlockPoolAllocator(RestartClaims):
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
             if with_blocks:
-                chunk._build_blocks(block_size)
+                self._list_blocks_locked(chunk)
             active = self._active_owners
             was_active = owner in active
             unused = free.never_used  # on the stack, never handed out
@@ -188,6 +189,8 @@ class BlockPoolAllocator(RestartClaims):
                     counts[N_REUSED] -= n_reused
                     counts[PEAK_IN_USE] = peak
                 raise
+            if with_blocks:
+                self._hand_out_blocks_locked(chunk)
             return chunk
         finally:
             self._lock.release()
@@ -306,7 +309,9 @@ class BlockPoolAllocator(RestartClaims):
         # per-block bookkeeping: its map entries just go stale.
         chunk.dead = True
         if chunk._blocks is not None:
-            chunk._sync_all_freed()
+            for block in chunk._blocks:  # every one still this allocation's
+                block.owner = None
+                block.n_used = 0
         ids = chunk.block_ids
         free = self._free[chunk.stream]
         if free.claimed:
@@ -336,7 +341,9 @@ class BlockPoolAllocator(RestartClaims):
                 continue
             del chunk_of[block_id]
             if chunk._blocks is not None:
-                chunk._sync_block(block_id, 0, freed=True)
+                block = self._block_objects[block_id]
+                block.owner = None
+                block.n_used = 0
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
                 counts[FRAGMENTED] -= 1
@@ -370,13 +377,18 @@ class BlockPoolAllocator(RestartClaims):
                 counts = self._counts
                 for chunk in chunks.values():
                     chunk.dead = True
-                    if chunk._blocks is not None:
-                        chunk._sync_all_freed()
                     free = self._free[chunk.stream]
-                    if chunk.n_freed:
-                        free.give_back([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
-                    else:
-                        free.give_back(chunk.block_ids)
+                    held = chunk.block_ids
+                    if chunk.n_freed:  # its blocks freed alone may be another's by now
+                        held = [i for i in held if chunk_of.get(i) is chunk]
+                    if chunk._blocks is not None:
+                        objects = self._block_objects
+                        for block in (
+                            map(objects.__getitem__, held) if chunk.n_freed else chunk._blocks
+                        ):
+                            block.owner = None
+                            block.n_used = 0
+                    free.give_back(held)
                     if chunk.fill:
                         counts[FRAGMENTED] -= len(chunk.fill)
                     counts[N_FREES] += len(chunk.block_ids) - chunk.n_freed
@@ -407,6 +419,7 @@ class BlockPoolAllocator(RestartClaims):
             if n_retire:
                 for block_id in free.retire(n_retire):
                     self._chunk_of.pop(block_id, None)  # a stale entry of a freed allocation
+                    self._block_objects.pop(block_id, None)  # the id never comes back
                 self._counts[N_BLOCKS] -= n_retire
                 self._counts[N_RETIRED] += n_retire
                 self._record_history()  # as the seed: a shrink that retired nothing has no row
@@ -447,7 +460,7 @@ class BlockPoolAllocator(RestartClaims):
         if chunk is None:
             return
         if chunk._blocks is not None:
-            chunk._sync_block(block_id, n_used, freed=False)
+            self._block_objects[block_id].n_used = n_used
         fill = chunk.fill
         was_partial = fill is not None and block_id in fill
         if n_used < self._block_size:

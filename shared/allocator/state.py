@@ -71,6 +71,11 @@ class AllocatorState:
         # while it holds a block.
         self._holdings: dict[Owner, dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
+        # One Block per id, as the seed keeps them, but made on the id's first allocate() or
+        # claim() (so a pool of a million blocks costs nothing until used) and then kept: each
+        # public allocation sets their fields in place instead of building new objects. The
+        # ids path (allocate_ids, claim_ids) neither makes nor changes them.
+        self._block_objects: dict[int, Block] = {}
         # The AllocationStats counters as a plain list: updates are list stores and a history
         # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
         self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -102,6 +107,45 @@ class AllocatorState:
         with self._lock:
             rows = list(self._history)
         return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
+
+    # -- the Block objects of public allocations ---------------------------------------------
+
+    def _list_blocks_locked(self, chunk: BlockList) -> None:
+        """Fill a new allocation's list with the Block objects of its ids, making those not
+        made yet; changes nothing the pool reads (making a Block can fail: this runs before the
+        allocation changes anything). :meth:`_hand_out_blocks_locked` sets their fields once
+        the allocation is made."""
+        objects = self._block_objects
+        ids = chunk.block_ids
+        try:
+            blocks = list(map(objects.__getitem__, ids))
+        except KeyError:  # an id's first public use
+            stream = chunk.stream
+            blocks = []
+            for block_id in ids:
+                block = objects.get(block_id)
+                if block is None:
+                    # ever_allocated from the start: it exists only to be handed out
+                    block = objects[block_id] = Block(block_id, stream, "fp16", 0, None, True)
+                blocks.append(block)
+        chunk.extend(blocks)
+        chunk._blocks = blocks
+
+    def _hand_out_blocks_locked(self, chunk: BlockList) -> None:
+        """Set the Block objects of an allocation just made to what it holds."""
+        owner, format, size = chunk.owner, chunk.format, self._block_size
+        blocks = chunk._blocks
+        assert blocks is not None
+        # A plain loop: its attribute stores are specialised for __slots__, faster than any
+        # C-level setattr over the list.
+        for block in blocks:
+            block.owner = owner
+            block.format = format
+            block.n_used = size
+        if chunk.fill:
+            objects = self._block_objects
+            for block_id, n_used in chunk.fill.items():
+                objects[block_id].n_used = n_used
 
     # -- streams and owners ----------------------------------------------------------------------
 
