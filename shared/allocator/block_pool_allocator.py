@@ -191,6 +191,8 @@ class BlockPoolAllocator(RestartClaims):
                 raise
             if with_blocks:
                 self._hand_out_blocks_locked(chunk)
+                if last_used < block_size:
+                    chunk._blocks[-1].n_used = last_used  # type: ignore[index]
             return chunk
         finally:
             self._lock.release()
@@ -335,13 +337,13 @@ class BlockPoolAllocator(RestartClaims):
         chunk_of = self._chunk_of
         free_lists = self._free
         counts = self._counts
+        objects = self._block_objects
         for block_id in ids:
             chunk = chunk_of.get(block_id)
             if chunk is None or chunk.dead:
                 continue
             del chunk_of[block_id]
-            if chunk._blocks is not None:
-                block = self._block_objects[block_id]
+            if chunk._blocks is not None and (block := objects[block_id]) is not None:
                 block.owner = None
                 block.n_used = 0
             fill = chunk.fill
@@ -378,16 +380,16 @@ class BlockPoolAllocator(RestartClaims):
                 for chunk in chunks.values():
                     chunk.dead = True
                     free = self._free[chunk.stream]
-                    held = chunk.block_ids
+                    held: Sequence[int] = chunk.block_ids
+                    blocks = chunk._blocks
                     if chunk.n_freed:  # its blocks freed alone may be another's by now
                         held = [i for i in held if chunk_of.get(i) is chunk]
-                    if chunk._blocks is not None:
-                        objects = self._block_objects
-                        for block in (
-                            map(objects.__getitem__, held) if chunk.n_freed else chunk._blocks
-                        ):
-                            block.owner = None
-                            block.n_used = 0
+                        if blocks is not None:
+                            objects = self._block_objects
+                            blocks = [b for i in held if (b := objects[i]) is not None]
+                    for block in blocks or ():
+                        block.owner = None
+                        block.n_used = 0
                     free.give_back(held)
                     if chunk.fill:
                         counts[FRAGMENTED] -= len(chunk.fill)
@@ -417,9 +419,11 @@ class BlockPoolAllocator(RestartClaims):
             n_free = len(free.recycled) + free.fresh_hi - free.fresh_lo
             n_retire = max(0, n_free - target_free)
             if n_retire:
+                objects = self._block_objects
                 for block_id in free.retire(n_retire):
                     self._chunk_of.pop(block_id, None)  # a stale entry of a freed allocation
-                    self._block_objects.pop(block_id, None)  # the id never comes back
+                    if block_id < len(objects):
+                        objects[block_id] = None  # the id never comes back: nor its Block
                 self._counts[N_BLOCKS] -= n_retire
                 self._counts[N_RETIRED] += n_retire
                 self._record_history()  # as the seed: a shrink that retired nothing has no row
@@ -437,8 +441,11 @@ class BlockPoolAllocator(RestartClaims):
         block_size = self._block_size
         if not 0 <= n_used <= block_size:
             raise ValueError(f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}")
-        with self._lock:
+        self._lock.acquire()  # not "with": see allocate()
+        try:
             self._mark_used_locked(block, n_used)
+        finally:
+            self._lock.release()
 
     def mark_used_many(self, updates: Iterable[tuple[Block, int]]) -> None:
         """mark_used() for several blocks; all values are checked before any is applied."""
@@ -456,11 +463,11 @@ class BlockPoolAllocator(RestartClaims):
     def _mark_used_locked(self, block: Block, n_used: int) -> None:
         block.n_used = n_used
         block_id = block.block_id
-        chunk = self._live_chunk(block_id)
-        if chunk is None:
+        chunk = self._chunk_of.get(block_id)  # _live_chunk(), inlined: a decode step's call
+        if chunk is None or chunk.dead:
             return
-        if chunk._blocks is not None:
-            self._block_objects[block_id].n_used = n_used
+        if chunk._blocks is not None and (held := self._block_objects[block_id]) is not None:
+            held.n_used = n_used
         fill = chunk.fill
         was_partial = fill is not None and block_id in fill
         if n_used < self._block_size:

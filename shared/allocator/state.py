@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from itertools import repeat
+from typing import cast
 
 from vqpool.shared.allocator.block_list import BlockList
 from vqpool.shared.allocator.free_list import FreeList
@@ -72,10 +74,12 @@ class AllocatorState:
         self._holdings: dict[Owner, dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
         # One Block per id, as the seed keeps them, but made on the id's first allocate() or
-        # claim() (so a pool of a million blocks costs nothing until used) and then kept: each
-        # public allocation sets their fields in place instead of building new objects. The
-        # ids path (allocate_ids, claim_ids) neither makes nor changes them.
-        self._block_objects: dict[int, Block] = {}
+        # claim() and then kept: each public allocation sets their fields in place instead of
+        # building new objects. Indexed by id (a list: looking ids up in it costs a tenth of a
+        # dict's), None for an id not used yet; empty until the first public allocation, so a
+        # pool of a million blocks costs nothing to build. The ids path (allocate_ids,
+        # claim_ids) neither makes nor changes them.
+        self._block_objects: list[Block | None] = []
         # The AllocationStats counters as a plain list: updates are list stores and a history
         # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
         self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -110,29 +114,31 @@ class AllocatorState:
 
     # -- the Block objects of public allocations ---------------------------------------------
 
-    def _list_blocks_locked(self, chunk: BlockList) -> None:
-        """Fill a new allocation's list with the Block objects of its ids, making those not
-        made yet; changes nothing the pool reads (making a Block can fail: this runs before the
-        allocation changes anything). :meth:`_hand_out_blocks_locked` sets their fields once
-        the allocation is made."""
+    def _list_blocks_locked(self, chunk: BlockList, id_end: int = 0) -> None:
+        """Fill a new allocation's list with the Block objects of its ids (all below
+        ``id_end``, or the pool's id space), making those not made yet; changes nothing the
+        pool reads (making a Block can fail: this runs before the allocation changes anything).
+        :meth:`_hand_out_blocks_locked` sets their fields once the allocation is made."""
         objects = self._block_objects
+        id_end = max(id_end, self._next_block_id)
+        if len(objects) < id_end:  # the first public allocation, or the pool grew since
+            objects.extend(repeat(None, id_end - len(objects)))
         ids = chunk.block_ids
-        try:
-            blocks = list(map(objects.__getitem__, ids))
-        except KeyError:  # an id's first public use
+        blocks = [objects[ids[0]]] if len(ids) == 1 else list(map(objects.__getitem__, ids))
+        if not all(blocks):  # an id's first public use (a Block is always true)
             stream = chunk.stream
-            blocks = []
-            for block_id in ids:
-                block = objects.get(block_id)
-                if block is None:
+            for i, block_id in enumerate(ids):
+                if blocks[i] is None:
                     # ever_allocated from the start: it exists only to be handed out
-                    block = objects[block_id] = Block(block_id, stream, "fp16", 0, None, True)
-                blocks.append(block)
-        chunk.extend(blocks)
-        chunk._blocks = blocks
+                    block = Block(block_id, stream, "fp16", 0, None, True)
+                    blocks[i] = objects[block_id] = block
+        listed = cast("list[Block]", blocks)  # no None left
+        chunk.extend(listed)
+        chunk._blocks = listed
 
     def _hand_out_blocks_locked(self, chunk: BlockList) -> None:
-        """Set the Block objects of an allocation just made to what it holds."""
+        """Set the Block objects of an allocation just made to what it holds, all full: the
+        caller sets the ``n_used`` of those it fills partly."""
         owner, format, size = chunk.owner, chunk.format, self._block_size
         blocks = chunk._blocks
         assert blocks is not None
@@ -142,10 +148,6 @@ class AllocatorState:
             block.owner = owner
             block.format = format
             block.n_used = size
-        if chunk.fill:
-            objects = self._block_objects
-            for block_id, n_used in chunk.fill.items():
-                objects[block_id].n_used = n_used
 
     # -- streams and owners ----------------------------------------------------------------------
 
