@@ -93,7 +93,11 @@ class BlockPoolAllocator(RestartClaims):
             free = self._free[stream]
             recycled = free.recycled
             claimed = free.claimed
-            if len(recycled) + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed:
+            n_listed = len(recycled)
+            # Enough recycled ids and none claimed (the common case) needs no count of the rest.
+            if (claimed or n_listed < n_needed) and (
+                n_listed + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed
+            ):
                 self._try_grow_locked(stream, n_needed)
                 n_free = free.n_free()
                 if n_free < n_needed:
@@ -106,24 +110,26 @@ class BlockPoolAllocator(RestartClaims):
                     )
             # Choose the ids first, changing nothing: from the top, recycled ids first (LIFO),
             # then the fresh range downwards. The stack is cut to its first ``keep`` ids.
-            n_listed = len(recycled)
+            n_listed = len(recycled)  # growth may have added some
             hi = free.fresh_hi
             passed: list[int] | None = None  # claimed ids met on the way: they leave the list
             if claimed:
                 ids, n_reused, keep, new_hi, passed = free.plan_past_claimed(n_needed)
                 stack_top = recycled[keep:]
+            elif n_needed == 1:  # a decode step's next block
+                if n_listed:
+                    ids, n_reused, keep, new_hi = (recycled[-1],), 1, n_listed - 1, hi
+                else:
+                    ids, n_reused, keep, new_hi = (hi - 1,), 0, 0, hi - 1
             else:
                 n_reused = n_needed if n_needed <= n_listed else n_listed
                 keep = n_listed - n_reused
                 new_hi = hi - (n_needed - n_reused)
-                if n_needed == 1:
-                    ids = (recycled[-1],) if n_reused else (new_hi,)
-                else:
-                    taken = recycled[keep:]
-                    taken.reverse()
-                    if new_hi < hi:
-                        taken.extend(range(hi - 1, new_hi - 1, -1))
-                    ids = tuple(taken)
+                taken = recycled[keep:]
+                taken.reverse()
+                if new_hi < hi:
+                    taken.extend(range(hi - 1, new_hi - 1, -1))
+                ids = tuple(taken)
             chunk = BlockList(ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
@@ -133,10 +139,12 @@ class BlockPoolAllocator(RestartClaims):
             active = self._active_owners
             was_active = owner in active
             unused = free.never_used  # on the stack, never handed out
-            never_used = unused.intersection(ids) if unused and n_reused else None
-            passed_unused = None
-            if passed and unused:
-                passed_unused = unused.intersection(passed)
+            never_used = passed_unused = None
+            if unused:
+                if n_reused:
+                    never_used = unused.intersection(ids)
+                if passed:
+                    passed_unused = unused.intersection(passed)
             counts = self._counts
             peak = counts[PEAK_IN_USE]
             counted = False
