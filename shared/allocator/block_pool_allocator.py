@@ -134,8 +134,16 @@ class BlockPoolAllocator(RestartClaims):
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
+            blocks: list[Block] | None = None
             if with_blocks:
-                self._list_blocks_locked(chunk)
+                # _list_blocks_locked(), inlined for one block whose Block exists already
+                objects = self._block_objects
+                if n_needed == 1 and ids[0] < len(objects) and (block := objects[ids[0]]):
+                    blocks = chunk._blocks = [block]
+                    chunk.append(block)
+                else:
+                    self._list_blocks_locked(chunk)
+                    blocks = chunk._blocks
             active = self._active_owners
             was_active = owner in active
             unused = free.never_used  # on the stack, never handed out
@@ -197,10 +205,14 @@ class BlockPoolAllocator(RestartClaims):
                     counts[N_REUSED] -= n_reused
                     counts[PEAK_IN_USE] = peak
                 raise
-            if with_blocks:
-                self._hand_out_blocks_locked(chunk)
+            if blocks is not None:
+                # _hand_out_blocks_locked(), inlined: one call less per allocate()
+                for block in blocks:
+                    block.owner = owner
+                    block.format = format
+                    block.n_used = block_size
                 if last_used < block_size:
-                    chunk._blocks[-1].n_used = last_used  # type: ignore[index]
+                    blocks[-1].n_used = last_used
             return chunk
         finally:
             self._lock.release()
