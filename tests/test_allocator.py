@@ -813,3 +813,31 @@ def test_ids_path_leaves_block_objects_alone() -> None:
     assert pool.allocate("k", 16, owner=3)[0] is not block  # another id: another object
     pool.free_ids([block_id])
     assert pool.allocate("k", 16, owner=4)[0] is block
+
+
+def test_every_block_of_an_allocation_is_found_by_id() -> None:
+    # allocate() maps only an allocation's first id at once, the rest on the first lookup.
+    pool = pool_of(n_blocks=64, block_size=4)
+    blocks = pool.allocate("k", 4 * 5, owner=1)
+    last = blocks[-1].block_id
+    assert pool.owner_of(last) == 1 and pool.stream_of(last) == "k"
+    pool.mark_used(Block(block_id=blocks[2].block_id), 1)
+    assert blocks[2].n_used == 1 and pool.usage(1) == {"k": (5, 17)}
+    ids = pool.allocate_ids("k", 4 * 3, owner=2)
+    pool.free_ids(ids[1:])  # part of an allocation, by id
+    assert [pool.owner_of(i) for i in ids] == [2, None, None]
+    pool.free([Block(block_id=last)])
+    assert ids_of(pool.blocks_for(1)) == ids_of(blocks[:-1])
+    pool.check_invariants()
+
+
+def test_whole_allocations_freed_leave_nothing_behind() -> None:
+    pool = pool_of(n_blocks=64)
+    for _ in range(100):
+        pool.allocate("k", 16 * 8, owner=1)
+        pool.allocate_ids("v", 16 * 8, owner=1)
+        pool.free_all(1)
+        pool.free(pool.allocate("k", 16 * 4, owner=2))
+        pool.free_ids(pool.allocate_ids("k", 16 * 4, owner=2))
+    assert not pool._unindexed  # nothing kept for allocations that are gone
+    pool.check_invariants()

@@ -8,7 +8,6 @@ methods and the claim path's (``RestartClaims``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from operator import is_
 
 from vqpool.shared.allocator.block_list import BlockList
@@ -158,10 +157,9 @@ class BlockPoolAllocator(RestartClaims):
             counted = False
             # Then change everything; whatever is raised on the way is undone.
             try:
-                if n_needed == 1:
-                    self._chunk_of[ids[0]] = chunk
-                else:
-                    self._chunk_of.update(zip(ids, repeat(chunk)))
+                self._chunk_of[ids[0]] = chunk
+                if n_needed > 1:  # the rest on the first lookup by id, if any (_index_locked)
+                    self._unindexed[id(chunk)] = chunk
                 chunks = self._holdings.get(owner)
                 if chunks is None:
                     self._holdings[owner] = {id(chunk): chunk}
@@ -221,6 +219,7 @@ class BlockPoolAllocator(RestartClaims):
         """Drop the allocation an interrupted allocate() was recording, whatever it got to: the
         map entries it wrote are stale once ``chunk`` is dead."""
         chunk.dead = True
+        self._unindexed.pop(id(chunk), None)
         owner = chunk.owner
         chunks = self._holdings.get(owner)
         if chunks is not None and chunks.pop(id(chunk), None) is not None and not chunks:
@@ -330,6 +329,8 @@ class BlockPoolAllocator(RestartClaims):
         # The common case: a whole live allocation none of whose blocks was freed alone. No
         # per-block bookkeeping: its map entries just go stale.
         chunk.dead = True
+        if self._unindexed:  # never looked up by id: its other entries were never written
+            self._unindexed.pop(id(chunk), None)
         if chunk._blocks is not None:
             for block in chunk._blocks:  # every one still this allocation's
                 block.owner = None
@@ -354,6 +355,8 @@ class BlockPoolAllocator(RestartClaims):
         self._history.append(tuple(counts))
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
+        if self._unindexed:
+            self._index_locked()
         chunk_of = self._chunk_of
         free_lists = self._free
         counts = self._counts
@@ -397,8 +400,11 @@ class BlockPoolAllocator(RestartClaims):
             if chunks is not None:
                 chunk_of = self._chunk_of
                 counts = self._counts
+                unindexed = self._unindexed
                 for chunk in chunks.values():
                     chunk.dead = True
+                    if unindexed:
+                        unindexed.pop(id(chunk), None)
                     free = self._free[chunk.stream]
                     held: Sequence[int] = chunk.block_ids
                     blocks = chunk._blocks
@@ -483,6 +489,8 @@ class BlockPoolAllocator(RestartClaims):
     def _mark_used_locked(self, block: Block, n_used: int) -> None:
         block.n_used = n_used
         block_id = block.block_id
+        if self._unindexed:
+            self._index_locked()
         chunk = self._chunk_of.get(block_id)  # _live_chunk(), inlined: a decode step's call
         if chunk is None or chunk.dead:
             return

@@ -69,6 +69,12 @@ class AllocatorState:
         # Block id -> the allocation (chunk) it came from; an entry is live while
         # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
         self._chunk_of: dict[int, BlockList] = {}
+        # Live allocations of several blocks whose ids past the first are not in _chunk_of yet,
+        # by id(chunk): allocate() writes the first id only (free_ids finds a whole allocation
+        # by it), and every lookup by id writes the rest first (_index_locked). A whole
+        # allocation freed before any such lookup (allocate + free_all, the commonest life)
+        # never costs a map write per block.
+        self._unindexed: dict[int, BlockList] = {}
         # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
         # while it holds a block.
         self._holdings: dict[Owner, dict[int, BlockList]] = {}
@@ -124,7 +130,7 @@ class AllocatorState:
         if len(objects) < id_end:  # the first public allocation, or the pool grew since
             objects.extend(repeat(None, id_end - len(objects)))
         ids = chunk.block_ids
-        blocks = [objects[ids[0]]] if len(ids) == 1 else list(map(objects.__getitem__, ids))
+        blocks = list(map(objects.__getitem__, ids))
         if not all(blocks):  # an id's first public use (a Block is always true)
             stream = chunk.stream
             for i, block_id in enumerate(ids):
@@ -208,7 +214,20 @@ class AllocatorState:
 
     # -- reads -----------------------------------------------------------------------------------
 
+    def _index_locked(self) -> None:
+        """Write the map entries of the allocations allocate() left unindexed."""
+        unindexed = self._unindexed
+        chunk_of = self._chunk_of
+        while unindexed:
+            key = next(iter(unindexed))
+            chunk = unindexed[key]
+            if not chunk.dead:  # (a dead one leaves this map as it dies)
+                chunk_of.update(zip(chunk.block_ids, repeat(chunk)))
+            del unindexed[key]  # only once written: an interrupted write is done again
+
     def _live_chunk(self, block_id: int) -> BlockList | None:
+        if self._unindexed:
+            self._index_locked()
         chunk = self._chunk_of.get(block_id)
         if chunk is None or chunk.dead:
             return None
@@ -217,6 +236,8 @@ class AllocatorState:
     def blocks_for(self, owner: Owner) -> list[Block]:
         """Records of the blocks ``owner`` holds now, in allocation order."""
         with self._lock:
+            if self._unindexed:
+                self._index_locked()
             chunk_of = self._chunk_of
             size = self._block_size
             return [
@@ -280,6 +301,7 @@ class AllocatorState:
         O(pool size): for tests and admin audits, never for a hot path.
         """
         with self._lock:
+            self._index_locked()
             held: dict[int, BlockList] = {}
             n_partial = 0
             for owner, chunks in self._holdings.items():
