@@ -8,7 +8,7 @@ a shared machine hits both: each seed figure is printed beside ours with the rat
 medians and the spread (lowest to highest) of the per-round ratios. No figure is compared with
 a number from another run.
 
-    scripts/bench_pool.py            # full run, a few minutes (the seed's slow paths included)
+    scripts/bench_pool.py            # full run, about a minute (the seed's slow paths included)
     scripts/bench_pool.py --runs 5   # median of 5 rounds
     scripts/bench_pool.py --quick    # a smoke run of every measurement (used by the test suite)
 """
