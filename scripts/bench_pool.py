@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Benchmark of BlockPoolAllocator operations across pool sizes (1K to 1M blocks).
+"""Benchmark of BlockPoolAllocator operations across pool sizes (1K to 1M blocks), beside the seed.
 
-Prints, per pool size, the median of several runs of each operation, next to the seed figures
-measured on this machine kind (../shared/FACTS.md) and their ratio. The seed itself is not run:
-it is a specification, not part of the project.
+Prints, per pool size, the median of several runs of each operation. The seed allocator
+(``seed_pool.py``, the seed's own code made runnable) runs in the same process, in rounds
+alternating with ours (seed, ours, seed, ours...) on pools of the same size, so that the noise of
+a shared machine hits both: each seed figure is printed beside ours with the ratio of the
+medians and the spread (lowest to highest) of the per-round ratios. No figure is compared with
+a number from another run.
 
-    scripts/bench_pool.py            # full run, about a minute
+    scripts/bench_pool.py            # full run, about a minute (the seed's slow paths included)
+    scripts/bench_pool.py --runs 5   # median of 5 rounds
     scripts/bench_pool.py --quick    # a smoke run of every measurement (used by the test suite)
 """
 
@@ -20,24 +24,47 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
+import seed_pool
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
-# Seed figures from FACTS.md (same machine kind): microseconds, or as named.
-SEED_ALLOC_FREE_1_US = 3.9
-SEED_ALLOC_FREE_ALL_256_US = 134.0
-SEED_FREE_16K_MS = {"allocation order": 26.0, "random order": 1070.0, "reverse order": 2500.0}
-SEED_BUILD_1M = (1100.0, 210.0)  # ms, MiB
+SEED_POOL_SIZE = 1 << 14
+"""Pool size of the side-by-side rounds (the seed's costs do not grow with the pool, FACTS.md,
+but building its pools does: 1M blocks take it about a second)."""
+
+Pool = Any  # a BlockPoolAllocator or the seed's: the same public calls
+MakePool = Callable[[int], Pool]
+
+
+def ours(pool_size: int) -> Pool:
+    return BlockPoolAllocator(PoolConfig(n_blocks=pool_size))
+
+
+def seed(pool_size: int) -> Pool:
+    return seed_pool.BlockPoolAllocator(seed_pool.PoolConfig(n_blocks=pool_size))
 
 
 def median_of(runs: int, measure: Callable[[], float]) -> float:
     return statistics.median(measure() for _ in range(runs))
 
 
+def side_by_side(
+    runs: int, measure: Callable[[MakePool], float]
+) -> tuple[float, float, list[float]]:
+    """Seed and ours measured in alternating rounds: their medians and the per-round ratios
+    (seed / ours: how many times faster ours is)."""
+    seed_runs, our_runs = [], []
+    for _ in range(runs):
+        seed_runs.append(measure(seed))
+        our_runs.append(measure(ours))
+    ratios = sorted(s / o for s, o in zip(seed_runs, our_runs, strict=True))
+    return statistics.median(seed_runs), statistics.median(our_runs), ratios
+
+
 def per_call_us(
-    pool_size: int, loops: int, body: Callable[[BlockPoolAllocator, int], None]
+    make: MakePool, pool_size: int, loops: int, body: Callable[[Pool, int], None]
 ) -> float:
     """Microseconds per loop iteration of ``body`` on a fresh pool (GC off while timing)."""
-    pool = BlockPoolAllocator(PoolConfig(n_blocks=pool_size))
+    pool = make(pool_size)
     body(pool, 10)  # warm up
     gc.disable()
     try:
@@ -48,16 +75,16 @@ def per_call_us(
         gc.enable()
 
 
-def alloc_free_one(pool: BlockPoolAllocator, loops: int) -> None:
+def alloc_free_one(pool: Pool, loops: int) -> None:
     allocate, free = pool.allocate, pool.free
     for _ in range(loops):
         free(allocate("k", 1, 1))
 
 
-def alloc_free_all(n_blocks: int) -> Callable[[BlockPoolAllocator, int], None]:
+def alloc_free_all(n_blocks: int) -> Callable[[Pool, int], None]:
     n_tokens = n_blocks * 16
 
-    def body(pool: BlockPoolAllocator, loops: int) -> None:
+    def body(pool: Pool, loops: int) -> None:
         allocate, free_all = pool.allocate, pool.free_all
         for _ in range(loops):
             allocate("k", n_tokens, 1)
@@ -66,7 +93,7 @@ def alloc_free_all(n_blocks: int) -> Callable[[BlockPoolAllocator, int], None]:
     return body
 
 
-def alloc_read_free(pool: BlockPoolAllocator, loops: int) -> None:
+def alloc_read_free(pool: Pool, loops: int) -> None:
     """The seed's usage: allocate, read every Block of the list, free the list."""
     allocate, free = pool.allocate, pool.free
     for _ in range(loops):
@@ -76,7 +103,7 @@ def alloc_read_free(pool: BlockPoolAllocator, loops: int) -> None:
         free(blocks)
 
 
-def mark_used_loop(pool: BlockPoolAllocator, loops: int) -> None:
+def mark_used_loop(pool: Pool, loops: int) -> None:
     block = pool.allocate("k", 16, 1)[0]
     mark_used = pool.mark_used
     for i in range(loops):
@@ -92,8 +119,8 @@ def in_order(items: list[Any], order: str) -> list[Any]:
     return items
 
 
-def free_in_order_ms(pool_size: int, n_blocks: int, order: str) -> float:
-    pool = BlockPoolAllocator(PoolConfig(n_blocks=pool_size))
+def free_in_order_ms(make: MakePool, pool_size: int, n_blocks: int, order: str) -> float:
+    pool = make(pool_size)
     blocks = in_order(list(pool.allocate("k", n_blocks * 16, 1)), order)
     start = time.perf_counter()
     pool.free(blocks)
@@ -112,23 +139,31 @@ def dict_pop_in_order_ms(n_keys: int, order: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def build_cost(pool_size: int) -> tuple[float, float]:
-    """Milliseconds and MiB (traced Python allocations) to build a pool."""
+def build_ms(make: MakePool, pool_size: int) -> float:
+    """Milliseconds to build a pool."""
+    gc.collect()
+    start = time.perf_counter()
+    pool = make(pool_size)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    del pool
+    return elapsed_ms
+
+
+def build_mib(make: MakePool, pool_size: int) -> float:
+    """MiB of traced Python allocations (peak) to build a pool."""
     gc.collect()
     tracemalloc.start()
-    start = time.perf_counter()
-    pool = BlockPoolAllocator(PoolConfig(n_blocks=pool_size))
-    elapsed_ms = (time.perf_counter() - start) * 1e3
+    pool = make(pool_size)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     del pool
-    return elapsed_ms, peak / 2**20
+    return peak / 2**20
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny loop counts: a smoke run")
-    parser.add_argument("--runs", type=int, default=7, help="runs per figure (median reported)")
+    parser.add_argument("--runs", type=int, default=7, help="rounds per figure (median reported)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     scale = 0.01 if args.quick else 1.0
@@ -137,75 +172,68 @@ def main() -> None:
     def loops(n: int) -> int:
         return max(1, int(n * scale))
 
-    print(f"median of {runs} run(s) per figure; seed figures from FACTS.md\n")
     print(
-        f"{'operation':<40}" + "".join(f"{s:>12,}" for s in sizes) + f"{'seed':>10}{'x faster':>10}"
+        f"median of {runs} round(s) per figure; the seed runs in the same rounds, alternating "
+        f"with ours, on {SEED_POOL_SIZE:,}-block pools\n"
+        "x faster: the seed's median / ours, then the lowest and highest per-round ratio\n"
+    )
+    print(
+        f"{'operation':<36}"
+        + "".join(f"{s:>11,}" for s in sizes)
+        + f"{'ours':>9}{'seed':>9}{'x faster':>9}  spread"
     )
 
-    def row(name: str, unit: str, values: list[float | None], seed: float | None) -> None:
-        cells = "".join(f"{'-':>12}" if v is None else f"{v:>12.2f}" for v in values)
-        tail = ""
-        if seed is not None and values[-1] is not None:
-            tail = f"{seed:>10.1f}{seed / values[-1]:>10.1f}"
-        print(f"{name + ' (' + unit + ')':<40}{cells}{tail}")
-
-    row(
-        "allocate(1 block)+free",
-        "us",
-        [median_of(runs, lambda s=s: per_call_us(s, loops(50_000), alloc_free_one)) for s in sizes],
-        SEED_ALLOC_FREE_1_US,
-    )
-    for n in (16, 256, 4096):
+    def row(
+        name: str, unit: str, body: Callable[[Pool, int], None], n_loops: int, min_size: int = 0
+    ) -> None:
         values = [
-            median_of(runs, lambda s=s, n=n: per_call_us(s, loops(200_000 // n), alloc_free_all(n)))
-            if n <= s // 2
+            median_of(runs, lambda s=s: per_call_us(ours, s, n_loops, body))
+            if s >= min_size
             else None
             for s in sizes
         ]
-        row(
-            f"allocate+free_all {n} blocks",
-            "us",
-            values,
-            SEED_ALLOC_FREE_ALL_256_US if n == 256 else None,
+        seed_us, our_us, ratios = side_by_side(
+            runs, lambda make: per_call_us(make, SEED_POOL_SIZE, n_loops, body)
         )
-    row(
-        "allocate(16)+read each Block+free",
-        "us",
-        [
-            median_of(runs, lambda s=s: per_call_us(s, loops(10_000), alloc_read_free))
-            for s in sizes
-        ],
-        None,
-    )
-    row(
-        "mark_used",
-        "us",
-        [median_of(runs, lambda s=s: per_call_us(s, loops(50_000), mark_used_loop)) for s in sizes],
-        None,
-    )
+        cells = "".join(f"{'-':>11}" if v is None else f"{v:>11.2f}" for v in values)
+        print(
+            f"{name + ' (' + unit + ')':<36}{cells}{our_us:>9.2f}{seed_us:>9.2f}"
+            f"{seed_us / our_us:>9.2f}  {ratios[0]:.2f}-{ratios[-1]:.2f}"
+        )
+
+    row("allocate(1 block)+free", "us", alloc_free_one, loops(50_000))
+    for n in (16, 256, 4096):
+        row(f"allocate+free_all {n} blocks", "us", alloc_free_all(n), loops(200_000 // n), 2 * n)
+    row("allocate(16)+read each Block+free", "us", alloc_read_free, loops(10_000))
+    row("mark_used", "us", mark_used_loop, loops(50_000))
     print()
     print("free() of n blocks, by order (ms); linear means the 16,384 figure is ~16x the 1,024 one")
     print("(baseline: dict.pop of as many int keys in the same order, same run, for cache effects)")
     for order in ("allocation order", "reverse order", "random order"):
-        small = median_of(runs, lambda o=order: free_in_order_ms(1 << 20, 1024, o))
-        large = median_of(runs, lambda o=order: free_in_order_ms(1 << 20, 16384, o))
+        small = median_of(runs, lambda o=order: free_in_order_ms(ours, 1 << 20, 1024, o))
+        large = median_of(runs, lambda o=order: free_in_order_ms(ours, 1 << 20, 16384, o))
+        seed_ms, our_ms, ratios = side_by_side(
+            runs, lambda make, o=order: free_in_order_ms(make, SEED_POOL_SIZE * 2, 16384, o)
+        )
         base_small = median_of(runs, lambda o=order: dict_pop_in_order_ms(1024, o))
         base_large = median_of(runs, lambda o=order: dict_pop_in_order_ms(16384, o))
-        seed = SEED_FREE_16K_MS[order]
         print(
             f"  {order:<18} 1,024: {small:7.3f}   16,384: {large:8.3f}   ratio {large / small:5.1f}"
             f"   baseline ratio {base_large / base_small:5.1f}"
-            f"   seed 16,384: {seed:7.1f}  ({seed / large:,.0f}x faster)"
+            f"   side by side, 16,384: {our_ms:7.3f} vs seed {seed_ms:8.1f}"
+            f" ({seed_ms / our_ms:,.0f}x faster, {ratios[0]:,.0f}-{ratios[-1]:,.0f})"
         )
     print()
-    print("pool construction (ms, MiB traced)")
+    print("pool construction (ms, MiB traced); the seed beside ours at 1,048,576 blocks")
     for s in sizes:
-        ms = median_of(runs, lambda s=s: build_cost(s)[0])
-        mib = build_cost(s)[1]
-        extra = ""
         if s == 1 << 20:
-            extra = f"   seed: {SEED_BUILD_1M[0]:.0f} ms, {SEED_BUILD_1M[1]:.0f} MiB"
-        print(f"  {s:>9,} blocks: {ms:8.3f} ms  {mib:8.3f} MiB{extra}")
+            seed_ms, ms, ratios = side_by_side(runs, lambda make, s=s: build_ms(make, s))
+            extra = (
+                f"   seed: {seed_ms:7.1f} ms ({seed_ms / ms:,.0f}x), {build_mib(seed, s):6.1f} MiB"
+            )
+        else:
+            ms, extra = median_of(runs, lambda s=s: build_ms(ours, s)), ""
+        print(f"  {s:>9,} blocks: {ms:8.3f} ms  {build_mib(ours, s):8.3f} MiB{extra}")
 
 
 if __name__ == "__main__":

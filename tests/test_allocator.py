@@ -771,3 +771,73 @@ def test_c_readers_see_every_block_right_away(
     pool = pool_of(n_blocks=8)
     blocks = pool.allocate("k", 40, owner=1) if how == "allocate" else pool.claim(1, "k", [3, 2, 1])
     assert read(blocks) == want
+
+
+# -- one Block object per id, as the seed keeps them -------------------------------------------
+
+
+def test_a_block_id_has_one_block_object_for_the_pools_life() -> None:
+    pool = pool_of(n_blocks=8, block_size=4)
+    first = pool.allocate("k", 6, owner=1, format="int4")  # ids 3, 2
+    held = first[0]
+    pool.free(first)
+    assert (held.owner, held.n_used, held.format) == (None, 0, "int4")
+    second = pool.allocate("k", 3, owner=2)  # id 2 again (LIFO), then 3
+    again = pool.allocate("k", 4, owner=3)
+    assert second[0] is first[1] and again[0] is held  # reused, as the seed's objects are
+    assert (held.owner, held.n_used, held.format) == (3, 4, "fp16")  # shows its next owner
+    assert (second[0].owner, second[0].n_used) == (2, 3)
+    pool.free_all(2)
+    assert (first[1].owner, first[1].n_used) == (None, 0) and held.owner == 3
+    pool.check_invariants()
+
+
+def test_free_all_leaves_alone_a_block_freed_before_and_handed_out_again() -> None:
+    pool = pool_of(n_blocks=8)
+    first = pool.allocate("k", 16 * 2, owner=1)  # ids 3, 2
+    pool.free(first[:1])  # id 3 back on the stack
+    other = pool.allocate("k", 16, owner=2)  # id 3 again: the same Block object
+    assert other[0] is first[0]
+    pool.free_all(1)  # frees id 2 only: id 3's Block still shows owner 2
+    assert (other[0].owner, other[0].n_used) == (2, 16)
+    assert (first[1].owner, first[1].n_used) == (None, 0)
+    pool.check_invariants()
+
+
+def test_ids_path_leaves_block_objects_alone() -> None:
+    pool = pool_of(n_blocks=8)
+    (block,) = pool.allocate("k", 16, owner=1)
+    pool.free([block])
+    (block_id,) = pool.allocate_ids("k", 16, owner=2)
+    assert block_id == block.block_id and (block.owner, block.n_used) == (None, 0)
+    assert pool.allocate("k", 16, owner=3)[0] is not block  # another id: another object
+    pool.free_ids([block_id])
+    assert pool.allocate("k", 16, owner=4)[0] is block
+
+
+def test_every_block_of_an_allocation_is_found_by_id() -> None:
+    # allocate() maps only an allocation's first id at once, the rest on the first lookup.
+    pool = pool_of(n_blocks=64, block_size=4)
+    blocks = pool.allocate("k", 4 * 5, owner=1)
+    last = blocks[-1].block_id
+    assert pool.owner_of(last) == 1 and pool.stream_of(last) == "k"
+    pool.mark_used(Block(block_id=blocks[2].block_id), 1)
+    assert blocks[2].n_used == 1 and pool.usage(1) == {"k": (5, 17)}
+    ids = pool.allocate_ids("k", 4 * 3, owner=2)
+    pool.free_ids(ids[1:])  # part of an allocation, by id
+    assert [pool.owner_of(i) for i in ids] == [2, None, None]
+    pool.free([Block(block_id=last)])
+    assert ids_of(pool.blocks_for(1)) == ids_of(blocks[:-1])
+    pool.check_invariants()
+
+
+def test_whole_allocations_freed_leave_nothing_behind() -> None:
+    pool = pool_of(n_blocks=64)
+    for _ in range(100):
+        pool.allocate("k", 16 * 8, owner=1)
+        pool.allocate_ids("v", 16 * 8, owner=1)
+        pool.free_all(1)
+        pool.free(pool.allocate("k", 16 * 4, owner=2))
+        pool.free_ids(pool.allocate_ids("k", 16 * 4, owner=2))
+    assert not pool._unindexed  # nothing kept for allocations that are gone
+    pool.check_invariants()

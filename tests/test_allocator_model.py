@@ -87,6 +87,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         config = PoolConfig(block_size, n_blocks, separate_kv, grow, max_blocks)
         self.pool = BlockPoolAllocator(config)
         self.model = ReferencePool(config)
+        # The Block objects the public path handed out, by id (one per id, as the seed), and
+        # the ids a public allocation or claim holds: those the objects must show.
+        self.objects: dict[int, Block] = {}
+        self.public: set[int] = set()
+
+    def _handed_out(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            assert self.objects.setdefault(block.block_id, block) is block, "two Blocks, one id"
+            self.public.add(block.block_id)
 
     def _resolved(self, stream: str) -> str:
         return self.model.stream_of(stream)
@@ -118,6 +127,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks: BlockList = got[1]
         assert isinstance(blocks, list) and len(blocks) == len(want[1])
         assert list(blocks.block_ids) == want[1]
+        self._handed_out(blocks)  # reads it: the list is filled before it is handed out
         if not look:
             return blocks
         assert [b.block_id for b in blocks] == want[1]
@@ -137,6 +147,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert error_name(result) == want[0]
             else:
                 assert want[0] == "ok" and [b.block_id for b in result] == want[1]
+                self._handed_out(result)
 
     @rule(
         target=handed_out,
@@ -176,6 +187,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return [Block(block_id) for block_id in ids]
         blocks: Sequence[Block] = got[1]
         assert [b.block_id for b in blocks] == ids
+        self._handed_out(blocks)
         for b in blocks:
             ref = model.blocks[b.block_id]
             assert (b.stream, b.owner, b.n_used, b.format) == (ref.stream, owner, ref.n_used, f)
@@ -319,6 +331,26 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert [b.block_id for b in pool.blocks_for(owner)] == ids
         assert model.active == set(pool.active_owners())
         assert model.active | set(model.owner_blocks) == set(pool.owners())
+
+    @invariant()
+    def block_objects_agree_with_model(self) -> None:
+        """Every Block the public path handed out shows its id as it is now, while a public
+        allocation holds the id (a held Block of a freed allocation shows the next owner, as in
+        the seed), and free otherwise (the ids path leaves the objects as they were)."""
+        if not hasattr(self, "pool"):
+            return
+        blocks = self.model.blocks
+        self.public = {i for i in self.public if i in blocks and blocks[i].owner is not None}
+        for block_id, block in self.objects.items():
+            if block_id in self.public:
+                ref = blocks[block_id]
+                assert (block.owner, block.n_used, block.format) == (
+                    ref.owner,
+                    ref.n_used,
+                    ref.format,
+                ), block_id
+            else:
+                assert (block.owner, block.n_used) == (None, 0), block_id
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -13,11 +13,13 @@ costs grew with the pool, with the order of frees, and with every block it hande
   never-used id range kept as two ints, so building a pool of a million blocks is O(1)
   (``free_list``).
 * One record per allocation: a ``BlockList`` (the ids, stream, format and owner they share);
-  the only per-block bookkeeping is one dict write (block id -> its BlockList), done in C.
+  the only per-block bookkeeping is one dict write (block id -> its BlockList), done in C, and
+  only once something looks a block up by id: an allocation freed whole never pays it.
   ``allocate()`` returns that BlockList filled with its ``Block`` objects, a real ``list`` as
   the seed returns; what the caller does to the list never changes the allocator's record
-  (``block_ids``). ``allocate_ids()`` (the daemon's path) builds no Block at all
-  (``block_list``).
+  (``block_ids``). As in the seed, an id has one Block object for the pool's life, its fields
+  set in place; unlike the seed's, it is made on the id's first ``allocate()``.
+  ``allocate_ids()`` (the daemon's path) neither makes nor changes a Block (``block_list``).
 * Frees in any order are O(1) per block: a block is found through that dict, never searched for.
   ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
   entry counts only while its allocation is not dead, and a new allocation overwrites it.

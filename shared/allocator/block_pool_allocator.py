@@ -8,7 +8,6 @@ methods and the claim path's (``RestartClaims``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from operator import is_
 
 from vqpool.shared.allocator.block_list import BlockList
@@ -75,8 +74,9 @@ class BlockPoolAllocator(RestartClaims):
     def _allocate_chunk(
         self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
     ) -> BlockList:
-        """allocate(): the new allocation's record, its list filled with Blocks if
-        ``with_blocks`` (built before anything changes: building them can fail too)."""
+        """allocate(): the new allocation's record, its list filled with the pool's Blocks if
+        ``with_blocks`` (listed before anything changes, as making them can fail; their fields
+        set once the allocation is made)."""
         if n_tokens <= 0:
             raise ValueError(f"BlockPoolAllocator: n_tokens must be > 0, got {n_tokens}")
         if not self._separate_kv:
@@ -92,7 +92,11 @@ class BlockPoolAllocator(RestartClaims):
             free = self._free[stream]
             recycled = free.recycled
             claimed = free.claimed
-            if len(recycled) + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed:
+            n_listed = len(recycled)
+            # Enough recycled ids and none claimed (the common case) needs no count of the rest.
+            if (claimed or n_listed < n_needed) and (
+                n_listed + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed
+            ):
                 self._try_grow_locked(stream, n_needed)
                 n_free = free.n_free()
                 if n_free < n_needed:
@@ -105,46 +109,57 @@ class BlockPoolAllocator(RestartClaims):
                     )
             # Choose the ids first, changing nothing: from the top, recycled ids first (LIFO),
             # then the fresh range downwards. The stack is cut to its first ``keep`` ids.
-            n_listed = len(recycled)
+            n_listed = len(recycled)  # growth may have added some
             hi = free.fresh_hi
             passed: list[int] | None = None  # claimed ids met on the way: they leave the list
             if claimed:
                 ids, n_reused, keep, new_hi, passed = free.plan_past_claimed(n_needed)
                 stack_top = recycled[keep:]
+            elif n_needed == 1:  # a decode step's next block
+                if n_listed:
+                    ids, n_reused, keep, new_hi = (recycled[-1],), 1, n_listed - 1, hi
+                else:
+                    ids, n_reused, keep, new_hi = (hi - 1,), 0, 0, hi - 1
             else:
                 n_reused = n_needed if n_needed <= n_listed else n_listed
                 keep = n_listed - n_reused
                 new_hi = hi - (n_needed - n_reused)
-                if n_needed == 1:
-                    ids = (recycled[-1],) if n_reused else (new_hi,)
-                else:
-                    taken = recycled[keep:]
-                    taken.reverse()
-                    if new_hi < hi:
-                        taken.extend(range(hi - 1, new_hi - 1, -1))
-                    ids = tuple(taken)
+                taken = recycled[keep:]
+                taken.reverse()
+                if new_hi < hi:
+                    taken.extend(range(hi - 1, new_hi - 1, -1))
+                ids = tuple(taken)
             chunk = BlockList(ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
+            blocks: list[Block] | None = None
             if with_blocks:
-                chunk._build_blocks(block_size)
+                # _list_blocks_locked(), inlined for one block whose Block exists already
+                objects = self._block_objects
+                if n_needed == 1 and ids[0] < len(objects) and (block := objects[ids[0]]):
+                    blocks = chunk._blocks = [block]
+                    chunk.append(block)
+                else:
+                    self._list_blocks_locked(chunk)
+                    blocks = chunk._blocks
             active = self._active_owners
             was_active = owner in active
             unused = free.never_used  # on the stack, never handed out
-            never_used = unused.intersection(ids) if unused and n_reused else None
-            passed_unused = None
-            if passed and unused:
-                passed_unused = unused.intersection(passed)
+            never_used = passed_unused = None
+            if unused:
+                if n_reused:
+                    never_used = unused.intersection(ids)
+                if passed:
+                    passed_unused = unused.intersection(passed)
             counts = self._counts
             peak = counts[PEAK_IN_USE]
             counted = False
             # Then change everything; whatever is raised on the way is undone.
             try:
-                if n_needed == 1:
-                    self._chunk_of[ids[0]] = chunk
-                else:
-                    self._chunk_of.update(zip(ids, repeat(chunk)))
+                self._chunk_of[ids[0]] = chunk
+                if n_needed > 1:  # the rest on the first lookup by id, if any (_index_locked)
+                    self._unindexed[id(chunk)] = chunk
                 chunks = self._holdings.get(owner)
                 if chunks is None:
                     self._holdings[owner] = {id(chunk): chunk}
@@ -188,6 +203,14 @@ class BlockPoolAllocator(RestartClaims):
                     counts[N_REUSED] -= n_reused
                     counts[PEAK_IN_USE] = peak
                 raise
+            if blocks is not None:
+                # _hand_out_blocks_locked(), inlined: one call less per allocate()
+                for block in blocks:
+                    block.owner = owner
+                    block.format = format
+                    block.n_used = block_size
+                if last_used < block_size:
+                    blocks[-1].n_used = last_used
             return chunk
         finally:
             self._lock.release()
@@ -196,6 +219,7 @@ class BlockPoolAllocator(RestartClaims):
         """Drop the allocation an interrupted allocate() was recording, whatever it got to: the
         map entries it wrote are stale once ``chunk`` is dead."""
         chunk.dead = True
+        self._unindexed.pop(id(chunk), None)
         owner = chunk.owner
         chunks = self._holdings.get(owner)
         if chunks is not None and chunks.pop(id(chunk), None) is not None and not chunks:
@@ -305,8 +329,12 @@ class BlockPoolAllocator(RestartClaims):
         # The common case: a whole live allocation none of whose blocks was freed alone. No
         # per-block bookkeeping: its map entries just go stale.
         chunk.dead = True
+        if self._unindexed:  # never looked up by id: its other entries were never written
+            self._unindexed.pop(id(chunk), None)
         if chunk._blocks is not None:
-            chunk._sync_all_freed()
+            for block in chunk._blocks:  # every one still this allocation's
+                block.owner = None
+                block.n_used = 0
         ids = chunk.block_ids
         free = self._free[chunk.stream]
         if free.claimed:
@@ -327,16 +355,20 @@ class BlockPoolAllocator(RestartClaims):
         self._history.append(tuple(counts))
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
+        if self._unindexed:
+            self._index_locked()
         chunk_of = self._chunk_of
         free_lists = self._free
         counts = self._counts
+        objects = self._block_objects
         for block_id in ids:
             chunk = chunk_of.get(block_id)
             if chunk is None or chunk.dead:
                 continue
             del chunk_of[block_id]
-            if chunk._blocks is not None:
-                chunk._sync_block(block_id, 0, freed=True)
+            if chunk._blocks is not None and (block := objects[block_id]) is not None:
+                block.owner = None
+                block.n_used = 0
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
                 counts[FRAGMENTED] -= 1
@@ -368,15 +400,23 @@ class BlockPoolAllocator(RestartClaims):
             if chunks is not None:
                 chunk_of = self._chunk_of
                 counts = self._counts
+                unindexed = self._unindexed
                 for chunk in chunks.values():
                     chunk.dead = True
-                    if chunk._blocks is not None:
-                        chunk._sync_all_freed()
+                    if unindexed:
+                        unindexed.pop(id(chunk), None)
                     free = self._free[chunk.stream]
-                    if chunk.n_freed:
-                        free.give_back([i for i in chunk.block_ids if chunk_of.get(i) is chunk])
-                    else:
-                        free.give_back(chunk.block_ids)
+                    held: Sequence[int] = chunk.block_ids
+                    blocks = chunk._blocks
+                    if chunk.n_freed:  # its blocks freed alone may be another's by now
+                        held = [i for i in held if chunk_of.get(i) is chunk]
+                        if blocks is not None:
+                            objects = self._block_objects
+                            blocks = [b for i in held if (b := objects[i]) is not None]
+                    for block in blocks or ():
+                        block.owner = None
+                        block.n_used = 0
+                    free.give_back(held)
                     if chunk.fill:
                         counts[FRAGMENTED] -= len(chunk.fill)
                     counts[N_FREES] += len(chunk.block_ids) - chunk.n_freed
@@ -405,8 +445,11 @@ class BlockPoolAllocator(RestartClaims):
             n_free = len(free.recycled) + free.fresh_hi - free.fresh_lo
             n_retire = max(0, n_free - target_free)
             if n_retire:
+                objects = self._block_objects
                 for block_id in free.retire(n_retire):
                     self._chunk_of.pop(block_id, None)  # a stale entry of a freed allocation
+                    if block_id < len(objects):
+                        objects[block_id] = None  # the id never comes back: nor its Block
                 self._counts[N_BLOCKS] -= n_retire
                 self._counts[N_RETIRED] += n_retire
                 self._record_history()  # as the seed: a shrink that retired nothing has no row
@@ -424,8 +467,11 @@ class BlockPoolAllocator(RestartClaims):
         block_size = self._block_size
         if not 0 <= n_used <= block_size:
             raise ValueError(f"BlockPoolAllocator: n_used must be in 0..{block_size}, got {n_used}")
-        with self._lock:
+        self._lock.acquire()  # not "with": see allocate()
+        try:
             self._mark_used_locked(block, n_used)
+        finally:
+            self._lock.release()
 
     def mark_used_many(self, updates: Iterable[tuple[Block, int]]) -> None:
         """mark_used() for several blocks; all values are checked before any is applied."""
@@ -443,11 +489,13 @@ class BlockPoolAllocator(RestartClaims):
     def _mark_used_locked(self, block: Block, n_used: int) -> None:
         block.n_used = n_used
         block_id = block.block_id
-        chunk = self._live_chunk(block_id)
-        if chunk is None:
+        if self._unindexed:
+            self._index_locked()
+        chunk = self._chunk_of.get(block_id)  # _live_chunk(), inlined: a decode step's call
+        if chunk is None or chunk.dead:
             return
-        if chunk._blocks is not None:
-            chunk._sync_block(block_id, n_used, freed=False)
+        if chunk._blocks is not None and (held := self._block_objects[block_id]) is not None:
+            held.n_used = n_used
         fill = chunk.fill
         was_partial = fill is not None and block_id in fill
         if n_used < self._block_size:

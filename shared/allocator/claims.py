@@ -138,7 +138,7 @@ class RestartClaims(AllocatorState):
             if fill:
                 chunk.fill = fill
             if with_blocks:
-                chunk._build_blocks(block_size)
+                self._list_blocks_locked(chunk, max(ids) + 1)
             if grown:
                 listed = set(ids).difference(grown)
                 claimed.update(listed)
@@ -162,6 +162,11 @@ class RestartClaims(AllocatorState):
             in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
             counts[PEAK_IN_USE] = max(counts[PEAK_IN_USE], in_use)
             self._record_history()
+            if with_blocks:
+                self._hand_out_blocks_locked(chunk)
+                for block in chunk._blocks or ():
+                    if block.block_id in fill:
+                        block.n_used = fill[block.block_id]
             return chunk
 
     def _check_growth_claim_locked(self, block_id: int, stream: str, n_grown: int) -> None:

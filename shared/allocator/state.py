@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from itertools import repeat
+from typing import cast
 
 from vqpool.shared.allocator.block_list import BlockList
 from vqpool.shared.allocator.free_list import FreeList
@@ -67,10 +69,23 @@ class AllocatorState:
         # Block id -> the allocation (chunk) it came from; an entry is live while
         # the chunk is not dead. Entries left by free_all() are stale and overwritten on reuse.
         self._chunk_of: dict[int, BlockList] = {}
+        # Live allocations of several blocks whose ids past the first are not in _chunk_of yet,
+        # by id(chunk): allocate() writes the first id only (free_ids finds a whole allocation
+        # by it), and every lookup by id writes the rest first (_index_locked). A whole
+        # allocation freed before any such lookup (allocate + free_all, the commonest life)
+        # never costs a map write per block.
+        self._unindexed: dict[int, BlockList] = {}
         # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
         # while it holds a block.
         self._holdings: dict[Owner, dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
+        # One Block per id, as the seed keeps them, but made on the id's first allocate() or
+        # claim() and then kept: each public allocation sets their fields in place instead of
+        # building new objects. Indexed by id (a list: looking ids up in it costs a tenth of a
+        # dict's), None for an id not used yet; empty until the first public allocation, so a
+        # pool of a million blocks costs nothing to build. The ids path (allocate_ids,
+        # claim_ids) neither makes nor changes them.
+        self._block_objects: list[Block | None] = []
         # The AllocationStats counters as a plain list: updates are list stores and a history
         # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
         self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -102,6 +117,43 @@ class AllocatorState:
         with self._lock:
             rows = list(self._history)
         return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
+
+    # -- the Block objects of public allocations ---------------------------------------------
+
+    def _list_blocks_locked(self, chunk: BlockList, id_end: int = 0) -> None:
+        """Fill a new allocation's list with the Block objects of its ids (all below
+        ``id_end``, or the pool's id space), making those not made yet; changes nothing the
+        pool reads (making a Block can fail: this runs before the allocation changes anything).
+        :meth:`_hand_out_blocks_locked` sets their fields once the allocation is made."""
+        objects = self._block_objects
+        id_end = max(id_end, self._next_block_id)
+        if len(objects) < id_end:  # the first public allocation, or the pool grew since
+            objects.extend(repeat(None, id_end - len(objects)))
+        ids = chunk.block_ids
+        blocks = list(map(objects.__getitem__, ids))
+        if not all(blocks):  # an id's first public use (a Block is always true)
+            stream = chunk.stream
+            for i, block_id in enumerate(ids):
+                if blocks[i] is None:
+                    # ever_allocated from the start: it exists only to be handed out
+                    block = Block(block_id, stream, "fp16", 0, None, True)
+                    blocks[i] = objects[block_id] = block
+        listed = cast("list[Block]", blocks)  # no None left
+        chunk.extend(listed)
+        chunk._blocks = listed
+
+    def _hand_out_blocks_locked(self, chunk: BlockList) -> None:
+        """Set the Block objects of an allocation just made to what it holds, all full: the
+        caller sets the ``n_used`` of those it fills partly."""
+        owner, format, size = chunk.owner, chunk.format, self._block_size
+        blocks = chunk._blocks
+        assert blocks is not None
+        # A plain loop: its attribute stores are specialised for __slots__, faster than any
+        # C-level setattr over the list.
+        for block in blocks:
+            block.owner = owner
+            block.format = format
+            block.n_used = size
 
     # -- streams and owners ----------------------------------------------------------------------
 
@@ -162,7 +214,20 @@ class AllocatorState:
 
     # -- reads -----------------------------------------------------------------------------------
 
+    def _index_locked(self) -> None:
+        """Write the map entries of the allocations allocate() left unindexed."""
+        unindexed = self._unindexed
+        chunk_of = self._chunk_of
+        while unindexed:
+            key = next(iter(unindexed))
+            chunk = unindexed[key]
+            if not chunk.dead:  # (a dead one leaves this map as it dies)
+                chunk_of.update(zip(chunk.block_ids, repeat(chunk)))
+            del unindexed[key]  # only once written: an interrupted write is done again
+
     def _live_chunk(self, block_id: int) -> BlockList | None:
+        if self._unindexed:
+            self._index_locked()
         chunk = self._chunk_of.get(block_id)
         if chunk is None or chunk.dead:
             return None
@@ -171,6 +236,8 @@ class AllocatorState:
     def blocks_for(self, owner: Owner) -> list[Block]:
         """Records of the blocks ``owner`` holds now, in allocation order."""
         with self._lock:
+            if self._unindexed:
+                self._index_locked()
             chunk_of = self._chunk_of
             size = self._block_size
             return [
@@ -234,6 +301,7 @@ class AllocatorState:
         O(pool size): for tests and admin audits, never for a hot path.
         """
         with self._lock:
+            self._index_locked()
             held: dict[int, BlockList] = {}
             n_partial = 0
             for owner, chunks in self._holdings.items():
