@@ -305,6 +305,7 @@ async def serve(
         swap_grace=options["swap_grace"],
         metrics=metrics,
     )
+    await supervisor.estimate_weights()
     public = web.AppRunner(
         build_public_app(
             supervisor,
