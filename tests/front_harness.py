@@ -54,6 +54,8 @@ class FrontDoor:
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.start_output = ""
+        """What it printed up to its ready line."""
 
     def start(self) -> FrontDoor:
         """Start it and wait for its ready line (AssertionError with its log if it exits)."""
@@ -75,6 +77,7 @@ class FrontDoor:
                 match = _READY_LINE.search(buffered.decode(errors="replace"))
                 if match:
                     self.url = match.group(1)
+                    self.start_output = buffered.decode(errors="replace")
                     return self
         status = self.process.poll()
         raise AssertionError(f"vqpool serve did not serve (status {status}):\n{self.log()}")

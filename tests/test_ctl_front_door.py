@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from ctl_harness import ctl_json, run_ctl
 from front_harness import FrontDoor
 from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.model_dirs import write_model_dir
 
 CONFIG = """
 [serve]
@@ -40,7 +42,7 @@ def _ps_rows(text: str) -> dict[str, list[str]]:
     for line in lines[start + 1 :]:
         if not line:
             break
-        label, *cells = line.split()
+        label, *cells = re.split(r" {2,}", line.strip())  # cells are two spaces apart
         rows[label] = cells
     return rows
 
@@ -51,10 +53,11 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     assert before.stdout.splitlines()[0] == (
         f"vqpool serve on {front.url}, pid {front.pid}, at most 2 models loaded"
     )
-    # state, pid, port, running, queued, idle, keep-alive left, loads, unloads, crashes, failed
+    # state, pid, port, running, queued, weights, idle, keep-alive left, loads, unloads,
+    # crashes, failed loads
     assert _ps_rows(before.stdout) == {
-        "llama": ["not_loaded", "-", "-", "0", "0", "-", "-", "0", "0", "0", "0"],
-        "qwen": ["not_loaded", "-", "-", "0", "0", "-", "-", "0", "0", "0", "0"],
+        "llama": ["not_loaded", "-", "-", "0", "0", "417.2 KiB", "-", "-", "0", "0", "0", "0"],
+        "qwen": ["not_loaded", "-", "-", "0", "0", "481.8 KiB", "-", "-", "0", "0", "0", "0"],
     }
 
     loaded = run_ctl(front.run_dir, "load", "llama", "--wait", "120", timeout=150)
@@ -64,7 +67,7 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     assert loaded.stdout == f"tiny/llama: loaded, pid {row['pid']}, port {port}\n"
 
     after = _ps_rows(run_ctl(front.run_dir, "ps").stdout)
-    state, pid, shown_port, running, queued, idle, left, loads, unloads, *_ = after["llama"]
+    state, pid, shown_port, running, queued, _, idle, left, loads, unloads, *_ = after["llama"]
     assert (state, pid, shown_port) == ("loaded", str(row["pid"]), str(port))
     assert (running, queued, loads, unloads) == ("0", "0", "1", "0")
     assert idle.endswith("s") and left.startswith(("4m", "5m00s"))  # keep_alive = "5m"
@@ -73,7 +76,7 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     pinned = run_ctl(front.run_dir, "load", "qwen", "--json", "--wait", "120", timeout=150)
     assert pinned.returncode == 0, pinned.stderr
     assert json.loads(pinned.stdout)["state"] == "loaded"
-    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["qwen"][6] == "pinned"
+    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["qwen"][7] == "pinned"
 
     unloaded = run_ctl(front.run_dir, "unload", "tiny/llama")
     assert unloaded.returncode == 0, unloaded.stderr
@@ -87,8 +90,8 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     llama = next(r for r in answer["models"] if r["name"] == "tiny/llama")
     assert llama["state"] == "not_loaded"
     assert (llama["loads"], llama["unloads"]) == (1, {"operator": 1})
-    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["llama"][:9] == [
-        "not_loaded", "-", "-", "0", "0", "-", "-", "1", "1"
+    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["llama"][:10] == [
+        "not_loaded", "-", "-", "0", "0", "417.2 KiB", "-", "-", "1", "1"
     ]  # fmt: skip
 
 
@@ -146,3 +149,33 @@ def test_a_failed_load_is_refused_with_the_workers_reason(tmp_path: Path) -> Non
         state, *_, crashes, failed_loads = _ps_rows(ps.stdout)["not-a-model"]
         assert (state, crashes, failed_loads) == ("not_loaded", "0", "1")
         assert "not-a-model: last error: the worker of " in ps.stdout
+
+
+def test_weights_are_known_before_any_load(tmp_path: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from vqpool.worker.models.tiny_models import build_tiny_model
+
+    directory = write_model_dir(tmp_path / "dir-qwen3", "qwen3")
+    on_disk = mx.load(str(directory / "model.safetensors"))
+    assert isinstance(on_disk, dict)
+    builtin = tree_flatten(build_tiny_model("llama")[0].parameters())
+    expected = {
+        str(directory): sum(a.nbytes for a in on_disk.values()),
+        "builtin:llama": sum(a.nbytes for _, a in builtin),
+        "tiny-org/not-downloaded": None,  # not in the (empty) hub cache: unknown
+    }
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    args = [arg for model in expected for arg in ("--model", model)]
+    with FrontDoor(*args, env=env) as front:
+        rows = {row["path"]: row for row in front.models().values()}
+        assert {path: row["weights_bytes"] for path, row in rows.items()} == expected
+        assert rows["builtin:llama"]["weights_source"] == "built-in config"
+        assert rows[str(directory)]["weights_source"] == "safetensors headers"
+        assert all(row["state"] == "not_loaded" for row in rows.values())
+        ps = _ps_rows(run_ctl(front.run_dir, "ps").stdout)
+        assert (ps["dir-qwen3"][5], ps["builtin:llama"][5], ps["not-downloaded"][5]) == (
+            "580.8 KiB",
+            "417.2 KiB",
+            "?",
+        )

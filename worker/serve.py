@@ -43,6 +43,7 @@ from types import FrameType
 
 from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
+from vqpool.shared.tiny_configs import builtin_names
 from vqpool.worker.defaults import (
     DEFAULT_GROWTH_WAIT,
     DEFAULT_PREFILL_STEP_SIZE,
@@ -50,7 +51,7 @@ from vqpool.worker.defaults import (
     MAX_GROWTH_WAIT,
     RESERVE_MODES,
 )
-from vqpool.worker.models.loading import builtin_names, model_spec_problem
+from vqpool.worker.models.loading import model_spec_problem
 
 log = logging.getLogger("vqpool.worker")
 

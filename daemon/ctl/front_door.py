@@ -11,7 +11,7 @@ from vqpool.daemon.ctl.budgets import labelled_lines
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.labels import model_labels
 from vqpool.daemon.ctl.options import add_json, positive_float
-from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, table
+from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, human_bytes, table
 from vqpool.shared.front_client import FrontDoorNotRunning
 
 LABEL_WIDTH = 40
@@ -75,6 +75,12 @@ def keep_alive_left(row: dict[str, Any]) -> str:
         return "forever"
     left = row["keep_alive_left_s"]
     return "-" if left is None else duration(left)
+
+
+def weights(row: dict[str, Any]) -> str:
+    """The model's weights in bytes as known before it loads; "?" when unknown."""
+    n = row.get("weights_bytes")
+    return "?" if n is None else human_bytes(n)
 
 
 def idle(row: dict[str, Any]) -> str:

@@ -49,13 +49,17 @@ from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.public_api import build_public_app
 from vqpool.daemon.front.supervisor import DEFAULT_SWAP_GRACE, Supervisor
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError
+from vqpool.daemon.server.machine_memory import DefaultBudget, machine_default_budget
 from vqpool.daemon.server.run_dir import open_lock_file, prepare_run_dir
+from vqpool.daemon.server.settings import load_settings_file
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.config import (
     FRONT_LOCK_FILE_NAME,
     FRONT_SOCKET_NAME,
     resolve_run_dir,
     socket_path,
 )
+from vqpool.shared.errors import VqpoolError
 
 log = logging.getLogger("vqpool.serve")
 
@@ -138,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--run-dir", help="vqpoold's run directory (as vqpoold's --run-dir)")
     serve.add_argument(
-        "--budget", metavar="SIZE", help="the budget of a vqpoold started here (as vqpoold's)"
+        "--budget",
+        metavar="SIZE",
+        help="the budget of a vqpoold started here (as vqpoold's: 8GiB, 40%%) (default: the "
+        "settings file's, else 75%% of Metal's recommended working set on macOS, of physical "
+        "memory less 2 GiB on Linux; see docs/operations.md)",
     )
     serve.add_argument(
         "--max-loaded",
@@ -279,19 +287,60 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def budget_in_file(config: str | None) -> bool:
+    """Whether the settings file gives vqpoold a budget (its ``[vqpoold]`` table, or its top
+    level, as vqpoold reads it).
+
+    Raises:
+        ValueError: The file is not a valid vqpoold settings file.
+    """
+    return config is not None and load_settings_file(config).get("budget") is not None
+
+
+def budget_line(budget: int | None, started: bool, default: DefaultBudget | None) -> str:
+    """What the start says of the budget: the default and how it was found, or the budget the
+    daemon has when it is not the default (given, kept from ``vqpoolctl budget``, or the
+    running daemon's)."""
+    text = "none" if budget is None else format_bytes(budget)
+    if not started:
+        return f"budget: {text}, the running vqpoold's (vqpoolctl budget SIZE changes it)"
+    if default is None:
+        return f"budget: {text}"
+    if budget == default.nbytes:
+        return f"budget: {text} ({default.basis}); --budget to choose"
+    return (
+        f"budget: {text}, set by vqpoolctl budget and kept in the run directory (the default "
+        f"would be {format_bytes(default.nbytes)})"
+    )
+
+
 async def serve(
-    catalog: Catalog, options: dict[str, Any], run_dir: Path, config: str | None
+    catalog: Catalog,
+    options: dict[str, Any],
+    run_dir: Path,
+    config: str | None,
+    file_budget: bool = False,
 ) -> int:
-    """Serve until SIGTERM or SIGINT; the exit status."""
+    """Serve until SIGTERM or SIGINT; the exit status. ``file_budget``: the settings file gives
+    vqpoold a budget (else, with no ``--budget``, a started daemon gets the machine's default)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     daemon = DaemonChild(run_dir)
+    budget, default = options["budget"], None
+    if budget is None and not file_budget:
+        default = await asyncio.to_thread(machine_default_budget)
+        budget = str(default.nbytes)
     try:
-        started_daemon = await daemon.ensure(config, options["budget"])
+        started_daemon = await daemon.ensure(config, budget)
+        print(budget_line(await daemon.budget(), started_daemon, default), flush=True)
     except DaemonStartError as exc:
         log.error("%s", exc)
+        return 1
+    except VqpoolError as exc:
+        log.error("vqpoold does not answer: %s", exc)
+        await daemon.stop()
         return 1
     if not started_daemon:
         log.info("using the vqpoold running on %s", run_dir)
@@ -305,6 +354,7 @@ async def serve(
         swap_grace=options["swap_grace"],
         metrics=metrics,
     )
+    await supervisor.estimate_weights()
     public = web.AppRunner(
         build_public_app(
             supervisor,
@@ -370,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         file = read_config(getattr(args, "config", None))
         options = serve_options(args, file.get("serve", {}))
+        file_budget = budget_in_file(getattr(args, "config", None))
         catalog = catalog_from_config(
             file.get("models", {}), getattr(args, "model", []), options["keep_alive"]
         )
@@ -391,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     try:
-        return asyncio.run(serve(catalog, options, run_dir, getattr(args, "config", None)))
+        config = getattr(args, "config", None)
+        return asyncio.run(serve(catalog, options, run_dir, config, file_budget))
     finally:
         os.close(lock_fd)
 

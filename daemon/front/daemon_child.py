@@ -78,6 +78,20 @@ class DaemonChild:
         await self.stop()
         raise DaemonStartError(f"vqpoold did not answer within {DAEMON_READY_TIMEOUT:g} s")
 
+    async def budget(self) -> int | None:
+        """The daemon's budget in bytes now (None: it has none).
+
+        Raises:
+            VqpoolError: It does not answer.
+        """
+
+        def ask() -> int | None:
+            with AdminClient(self.run_dir) as admin:
+                budget: int | None = admin.call("budget")["budget"]
+                return budget
+
+        return await asyncio.to_thread(ask)
+
     async def stop(self) -> None:
         """SIGTERM the started daemon and wait for it (SIGKILL after a deadline)."""
         process = self.process

@@ -17,6 +17,7 @@ from typing import Any
 
 from vqpool.daemon.front.catalog import ModelEntry
 from vqpool.daemon.front.worker_process import WorkerProcess
+from vqpool.shared.model_weights import WeightsEstimate
 
 NOT_LOADED = "not_loaded"
 LOADING = "loading"
@@ -66,6 +67,9 @@ class ModelSlot:
     failure_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     retry_at: float = 0.0
     """Monotonic time before which no load starts (a crash loop backs off)."""
+    weights: WeightsEstimate | None = None
+    """What its weights cost, known before it loads (None: unknown, e.g. a hub id not in the
+    local cache); set once at start by :meth:`Supervisor.estimate_weights`."""
 
     def __post_init__(self) -> None:
         self.keep_alive = self.entry.keep_alive
@@ -138,4 +142,6 @@ class ModelSlot:
             "last_error": self.last_error or None,
             "retry_in_s": max(0.0, self.retry_at - now) if self.retry_at > now else None,
             "unload_when_idle": self.unload_when_idle,
+            "weights_bytes": None if self.weights is None else self.weights.nbytes,
+            "weights_source": None if self.weights is None else self.weights.source,
         }

@@ -41,6 +41,7 @@ from vqpool.daemon.front.model_slot import (
 from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.errors import VqpoolError
+from vqpool.shared.model_weights import WeightsEstimate, estimate_weights
 
 log = logging.getLogger("vqpool.serve")
 
@@ -51,6 +52,14 @@ DEFAULT_SWAP_GRACE = 0.5
 """Seconds a model that just served stays safe from being unloaded for another's load."""
 EXIT_REASON_WAIT = 2.0
 """Seconds a failed proxied request waits for its worker's exit, to name the crash."""
+
+
+def _weights_or_none(path: str) -> WeightsEstimate | None:
+    try:
+        return estimate_weights(path)
+    except (ValueError, OSError) as exc:
+        log.warning("%s: weights unknown: %s", path, exc)
+        return None
 
 
 class Supervisor:
@@ -390,6 +399,12 @@ class Supervisor:
         except TimeoutError:
             return f"the worker of {worker.entry.name} failed the request: {error}"
         return worker.exit_reason(status)
+
+    async def estimate_weights(self) -> None:
+        """Learn each model's weight bytes before any loads (headers only, off the event loop);
+        a model whose files cannot tell stays unknown, with a warning saying why."""
+        for slot in self.slots.values():
+            slot.weights = await asyncio.to_thread(_weights_or_none, slot.entry.path)
 
     def views(self) -> list[dict[str, Any]]:
         now = asyncio.get_running_loop().time()

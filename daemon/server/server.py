@@ -20,7 +20,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
-import psutil
 import zmq
 from vqpool.daemon.budget.accounting import BudgetAccounting
 from vqpool.daemon.budget.ledger import BudgetLedger
@@ -43,6 +42,7 @@ from vqpool.daemon.ops.admin_socket import AdminRequestHandler
 from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
 from vqpool.daemon.ops.worker_socket import WorkerRequestHandler
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError
+from vqpool.daemon.server.machine_memory import physical_memory
 from vqpool.daemon.server.run_dir import prepare_run_dir, remove_stale_socket, take_lock
 from vqpool.daemon.server.settings import DaemonSettings
 from vqpool.shared.allocator import PoolConfig
@@ -105,7 +105,7 @@ def budget_settings(settings: DaemonSettings) -> tuple[int | None, dict[str, Mod
     """
     budget = None
     if settings.budget is not None:
-        budget = parse_budget(settings.budget, psutil.virtual_memory().total)
+        budget = parse_budget(settings.budget, physical_memory())
     models = models_from_toml(budget_tables(settings.models))
     BudgetLedger(MAX_BYTES if budget is None else budget, models)  # checks the reserves
     return budget, models

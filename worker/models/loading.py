@@ -20,15 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
-from vqpool.worker.models.tiny_models import BYTE_VOCAB, TINY_CONFIGS, build_tiny_model
+from vqpool.shared.tiny_configs import BUILTIN_PREFIX, BYTE_VOCAB, builtin_names
+from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.models.tokenizer import ByteTokenizer, HFTokenizer, ServingTokenizer
-
-BUILTIN_PREFIX = "builtin:"
-
-
-def builtin_names() -> list[str]:
-    """Tiny models a byte-level tokenizer fits (vocabulary of 256)."""
-    return [name for name, cfg in TINY_CONFIGS.items() if cfg["vocab_size"] == BYTE_VOCAB]
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Small random-weight mlx-lm models, built offline with fixed seeds.
 
 For tests, benchmarks and the built-in models of the serving worker on machines with no weights:
-each name maps to an mlx-lm architecture config, built with ``Model(ModelArgs.from_dict(config))``
-(no download, no tokenizer; token ids go in directly). The configs differ in their KV layout
-(KV heads, head dim) on purpose, so a cache that gets the layout wrong fails on one of them.
+each name maps to an mlx-lm architecture config (:data:`vqpool.shared.tiny_configs.TINY_CONFIGS`,
+shared so the front door knows their weights' bytes without MLX), built with
+``Model(ModelArgs.from_dict(config))`` (no download, no tokenizer; token ids go in directly).
 
 mlx-lm's default random init makes a model repeat one token. Scaling every ``*proj*`` weight and
 ``lm_head`` by 3 makes greedy decoding produce 100+ distinct tokens in 200, so comparing two
@@ -18,49 +18,10 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from vqpool.shared.tiny_configs import TINY_CONFIGS
 
 # Scale applied to projection and lm_head weights so greedy tokens vary (see module docstring).
 WEIGHT_SCALE: float = 3.0
-
-# Vocabulary of every built-in: 256 byte values, so a byte-level tokenizer fits the tiny models.
-BYTE_VOCAB: int = 256
-
-_TINY_COMMON: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": BYTE_VOCAB,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-}
-
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    # Grouped-query attention: 4 query heads share 2 KV heads of dim 16.
-    "llama": {**_TINY_COMMON, "model_type": "llama", "num_key_value_heads": 2},
-    # Full multi-head attention (4 KV heads of dim 16), with qwen2's q/k/v biases.
-    "qwen2": {**_TINY_COMMON, "model_type": "qwen2", "num_key_value_heads": 4},
-    # One KV head of dim 32 (head_dim set apart from hidden / heads), with qwen3's q/k norms.
-    "qwen3": {
-        **_TINY_COMMON,
-        "model_type": "qwen3",
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "rope_theta": 1000000.0,
-    },
-    # The benchmark's larger model: 1024 hidden, 8 layers, 8 KV heads of dim 64.
-    "llama-1024x8": {
-        **_TINY_COMMON,
-        "model_type": "llama",
-        "hidden_size": 1024,
-        "num_hidden_layers": 8,
-        "intermediate_size": 2816,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "vocab_size": 4096,
-    },
-}
 
 
 def tiny_model_names() -> list[str]:

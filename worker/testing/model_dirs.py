@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from vqpool.worker.models.tiny_models import build_random_model
 
@@ -39,6 +40,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 """A minimal chat template: a role token, the content and a newline per message."""
+
+QUANT_GROUP_SIZE = 64
+"""Weights per quantization group: every input dimension of the architectures here (hidden 64,
+intermediate 128) is a multiple of it."""
 
 VOCAB_SIZE = 512
 """BPE vocabulary trained: 256 byte tokens, the special tokens and ~250 merges."""
@@ -117,12 +122,17 @@ def write_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
 
 
 def write_config_dir(
-    path: Path, model_args: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32
+    path: Path,
+    model_args: dict[str, Any],
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    bits: int | None = None,
 ) -> Path:
     """Write a loadable model directory at ``path`` (created if missing) for any mlx-lm
     architecture: ``model_args`` are its ``config.json`` args (``model_type`` included) apart
-    from the vocabulary, which the tokenizer sets; weights are random, of ``dtype``. Returns
-    ``path``."""
+    from the vocabulary, which the tokenizer sets; weights are random, of ``dtype``, quantized to
+    ``bits`` per weight in groups of :data:`QUANT_GROUP_SIZE` when ``bits`` is given (as
+    ``mlx_lm.convert -q`` writes them: packed weights, scales and biases). Returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = build_tokenizer_json()
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
@@ -133,6 +143,9 @@ def write_config_dir(
         "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
     }
     model = build_random_model(config, seed, dtype)
+    if bits is not None:
+        nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=bits)
+        config["quantization"] = {"group_size": QUANT_GROUP_SIZE, "bits": bits}
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))

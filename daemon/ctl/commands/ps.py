@@ -1,13 +1,14 @@
 """List the models the front door (`vqpool serve`) serves and what each is doing, as `ollama ps`.
 
-Above the table, the front door's URL, pid and how many models may be loaded at once
-(--max-loaded). One row per model: its name (without the prefix it does not need, as in
-`watch`), its state (not_loaded, loading, loaded, unloading), its worker's pid and port,
-requests running and queued (waiting for it to load), how long it has been idle, how long it
-stays loaded if it stays idle ("pinned" or "forever" where no keep-alive applies), how many
-times it was loaded and unloaded, and its crashes and failed loads; below the table, each
-model's last error. --json prints the control socket's answer (full names, unloads by reason:
-idle, room, operator, shutdown). Exits 3 when no `vqpool serve` runs on the run directory.
+Above the table, the front door's URL, pid and how many models may be loaded at once (--max-loaded).
+One row per model: its name (without the prefix it does not need, as in `watch`), its state
+(not_loaded, loading, loaded, unloading), its worker's pid and port, requests running and queued
+(waiting for it to load), its weights' bytes as known before it loads (from its safetensors headers
+or a built-in's config; "?" when unknown, e.g. a hub id not downloaded yet), how long it has been
+idle, how long it stays loaded if it stays idle ("pinned" or "forever" where no keep-alive applies),
+how many times it was loaded and unloaded, and its crashes and failed loads; below the table, each
+model's last error. --json prints the control socket's answer (full names, unloads by reason: idle,
+room, operator, shutdown). Exits 3 when no `vqpool serve` runs on the run directory.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import argparse
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
-from vqpool.daemon.ctl.front_door import header, idle, keep_alive_left, labels_of, port
+from vqpool.daemon.ctl.front_door import (
+    header,
+    idle,
+    keep_alive_left,
+    labels_of,
+    port,
+    weights,
+)
 from vqpool.daemon.ctl.options import add_json
 from vqpool.daemon.ctl.render import table
 
@@ -27,6 +35,7 @@ HEADERS = [
     "PORT",
     "RUNNING",
     "QUEUED",
+    "WEIGHTS",
     "IDLE",
     "KEEP-ALIVE LEFT",
     "LOADS",
@@ -54,6 +63,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
             port(row),
             row["running"],
             row["queued"],
+            weights(row),
             idle(row),
             keep_alive_left(row),
             row["loads"],
@@ -65,7 +75,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     ]
     ctl.print(header(answer))
     ctl.print()
-    ctl.print(table(HEADERS, rows, right={"PID", "PORT", "IDLE", "KEEP-ALIVE LEFT"}))
+    ctl.print(table(HEADERS, rows, right={"PID", "PORT", "WEIGHTS", "IDLE", "KEEP-ALIVE LEFT"}))
     errors = [row for row in answer["models"] if row["last_error"]]
     if errors:
         ctl.print()
