@@ -57,6 +57,8 @@ from vqpool.shared.protocol.codec import (
     request_id_of,
 )
 from vqpool.shared.protocol.counters import (
+    MEMORY_FIGURES,
+    MEMORY_KEYS,
     PROMPT_CACHE_COUNTERS,
     PROMPT_CACHE_FIGURES,
     ReportedFigure,
@@ -73,6 +75,7 @@ from vqpool.shared.protocol.limits import (
     MAX_ITEMS,
     MAX_LOAD,
     MAX_MAP_LEN,
+    MAX_MEMORY_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_OWNER_LEN,
     MAX_RECLAIM_BYTES,
@@ -158,6 +161,7 @@ __all__ = [
     "MAX_ITEMS",
     "MAX_LOAD",
     "MAX_MAP_LEN",
+    "MAX_MEMORY_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_OWNER_LEN",
     "MAX_RECLAIM_BYTES",
@@ -166,6 +170,8 @@ __all__ = [
     "MAX_TAG_LEN",
     "MAX_TEXT_LEN",
     "MAX_WAIT_SECONDS",
+    "MEMORY_FIGURES",
+    "MEMORY_KEYS",
     "METRICS",
     "MODEL_FIELD",
     "MODEL_LIST",
