@@ -62,6 +62,7 @@ from vqpool.shared.protocol.counters import (
     PROMPT_CACHE_COUNTERS,
     PROMPT_CACHE_FIGURES,
     ReportedFigure,
+    measured_bytes,
 )
 from vqpool.shared.protocol.limits import (
     INT64_MAX,
@@ -217,6 +218,7 @@ __all__ = [
     "encode_request",
     "encode_result",
     "item_message",
+    "measured_bytes",
     "parse_args",
     "parse_envelope",
     "request_id_of",

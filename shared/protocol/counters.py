@@ -91,3 +91,10 @@ def check_memory(value: Any, name: str = "memory") -> dict[str, int]:
     if unknown:
         raise BadRequestError(f"{name}: unknown figure(s) {unknown}")
     return {k: check_int(value.get(k, 0), f"{name}.{k}", 0, MAX_MEMORY_BYTES) for k in MEMORY_KEYS}
+
+
+def measured_bytes(report: dict[str, int]) -> int:
+    """What a memory report says its process holds: MLX's active plus cached bytes, or the
+    resident set when MLX reports none (a build whose allocator does not count)."""
+    mlx = report["mlx_active"] + report["mlx_cache"]
+    return mlx if mlx else report["rss"]
