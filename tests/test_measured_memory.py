@@ -190,6 +190,11 @@ def test_drift_is_warned_once_per_episode_and_shown(daemon: DaemonProcess) -> No
         assert len([ln for ln in daemon.log().splitlines() if DRIFT_LINE in ln]) == 1
         listing = run_ctl(daemon.run_dir, "model", "list")
         assert "DRIFT" in listing.stdout, listing.stdout
+        # The model's last session ends: a new worker of it drifting is a new episode.
+        assert client.call("goodbye")["ok"]
+        client.hello(model="drifter")
+        assert client.call("ping", {"memory": far})["ok"]
+        assert len([ln for ln in daemon.log().splitlines() if DRIFT_LINE in ln]) == 2
     finally:
         client.close()
 

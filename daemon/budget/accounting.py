@@ -186,6 +186,7 @@ class BudgetAccounting:
         self.parking.session_ended(session)
         if not any(s.model == session.model for s in self._coord.sessions):
             self.ledger.forget_model(session.model)
+            self.drift.forget(session.model)
         return ended.n_owners, ended.n_blocks
 
     def reap_dead_sessions(self, now: float) -> None:

@@ -90,11 +90,17 @@ def model_memory(sessions: Iterable[Session], model: str, kv_held: int) -> Model
 class DriftWatch:
     """Warns in the daemon's log when a model's measured memory drifts from its declared:
     once per drift episode (it ends when the two agree again) and at most once per
-    DRIFT_WARNING_GAP per model."""
+    DRIFT_WARNING_GAP per model while it is served (its state goes with its last session, so
+    it stays as small as the models served)."""
 
     def __init__(self) -> None:
         self._drifting: set[str] = set()
         self._warned_at: dict[str, float] = {}
+
+    def forget(self, model: str) -> None:
+        """``model``'s last session ended."""
+        self._drifting.discard(model)
+        self._warned_at.pop(model, None)
 
     def check(self, model: str, memory: ModelMemory | None, now: float) -> None:
         """Compare ``model``'s ``memory`` (None: nothing reported) at monotonic time ``now``."""
