@@ -28,17 +28,8 @@ MODEL_HEADERS = [
     "RUNNING/QUEUED",
     "SETTINGS",
 ]
-RIGHT_ALIGNED = {
-    "HELD",
-    "WEIGHTS",
-    "MEASURED",
-    "RESERVE",
-    "LIMIT",
-    "WEIGHT",
-    "BORROWED",
-    "ENTITLED",
-    "WAITING",
-}
+RIGHT_ALIGNED = set(MODEL_HEADERS) - {"MODEL", "SESSIONS", "RUNNING/QUEUED", "SETTINGS"}
+"""The columns of sizes and counts, right-aligned."""
 LABEL_WIDTH = 40
 """The widest model label in tables (``--json`` has the full names)."""
 
