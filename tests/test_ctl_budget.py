@@ -106,6 +106,8 @@ def test_model_list_text_and_json(pool: LivePool) -> None:
     assert lines[2].split() == [
         "MODEL",
         "HELD",
+        "WEIGHTS",
+        "MEASURED",
         "RESERVE",
         "LIMIT",
         "WEIGHT",
@@ -117,8 +119,9 @@ def test_model_list_text_and_json(pool: LivePool) -> None:
         "SETTINGS",
     ]
     row = _row(result.stdout, "alpha")
-    assert row[:7] == ["alpha", "28 KiB", "0 B", "none", "1", "28 KiB", row[6]]
-    assert row[7:9] == ["0", "1"]  # waiting, sessions
+    # No memory report from these clients: weights and measured "-".
+    assert row[:9] == ["alpha", "28 KiB", "-", "-", "0 B", "none", "1", "28 KiB", row[8]]
+    assert row[9:11] == ["0", "1"]  # waiting, sessions
     assert row[-1] == "default" and alpha["settings_from"]["weight"] == "default"
     assert _row(result.stdout, "beta")[1] == "56 KiB"
 
@@ -145,7 +148,7 @@ def test_model_set_then_list_round_trip(pool: LivePool) -> None:
     assert (alpha["reserve"], alpha["limit"], alpha["weight"]) == (64 * KIB, 512 * KIB, 2)
     assert alpha["borrowed"] == 0 and alpha["configured"]
     row = _row(run_ctl(pool.run_dir, "model", "list").stdout, "alpha")
-    assert row[1:6] == ["28 KiB", "64 KiB", "512 KiB", "2", "0 B"]
+    assert row[1:8] == ["28 KiB", "-", "-", "64 KiB", "512 KiB", "2", "0 B"]
     # --limit none drops the model's own limit; the other settings stay.
     view = ctl_json(pool.run_dir, "model", "set", "alpha", "--limit", "none")
     assert view["limit"] is None and view["reserve"] == 64 * KIB and view["weight"] == 2
@@ -268,7 +271,7 @@ def test_status_shows_the_budget_per_model(pool: LivePool) -> None:
     assert (beta["held"], beta["reserve"], beta["borrowed"]) == (BETA_HELD, 32 * KIB, 24 * KIB)
     out = run_ctl(pool.run_dir, "status").stdout
     assert "budget 1 MiB, held 84 KiB, free 940 KiB, reserved 32 KiB" in out
-    assert _row(out, "beta")[1:6] == ["56 KiB", "32 KiB", "none", "1", "24 KiB"]
+    assert _row(out, "beta")[1:8] == ["56 KiB", "-", "-", "32 KiB", "none", "1", "24 KiB"]
 
 
 def _watch_once(pool: LivePool, columns: int) -> list[str]:
@@ -361,8 +364,8 @@ def test_a_waiting_request_shows_everywhere_and_a_lower_budget_refuses_it(
         assert shown[-1] == "waiting 1"
         listing = run_ctl(pool.run_dir, "model", "list").stdout
         gamma = _row(listing, "gamma")
-        assert gamma[1] == "0 B" and gamma[8] == "1", gamma
-        assert re.fullmatch(r"1 \(16 KiB, \d+\.\ds\)", gamma[7]), gamma
+        assert gamma[1] == "0 B" and gamma[10] == "1", gamma
+        assert re.fullmatch(r"1 \(16 KiB, \d+\.\ds\)", gamma[9]), gamma
         status = ctl_json(pool.run_dir, "status")
         view = next(v for v in status["budget"]["models"] if v["model"] == "gamma")
         assert (view["waiting"], view["waiting_bytes"]) == (1, 16 * KIB)

@@ -21,6 +21,16 @@ MAX_GROWTH_WAIT = 5.0
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30
 """``--prompt-cache-bytes`` when not given: 1 GiB per worker."""
 
+DEFAULT_MLX_CACHE_LIMIT = 64 << 20
+"""``--mlx-cache-limit`` when not given: 64 MiB of freed buffers MLX may keep for reuse.
+
+The buffer cache is memory no ledger charges (the budget counts weights and KV blocks), and
+MLX's own default lets it grow to the memory limit, so an idle worker could keep gigabytes of a
+long prefill's transients. 64 MiB holds a decode step's transients many times over (they are
+reused every step) and is half the daemon's smallest drift margin (128 MiB, docs/budget.md), so
+a full cache alone never reads as drift. Larger transients (a long prefill's attention scores)
+are allocated afresh each chunk: one allocation against a chunk's seconds of compute."""
+
 DEFAULT_PREFILL_STEP_SIZE = 2048
 """Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
 

@@ -23,6 +23,7 @@ from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockC
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import load_model
+from vqpool.worker.models.memory import MemoryProbe, apply_cache_limit, weights_bytes
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.sched.scheduler import Scheduler
 
@@ -83,6 +84,15 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    # Loading's transients may have filled MLX's buffer cache: bounded from here on.
+    apply_cache_limit(args.mlx_cache_limit)
+    memory = MemoryProbe(weights_bytes(loaded.model))
+    log.info(
+        "%s loaded: %d bytes of weights; MLX buffer cache limited to %d bytes",
+        loaded.name,
+        memory.weights,
+        args.mlx_cache_limit,
+    )
     served_name = args.served_model_name or loaded.name
     max_concurrent = args.max_concurrent
     batching = batching_problem(loaded.model)
@@ -109,6 +119,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
             log.error("%s", exc)
             return 1
         session = pool
+        pool.report_memory(memory.sample)
 
         def describe_pool() -> dict[str, Any]:
             sid = session.session_id

@@ -2,7 +2,7 @@
 
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
-                  [--prompt-cache-bytes SIZE] [--exit-on-stdin-eof]
+                  [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--exit-on-stdin-eof]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
@@ -46,6 +46,7 @@ from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_pat
 from vqpool.shared.tiny_configs import builtin_names
 from vqpool.worker.defaults import (
     DEFAULT_GROWTH_WAIT,
+    DEFAULT_MLX_CACHE_LIMIT,
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_PROMPT_CACHE_BYTES,
     MAX_GROWTH_WAIT,
@@ -141,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1GiB)",
     )
     parser.add_argument(
+        "--mlx-cache-limit",
+        type=_mlx_cache_limit,
+        default=DEFAULT_MLX_CACHE_LIMIT,
+        metavar="SIZE",
+        help="most bytes of freed buffers MLX keeps for reuse (mx.set_cache_limit, applied after "
+        "the model loads): memory the budget does not charge, so idle buffers cannot grow the "
+        "worker past its model's weights and KV (e.g. 256MiB; 0: no buffer cache) "
+        "(default: 64MiB)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=256,
@@ -193,6 +204,13 @@ def _growth_wait(text: str) -> float:
 def _cache_bytes(text: str) -> int:
     try:
         return parse_bytes(text, what="--prompt-cache-bytes", allow_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mlx_cache_limit(text: str) -> int:
+    try:
+        return parse_bytes(text, what="--mlx-cache-limit", allow_zero=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

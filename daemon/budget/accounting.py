@@ -18,6 +18,7 @@ from typing import Any
 from vqpool.daemon.budget.holdings import Holdings, Items
 from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
 from vqpool.daemon.budget.live_settings import LiveSettings
+from vqpool.daemon.budget.measured import DriftWatch, model_memory
 from vqpool.daemon.budget.parking import ParkedRequest, Parking
 from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
@@ -80,6 +81,7 @@ class BudgetAccounting:
         self.holdings = Holdings(coord, self.ledger)
         self.parking = Parking(self.holdings, coord.replies, coord.boot_id)
         self.reclaim = ReclaimService(coord, self.holdings, self.parking, reclaim_deadline)
+        self.drift = DriftWatch()
 
     @property
     def limited(self) -> bool:
@@ -184,6 +186,7 @@ class BudgetAccounting:
         self.parking.session_ended(session)
         if not any(s.model == session.model for s in self._coord.sessions):
             self.ledger.forget_model(session.model)
+            self.drift.forget(session.model)
         return ended.n_owners, ended.n_blocks
 
     def reap_dead_sessions(self, now: float) -> None:
@@ -284,6 +287,14 @@ class BudgetAccounting:
             "it and it has no settings; check the name (`vqpoolctl model list`), or set it "
             "ahead of its workers with create (`vqpoolctl model set NAME --create`)"
         )
+
+    def note_memory(self, session: Session, report: dict[str, int], now: float) -> None:
+        """Keep the memory ``report`` of ``session``'s process, and warn if its model's measured
+        memory now drifts from what is declared for it (O(sessions): once per heartbeat)."""
+        session.memory = report
+        model = session.model
+        memory = model_memory(self._coord.sessions, model, self.ledger.held(model))
+        self.drift.check(model, memory, now)
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
+from vqpool.daemon.budget.measured import model_memory
 from vqpool.daemon.budget.types import FitAnswer, Outcome, Verdict
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
@@ -59,8 +60,10 @@ def model_views(
 ) -> list[dict[str, Any]]:
     """One view per model the ledger knows or a live session serves, by name; with
     ``settings_from``, where each of its settings comes from (``live``, ``config``,
-    ``default``)."""
+    ``default``). ``memory``: its workers' last memory reports beside what is declared for it
+    (:meth:`ModelMemory.view`), or None when none reported."""
     snap = ledger.snapshot(now)
+    sessions = list(sessions)
     load: dict[str, list[int]] = {}
     for session in sessions:
         counts = load.setdefault(session.model, [0, 0, 0])
@@ -109,6 +112,8 @@ def model_views(
             row["effective_limit"] = None
         if settings_from is not None:
             row["settings_from"] = settings_from(name)
+        memory = model_memory(sessions, name, row["held"])
+        row["memory"] = None if memory is None else memory.view()
         views.append(
             {"model": name, **row, "sessions": n_sessions, "running": running, "queued": queued}
         )

@@ -60,6 +60,8 @@ class Session:
         prompt_cache: What the worker's prompt cache holds and did, in its last ``ping`` that
             said (bytes, blocks, entries, lookups, hits, tokens_reused, tokens_prefilled,
             evictions; None: never). Its blocks are among the session's blocks.
+        memory: What the worker's process holds in bytes, in its last ``ping`` that said
+            (weights, mlx_active, mlx_cache, mlx_peak, rss; None: never).
         drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
             answer to its next ping, then cleared.
         resumes: The session id this client held under the previous daemon lifetime, named in
@@ -84,6 +86,7 @@ class Session:
     running: int | None = None
     queued: int | None = None
     prompt_cache: dict[str, int] | None = None
+    memory: dict[str, int] | None = None
     drop_cache: bool = False
     resumes: int | None = None
     on_roll: bool = False

@@ -75,4 +75,5 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
         "running": session.running,
         "queued": session.queued,
         "prompt_cache": session.prompt_cache,
+        "memory": session.memory,
     }

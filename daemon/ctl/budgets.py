@@ -16,6 +16,8 @@ from vqpool.shared.byte_sizes import format_bytes
 MODEL_HEADERS = [
     "MODEL",
     "HELD",
+    "WEIGHTS",
+    "MEASURED",
     "RESERVE",
     "LIMIT",
     "WEIGHT",
@@ -26,7 +28,8 @@ MODEL_HEADERS = [
     "RUNNING/QUEUED",
     "SETTINGS",
 ]
-RIGHT_ALIGNED = {"HELD", "RESERVE", "LIMIT", "WEIGHT", "BORROWED", "ENTITLED", "WAITING"}
+RIGHT_ALIGNED = set(MODEL_HEADERS) - {"MODEL", "SESSIONS", "RUNNING/QUEUED", "SETTINGS"}
+"""The columns of sizes and counts, right-aligned."""
 LABEL_WIDTH = 40
 """The widest model label in tables (``--json`` has the full names)."""
 
@@ -114,11 +117,28 @@ def settings_source(view: dict[str, Any]) -> str:
     return "; ".join(f"{source}: {', '.join(by_source[source])}" for source in used)
 
 
+def weights(view: dict[str, Any]) -> str:
+    """A model's weights as its workers report them, or ``-`` when none reports memory."""
+    memory = view.get("memory")
+    return "-" if memory is None else format_bytes(memory["weights"])
+
+
+def measured(view: dict[str, Any]) -> str:
+    """What a model's worker processes hold, measured (``-``: none reports), marked ``DRIFT``
+    when it is past the margin from what is declared (its KV held plus weights)."""
+    memory = view.get("memory")
+    if memory is None:
+        return "-"
+    return format_bytes(memory["measured"]) + (" DRIFT" if memory["drift"] else "")
+
+
 def model_row(label: str, view: dict[str, Any]) -> list[object]:
     """One row of :data:`MODEL_HEADERS` for a ``model_list`` view."""
     return [
         label,
         format_bytes(view["held"]),
+        weights(view),
+        measured(view),
         format_bytes(view["reserve"]),
         size(view["limit"]),
         weight(view["weight"]),
@@ -146,9 +166,19 @@ def budget_report(listing: dict[str, Any]) -> list[str]:
 
 
 def model_fields(view: dict[str, Any]) -> list[str]:
-    """A ``model_list`` view as short phrases (for ``watch``)."""
+    """A ``model_list`` view as short phrases (for ``watch``); weights and measured memory
+    when its workers report them."""
+    reported = (
+        []
+        if view.get("memory") is None
+        else [
+            f"weights {weights(view)}",
+            f"measured {measured(view)}",
+        ]
+    )
     return [
         f"held {format_bytes(view['held'])}",
+        *reported,
         f"reserve {format_bytes(view['reserve'])}",
         f"limit {size(view['limit'])}",
         f"weight {weight(view['weight'])}",

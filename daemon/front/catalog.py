@@ -40,6 +40,7 @@ WORKER_OPTIONS: dict[str, tuple[type, ...]] = {
     "reserve_mode": (str,),
     "growth_wait": (int, float),
     "prompt_cache_bytes": (int, str),
+    "mlx_cache_limit": (int, str),
     "max_tokens": (int,),
     "max_tokens_limit": (int,),
     "seed": (int,),

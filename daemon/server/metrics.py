@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import ErrorCode
-from vqpool.shared.protocol import ADMIN_OPS, PROMPT_CACHE_FIGURES, WORKER_OPS
+from vqpool.shared.protocol import ADMIN_OPS, MEMORY_FIGURES, PROMPT_CACHE_FIGURES, WORKER_OPS
 from vqpool.shared.stats import AllocationStats
 
 log = logging.getLogger("vqpoold")
@@ -278,6 +278,7 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
 
     yield from _budget_families(snap)
     yield from _prompt_cache_families(snap)
+    yield from _memory_families(snap)
 
     yield GaugeMetricFamily("vqpool_sessions", "Live worker sessions.", snap.sessions)
     yield GaugeMetricFamily("vqpool_owners", "Active owner ids.", snap.owners)
@@ -360,6 +361,44 @@ def _prompt_cache_families(snap: MetricsSnapshot) -> Iterator[Metric]:
         for model, cache in sorted(snap.prompt_caches.items()):
             family.add_metric([model], cache[figure.name])
         yield family
+
+
+def _memory_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+    """Per model, what its workers' processes hold as they last reported it, beside what is
+    declared for it (models with no report are absent)."""
+    measured = {figure.name: figure for figure in MEMORY_FIGURES}
+    weights = GaugeMetricFamily(
+        "vqpool_model_weights_bytes", measured["weights"].help, labels=["model"]
+    )
+    kinds = GaugeMetricFamily(
+        "vqpool_model_measured_bytes",
+        "Memory a model's worker processes hold, measured, by kind: mlx_active, mlx_cache, "
+        "mlx_peak, rss, and total (mlx_active + mlx_cache, or rss where MLX reports none).",
+        labels=["model", "kind"],
+    )
+    declared = GaugeMetricFamily(
+        "vqpool_model_declared_bytes",
+        "Memory declared for a model: the KV bytes its sessions hold plus its weights.",
+        labels=["model"],
+    )
+    drift = GaugeMetricFamily(
+        "vqpool_model_memory_drift",
+        "1 when a model's measured total and declared bytes differ by more than the margin "
+        "(25% of declared, at least 128 MiB), else 0.",
+        labels=["model"],
+    )
+    for view in snap.models:
+        memory = view.get("memory")
+        if memory is None:
+            continue
+        model = view["model"]
+        weights.add_metric([model], memory["weights"])
+        for kind in ("mlx_active", "mlx_cache", "mlx_peak", "rss"):
+            kinds.add_metric([model, kind], memory[kind])
+        kinds.add_metric([model, "total"], memory["measured"])
+        declared.add_metric([model], memory["declared"])
+        drift.add_metric([model], 1 if memory["drift"] else 0)
+    yield from (weights, kinds, declared, drift)
 
 
 def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:

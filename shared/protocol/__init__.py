@@ -57,9 +57,12 @@ from vqpool.shared.protocol.codec import (
     request_id_of,
 )
 from vqpool.shared.protocol.counters import (
+    MEMORY_FIGURES,
+    MEMORY_KEYS,
     PROMPT_CACHE_COUNTERS,
     PROMPT_CACHE_FIGURES,
     ReportedFigure,
+    measured_bytes,
 )
 from vqpool.shared.protocol.limits import (
     INT64_MAX,
@@ -73,6 +76,7 @@ from vqpool.shared.protocol.limits import (
     MAX_ITEMS,
     MAX_LOAD,
     MAX_MAP_LEN,
+    MAX_MEMORY_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_OWNER_LEN,
     MAX_RECLAIM_BYTES,
@@ -158,6 +162,7 @@ __all__ = [
     "MAX_ITEMS",
     "MAX_LOAD",
     "MAX_MAP_LEN",
+    "MAX_MEMORY_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_OWNER_LEN",
     "MAX_RECLAIM_BYTES",
@@ -166,6 +171,8 @@ __all__ = [
     "MAX_TAG_LEN",
     "MAX_TEXT_LEN",
     "MAX_WAIT_SECONDS",
+    "MEMORY_FIGURES",
+    "MEMORY_KEYS",
     "METRICS",
     "MODEL_FIELD",
     "MODEL_LIST",
@@ -211,6 +218,7 @@ __all__ = [
     "encode_request",
     "encode_result",
     "item_message",
+    "measured_bytes",
     "parse_args",
     "parse_envelope",
     "request_id_of",

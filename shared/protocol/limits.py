@@ -79,3 +79,7 @@ MAX_RECLAIM_POLL_SECONDS = 30.0
 
 MAX_RECLAIM_BYTES = 1 << 50
 """Largest byte count a ``reclaim_done`` may claim (the budget's own bound)."""
+
+MAX_MEMORY_BYTES = 1 << 50
+"""Largest byte count of a worker's memory report (``ping``'s ``memory``; 1 PiB, the budget's
+own bound): the daemon sums reports over at most MAX_SESSIONS sessions, far below 2**63."""

@@ -19,7 +19,7 @@ from vqpool.shared.protocol.checks import (
     int_in,
     number_in,
 )
-from vqpool.shared.protocol.counters import check_prompt_cache
+from vqpool.shared.protocol.counters import check_memory, check_prompt_cache
 from vqpool.shared.protocol.limits import (
     MAX_FIT_CONCURRENCY,
     MAX_FIT_CONTEXT,
@@ -148,6 +148,13 @@ WORKER_OP_SPECS = op_table(
                 check_prompt_cache,
                 required=False,
                 help="what the worker's prompt cache holds and did (PROMPT_CACHE_COUNTERS)",
+            ),
+            Field(
+                "memory",
+                check_memory,
+                required=False,
+                help="what the worker's process holds, in bytes (MEMORY_KEYS: its model's "
+                "weights, MLX's active, cache and peak memory, its resident set)",
             ),
         ),
     ),

@@ -552,6 +552,14 @@ class PoolClient:
         self._report.prompt_cache = dict(counters)
         self._heartbeat.wake()
 
+    def report_memory(self, probe: Callable[[], dict[str, int]]) -> None:
+        """Send ``probe()`` (the process's memory: ``weights``, ``mlx_active``, ``mlx_cache``,
+        ``mlx_peak``, ``rss`` in bytes) with every load report, sampled at most once per
+        heartbeat interval, from the heartbeat's thread."""
+        self._report.memory_interval = self._session.heartbeat
+        self._report.memory_probe = probe
+        self._heartbeat.wake()
+
     def held_blocks(self) -> Iterator[Block]:
         """The blocks this client holds, as it knows them (no round trip)."""
         return self._holdings.held_blocks()

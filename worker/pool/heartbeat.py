@@ -2,8 +2,9 @@
 ``heartbeat`` seconds, so the lease stays fresh while the caller's thread is busy (a long
 prefill) without sharing its socket.
 
-Each ping carries the worker's last reported load and prompt-cache counters (:class:`LoadReport`);
-a new report wakes the thread early. The answer may carry advice for the worker's prompt cache.
+Each ping carries the worker's last reported load and prompt-cache counters, and a sample of its
+process's memory taken at most once per heartbeat interval (:class:`LoadReport`); a new report
+wakes the thread early. The answer may carry advice for the worker's prompt cache.
 When a reply comes from a new daemon lifetime, the heartbeat has the client re-sync right away
 (under the client's lock), so an idle worker re-declares its blocks inside the restarted
 daemon's claim period; when the session is gone (evicted), it has the client open a new one the
@@ -17,6 +18,7 @@ import errno
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -45,6 +47,14 @@ class LoadReport:
         """The prompt cache's counters as last given to report_prompt_cache(); sent until a
         daemon older than the argument refuses it."""
         self.prompt_cache_refused = False
+        self.memory_probe: Callable[[], dict[str, int]] | None = None
+        """Samples the process's memory (the ``memory`` map); None: the worker reports none."""
+        self.memory_interval = 0.0
+        """Seconds a memory sample is sent again before a new one is taken (the heartbeat's
+        interval: pings woken early by load changes reuse the last sample)."""
+        self.memory_refused = False
+        self._memory: dict[str, int] | None = None
+        self._memory_taken = 0.0
 
     def session_opened(self) -> None:
         """A new session opened: its preemptions count from the ones reported now."""
@@ -62,7 +72,25 @@ class LoadReport:
         cached = self.prompt_cache
         if cached is not None and not self.prompt_cache_refused:
             args["prompt_cache"] = cached
+        probe = self.memory_probe
+        if probe is not None and not self.memory_refused:
+            now = time.monotonic()
+            if self._memory is None or now - self._memory_taken >= self.memory_interval:
+                self._memory, self._memory_taken = probe(), now
+            args["memory"] = self._memory
         return args
+
+    def refuse_unknown(self, message: str) -> bool:
+        """Stop sending the optional arguments a daemon older than them names as unknown in
+        ``message``; whether it named any."""
+        if "unknown argument" not in message:
+            return False
+        named = False
+        if "'prompt_cache'" in message:
+            self.prompt_cache_refused = named = True
+        if "'memory'" in message:
+            self.memory_refused = named = True
+        return named
 
 
 def listening(endpoint: str) -> bool | None:
@@ -177,9 +205,8 @@ class Heartbeat(threading.Thread):
                 log.error("re-sync with the restarted vqpoold refused: %s", exc)
         elif not reply["ok"] and reply["error"]["code"] == ErrorCode.NO_SESSION:
             host.reopen_from_heartbeat(sent_in)  # evicted while alive
-        elif not reply["ok"] and "'prompt_cache'" in reply["error"]["message"]:
-            self._report.prompt_cache_refused = True  # a daemon older than the argument
-            self._wake.set()  # send the load alone at once
+        elif not reply["ok"] and self._report.refuse_unknown(reply["error"]["message"]):
+            self._wake.set()  # a daemon older than an argument: send the rest alone at once
         else:
             if reply["ok"] and isinstance(reply.get("result"), dict):
                 self._advise(reply["result"])

@@ -1,8 +1,11 @@
 """List the models' shares of the memory budget, or change a model's reserve, limit and weight.
 
 model list: one row per model (those with workers connected and those configured): bytes
-held, its reserve (a floor no other model may take), its limit (a cap on what it may hold;
-"none": only the budget bounds it), its weight (how spare bytes are shared while models wait),
+held (its KV), its weights and what its worker processes hold, measured (MLX's active and
+cached memory, or their resident set; DRIFT when it differs from held plus weights by more than
+25% and 128 MiB, see docs/budget.md; "-" when no worker reports it), its reserve (a floor no
+other model may take), its limit (a cap on what it may hold; "none": only the budget bounds
+it), its weight (how spare bytes are shared while models wait),
 bytes borrowed (held above the reserve), its entitlement (its fair share now), requests waiting
 for memory (their bytes, and how long the oldest has waited), its sessions, and requests its
 workers run and queue, and where its settings come from (the config file, set live, or the

@@ -2,7 +2,8 @@
 
 Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
 free and total per stream, fragmentation, what the workers of each model hold (blocks and
-bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cache list`), and
+bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cache list`; their
+weights and the memory their processes hold, measured, as `vqpoolctl model list`), and
 the memory budget: the budget, bytes held and free, reserves (lent) and requests waiting,
 reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions, and per
 model its bytes held, reserve, limit, weight, bytes borrowed above its reserve, entitlement and
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from vqpool.daemon.ctl.budgets import budget_report
+from vqpool.daemon.ctl.budgets import budget_report, measured, weights
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.front_door import front_door_or_none, models_table
@@ -75,6 +76,9 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     if models:
         ctl.print()
         streams = list(stats["streams"])
+        views = {view["model"]: view for view in listing["models"]}
+        # Weights and measured memory when a worker reports them (raw clients report none).
+        memory = any(view.get("memory") is not None for view in views.values())
         rows = [
             [
                 name,
@@ -82,6 +86,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
                 *(m["blocks"].get(s, 0) for s in streams),
                 human_bytes(m["bytes_total"]),
                 "-" if m["prompt_cache"] is None else human_bytes(m["prompt_cache"]["bytes"]),
+                *((weights(views.get(name, {})), measured(views.get(name, {}))) if memory else ()),
             ]
             for name, m in models.items()
         ]
@@ -91,8 +96,10 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
             *(f"BLOCKS {s.upper()}" for s in streams),
             "BYTES HELD",
             "OF WHICH CACHED",
+            *(("WEIGHTS", "MEASURED") if memory else ()),
         ]
-        ctl.print(table(headers, rows, right={"BYTES HELD", "OF WHICH CACHED"}))
+        right = {"BYTES HELD", "OF WHICH CACHED", "WEIGHTS", "MEASURED"}
+        ctl.print(table(headers, rows, right=right))
     ctl.print()
     for line in budget_report(listing):
         ctl.print(line)

@@ -93,6 +93,8 @@ def ping(
     state.budget.reclaim.note_load(session, args["preemptions"])
     if args["prompt_cache"] is not None:
         session.prompt_cache = args["prompt_cache"]
+    if args["memory"] is not None:
+        state.budget.note_memory(session, args["memory"], now)
     return cache_advice(state, session)
 
 
