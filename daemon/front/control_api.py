@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 from vqpool.daemon.front.catalog import Catalog
-from vqpool.daemon.front.errors import FrontError
 from vqpool.daemon.front.model_slot import ModelSlot
 from vqpool.daemon.front.public_api import json_errors
 from vqpool.daemon.front.supervisor import Supervisor
+from vqpool.shared.api_error import ApiError
 
 MAX_CONTROL_BODY = 64 * 1024
 MAX_WAIT = 3600.0
@@ -33,23 +33,23 @@ async def _target(request: web.Request) -> tuple[ModelSlot, float]:
     try:
         body = json.loads(await request.read())
     except ValueError:
-        raise FrontError(400, "the body is not valid JSON") from None
+        raise ApiError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-        raise FrontError(400, 'the body must be {"model": NAME, "timeout": SECONDS}')
+        raise ApiError(400, 'the body must be {"model": NAME, "timeout": SECONDS}')
     timeout = body.get("timeout", 60.0)
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, int | float)
         or not (0 <= timeout <= MAX_WAIT)
     ):
-        raise FrontError(400, f"timeout must be 0..{MAX_WAIT:g} seconds", param="timeout")
+        raise ApiError(400, f"timeout must be 0..{MAX_WAIT:g} seconds", param="timeout")
     try:
         entry = request.app[CATALOG].resolve(body["model"])
     except ValueError as exc:
-        raise FrontError(400, str(exc), param="model") from None
+        raise ApiError(400, str(exc), param="model") from None
     if entry is None:
         names = ", ".join(request.app[CATALOG].names)
-        raise FrontError(404, f"model {body['model'][:200]!r} is not served; served: {names}")
+        raise ApiError(404, f"model {body['model'][:200]!r} is not served; served: {names}")
     return request.app[SUPERVISOR].slots[entry.name], float(timeout)
 
 

@@ -26,10 +26,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from vqpool.daemon.front.catalog import Catalog, ModelEntry, parse_keep_alive
-from vqpool.daemon.front.errors import FrontError
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.proxy import forward, upstream_session
 from vqpool.daemon.front.supervisor import Supervisor
+from vqpool.shared.api_error import ApiError
 
 log = logging.getLogger("vqpool.serve")
 
@@ -53,7 +53,7 @@ STARTED = web.AppKey("started", float)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(error: FrontError) -> web.Response:
+def error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
@@ -62,7 +62,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     """Every refusal, ours or aiohttp's (404, 405, 413), as a JSON error body."""
     try:
         return await handler(request)
-    except FrontError as error:
+    except ApiError as error:
         return error_response(error)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -70,7 +70,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         kinds = {404: "not_found", 405: "method_not_allowed"}
         kind = kinds.get(exc.status, "invalid_request_error")
         text = exc.text if exc.status != 404 else f"no route {request.method} {request.path}"
-        refusal = FrontError(exc.status, text or exc.reason, kind=kind)
+        refusal = ApiError(exc.status, text or exc.reason, kind=kind)
         if exc.status == 405 and "Allow" in exc.headers:
             refusal.headers["Allow"] = exc.headers["Allow"]
         return error_response(refusal)
@@ -84,7 +84,7 @@ def api_key_check(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
         if request.path != "/health":
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
-                raise FrontError(
+                raise ApiError(
                     401,
                     "missing or wrong API key: send Authorization: Bearer KEY",
                     kind="authentication_error",
@@ -101,23 +101,23 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
         async with asyncio.timeout(deadline):
             raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise FrontError(413, f"the body is larger than {MAX_BODY_BYTES} bytes") from None
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes") from None
     except TimeoutError:
-        raise FrontError(
+        raise ApiError(
             408, f"the body did not arrive within {deadline:g} s", kind="timeout"
         ) from None
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FrontError(400, f"the body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise FrontError(400, "the body's JSON nests too deeply") from None
+        raise ApiError(400, "the body's JSON nests too deeply") from None
     except ValueError:
-        raise FrontError(
+        raise ApiError(
             400, f"the body's JSON has a number of more than {sys.get_int_max_str_digits()} digits"
         ) from None
     if not isinstance(body, dict):
-        raise FrontError(400, "the body must be a JSON object")
+        raise ApiError(400, "the body must be a JSON object")
     return body
 
 
@@ -126,15 +126,15 @@ def _model_of(body: dict[str, Any], catalog: Catalog) -> ModelEntry:
     if given is None:
         if len(catalog.entries) == 1:
             return next(iter(catalog.entries.values()))
-        raise FrontError(400, f"name a model: one of {_names(catalog)}", param="model")
+        raise ApiError(400, f"name a model: one of {_names(catalog)}", param="model")
     if not isinstance(given, str):
-        raise FrontError(400, "model must be a string", param="model")
+        raise ApiError(400, "model must be a string", param="model")
     try:
         entry = catalog.resolve(given)
     except ValueError as exc:
-        raise FrontError(400, str(exc), param="model") from None
+        raise ApiError(400, str(exc), param="model") from None
     if entry is None:
-        raise FrontError(
+        raise ApiError(
             404,
             f"model {given[:200]!r} is not served here; served: {_names(catalog)}",
             kind="not_found",
@@ -158,7 +158,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         try:
             keep_alive = parse_keep_alive(body["keep_alive"])
         except ValueError as exc:
-            raise FrontError(400, str(exc), param="keep_alive") from None
+            raise ApiError(400, str(exc), param="keep_alive") from None
     if body.get("model") != entry.name:
         body["model"] = entry.name
         data = json.dumps(body).encode()
@@ -174,7 +174,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
             )
             status = response.status
             return response
-    except FrontError as error:
+    except ApiError as error:
         status = error.status
         raise
     except asyncio.CancelledError:  # the client left

@@ -113,7 +113,7 @@ class Supervisor:
         for the idle time after it.
 
         Raises:
-            FrontError: 503 when the wait for the load outlasts ``timeout`` or the queue is
+            ApiError: 503 when the wait for the load outlasts ``timeout`` or the queue is
                 full, 502 when the load fails.
         """
         worker = await self._admit(slot, timeout)

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from vqpool.shared.api_error import ApiError
 from vqpool.worker.api.completion_text import CompletionText
 from vqpool.worker.api.openai_api import (
     CHAT,
     TEXT,
-    ApiError,
     CompletionRequest,
     ResponseBuilder,
     parse_completion,

@@ -29,42 +29,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vqpool.shared.api_error import ApiError
 from vqpool.shared.model_names import tail_matches
 from vqpool.worker.models.loading import LoadedModel
 from vqpool.worker.sched.scheduler import SamplingParams
 
 TEXT = "text"
 CHAT = "chat"
-
-
-class ApiError(Exception):
-    """A request the API refuses: HTTP ``status`` with an OpenAI-style JSON error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
 
 
 @dataclass(frozen=True)
