@@ -5,8 +5,12 @@ or a list of token ids), ``/v1/chat/completions`` takes ``messages``; both take 
 (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop`` (a
 string or a list of strings), ``logprobs`` (bool; for completions also OpenAI's legacy count of
 alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usage`` and
-``model`` (if given, one of the names the worker serves under). ``n`` > 1 is refused with 400
-rather than ignored; other unknown fields are ignored, as OpenAI clients send many.
+``model`` (if given, one of the names the worker serves under); and mlx_lm.server's sampling
+fields with its limits: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``
+(each with its ``*_context_size``), ``logit_bias``, ``xtc_probability``, ``xtc_threshold`` and
+``seed`` (per request, even inside a batch: see ``worker/sched/sampling.py``). ``n`` > 1 is
+refused with 400 rather than ignored; other unknown fields are ignored, as OpenAI clients send
+many.
 
 Responses are mlx-lm's server shapes: a choice ended by a stop string has ``finish_reason``
 "stop" and its text ends before the stop string; with ``logprobs`` a choice carries ``logprobs:
@@ -22,6 +26,7 @@ tokens the worker's prompt cache gave (as OpenAI's; 0 on a miss or without a cac
 
 from __future__ import annotations
 
+import math
 import reprlib
 import time
 import uuid
@@ -32,7 +37,7 @@ from typing import Any
 from vqpool.shared.api_error import ApiError
 from vqpool.shared.model_names import tail_matches
 from vqpool.worker.models.loading import LoadedModel
-from vqpool.worker.sched.scheduler import SamplingParams
+from vqpool.worker.sched.sampling import SamplingParams
 
 TEXT = "text"
 CHAT = "chat"
@@ -63,6 +68,12 @@ def _shown(value: Any) -> str:
     return _SHOWN.repr(value)
 
 
+DEFAULT_PENALTY_CONTEXT = 20
+"""Tokens a penalty looks back at unless the request says (``mlx_lm.server``'s default)."""
+MAX_SEED = 2**64 - 1
+"""The largest seed ``mx.random.key`` takes."""
+
+
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
@@ -83,6 +94,99 @@ def _integer(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int)
             400, f"{name} must be an integer in [{lo}, {hi}], got {_shown(value)}", param=name
         )
     return value
+
+
+def _is_finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) a float holds: no infinity, NaN or 400-digit integer."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _penalty(body: Mapping[str, Any], name: str, *, at_least_zero: bool = False) -> float:
+    """A penalty as ``mlx_lm.server`` takes it: any finite number (the repetition penalty, a
+    factor: at least 0); absent is 0, off."""
+    value = body.get(name)
+    if value is None:
+        return 0.0
+    if not _is_finite_number(value) or (at_least_zero and value < 0):
+        wanted = "a number >= 0" if at_least_zero else "a finite number"
+        raise ApiError(400, f"{name} must be {wanted}, got {_shown(value)}", param=name)
+    return float(value)
+
+
+def _context_size(body: Mapping[str, Any], name: str) -> int:
+    value = body.get(name)
+    if value is None:
+        return DEFAULT_PENALTY_CONTEXT
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ApiError(400, f"{name} must be an integer >= 0, got {_shown(value)}", param=name)
+    return value
+
+
+def _logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``mlx_lm.server`` reads it (token id keys, as strings in JSON, to
+    added logits), each id checked against the vocabulary."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    problem = f"logit_bias must map token ids in [0, {vocab_size}) to finite numbers"
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{problem}, got {_shown(value)}", param="logit_bias")
+    bias: dict[int, float] = {}
+    for key, added in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size or not _is_finite_number(added):
+            raise ApiError(
+                400, f"{problem}, got {_shown(key)}: {_shown(added)}", param="logit_bias"
+            )
+        bias[token] = float(added)
+    return tuple(bias.items())
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+    value = body.get("seed")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ApiError(
+            400, f"seed must be an integer in [0, {MAX_SEED}], got {_shown(value)}", param="seed"
+        )
+    return value
+
+
+def _sampling(body: Mapping[str, Any], model: LoadedModel) -> SamplingParams:
+    """The request's sampling, validated as ``mlx_lm.server`` validates it."""
+    xtc_probability = _number(body, "xtc_probability", 0.0, 0.0, 1.0)
+    return SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 0.0, 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, 0, model.vocab_size),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_penalty(body, "repetition_penalty", at_least_zero=True),
+        repetition_context_size=_context_size(body, "repetition_context_size"),
+        presence_penalty=_penalty(body, "presence_penalty"),
+        presence_context_size=_context_size(body, "presence_context_size"),
+        frequency_penalty=_penalty(body, "frequency_penalty"),
+        frequency_context_size=_context_size(body, "frequency_context_size"),
+        logit_bias=_logit_bias(body, model.vocab_size),
+        xtc_probability=xtc_probability,
+        # mlx_lm.server lets a threshold up to 1 through, then its sampler fails above 0.5.
+        xtc_threshold=_number(body, "xtc_threshold", 0.1, 0.0, 0.5),
+        # As mlx_lm.server: XTC never removes the newline or an EOS token.
+        xtc_special_tokens=(
+            tuple([*model.tokenizer.encode("\n"), *sorted(model.tokenizer.eos_token_ids)])
+            if xtc_probability > 0.0
+            else ()
+        ),
+        seed=_seed(body),
+    )
 
 
 MAX_STOP_STRINGS = 16
@@ -233,12 +337,7 @@ def parse_completion(
         raise ApiError(400, "return_token_ids must be true or false", param="return_token_ids")
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _integer(body, max_tokens_name, default_max_tokens, 1, max_tokens_limit)
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 0.0, 0.0, 100.0),
-        top_p=_number(body, "top_p", 0.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, 0, model.vocab_size),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-    )
+    sampling = _sampling(body, model)
     prompt = _prompt_tokens(body, model) if kind == TEXT else _chat_tokens(body, model)
     return CompletionRequest(
         kind,

@@ -48,9 +48,9 @@ from mlx_lm.generate import (
     StopSequences,
     greedy_sampler,
 )
-from mlx_lm.sample_utils import make_sampler
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.sched.preemption import PreemptionPolicy
+from vqpool.worker.sched.sampling import Sampler, logits_processors, row_sampler
 
 log = logging.getLogger("vqpool.worker")
 
@@ -95,8 +95,9 @@ class ContinuousBatch:
 
     A job needs ``prompt`` (token ids), ``generated`` (the token ids it made before it was
     preempted, if it was), ``admission`` (its first admission's rank: the highest gives way
-    first), ``max_tokens``, ``sampling`` (with ``temperature``,
-    ``top_p``, ``min_p``, ``top_k``; hashable), ``cache`` (made by ``source.open`` and backed
+    first), ``max_tokens``, ``sampling`` (a ``SamplingParams``: the row's sampler and logits
+    processors, which see the row's prompt and generated tokens as ``generate_step``'s do, a
+    resumed or prompt-cached row's included), ``cache`` (made by ``source.open`` and backed
     for its prompt: the seam where a prompt cache would hand a cache holding a cached prefix)
     and ``owner``.
 
@@ -129,7 +130,7 @@ class ContinuousBatch:
         self.source = source
         self.prefill_step_size = prefill_step_size
         self._stop_tokens = StopSequences([[t] for t in sorted(eos_token_ids)] or None)
-        self._samplers: dict[Hashable, Callable[[mx.array], mx.array]] = {}
+        self._samplers: dict[Hashable, Sampler] = {}  # unseeded rows' samplers, shared
         self._generation = GenerationBatch.empty(model, greedy_sampler)
         self._prefilling: deque[_Prefill] = deque()
         self._by_uid: dict[int, Any] = {}  # the jobs of the batch's rows
@@ -235,14 +236,10 @@ class ContinuousBatch:
         try:
             if pending.batch is None:
                 self._begin_prefill(pending)
-                s = job.sampling
-                sampler = self._samplers.get(s)
-                if sampler is None:
-                    # One sampler object per distinct sampling: rows sharing it sample in one
-                    # call.
-                    sampler = self._samplers[s] = make_sampler(
-                        s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k
-                    )
+                # The batch feeds a row's processors the tokens its cache holds (``tokens``
+                # below: a cached prefix, then what is prefilled) and each token it decodes:
+                # the prompt and generated tokens, as generate_step's.
+                sampler = row_sampler(job.sampling, self._samplers, tokens_done=len(job.generated))
                 pending.batch = PromptProcessingBatch(
                     self.model,
                     uids=[pending.uid],
@@ -251,7 +248,7 @@ class ContinuousBatch:
                     prefill_step_size=self.prefill_step_size,
                     samplers=[sampler],
                     fallback_sampler=greedy_sampler,
-                    logits_processors=[[]],
+                    logits_processors=[logits_processors(job.sampling)],
                     stop_sequences=[self._stop_tokens],
                     max_tokens=[job.max_tokens - len(job.generated)],
                 )

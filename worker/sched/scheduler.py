@@ -99,6 +99,7 @@ from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
+from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
 
 log = logging.getLogger("vqpool.worker")
@@ -121,16 +122,6 @@ class ShuttingDownError(Exception):
 class NeverFitsError(ValueError):
     """The request can never fit its model's share of the daemon's budget (the message has
     the numbers); retrying it cannot help."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a job picks its tokens (mlx-lm's ``make_sampler`` arguments; temperature 0 = greedy)."""
-
-    temperature: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
