@@ -8,6 +8,12 @@ alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usa
 ``model`` (if given, one of the names the worker serves under). ``n`` > 1 is refused with 400
 rather than ignored; other unknown fields are ignored, as OpenAI clients send many.
 
+Chat messages reach the model's chat template as ``mlx_lm.server`` gives them: every key of a
+message (``tool_calls``, ``tool_call_id``, ``name``...), ``content: null`` as empty text, a tool
+call's JSON-string ``arguments`` parsed into an object, with the request's ``tools`` and
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). The built-in models' fixed
+template has no place for those: a request with them is refused naming the field.
+
 Responses are mlx-lm's server shapes: a choice ended by a stop string has ``finish_reason``
 "stop" and its text ends before the stop string; with ``logprobs`` a choice carries ``logprobs:
 {"content": [{id, token, logprob, top_logprobs: [{id, token, logprob}, ...]}, ...]}`` (streamed,
@@ -22,6 +28,7 @@ tokens the worker's prompt cache gave (as OpenAI's; 0 on a miss or without a cac
 
 from __future__ import annotations
 
+import json
 import reprlib
 import time
 import uuid
@@ -179,7 +186,11 @@ def _prompt_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     )
 
 
-def _message_text(content: Any) -> str:
+def _message_content(content: Any) -> str:
+    """A message's content as mlx_lm.server gives it to the template: text parts joined, no
+    content (an assistant message that only calls tools) empty."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
@@ -188,11 +199,52 @@ def _message_text(content: Any) -> str:
     ):
         return "".join(p["text"] for p in content)
     raise ApiError(
-        400, "message content must be a string or a list of text parts", param="messages"
+        400, "message content must be a string, null or a list of text parts", param="messages"
     )
 
 
+def _tool_calls(calls: Any) -> list[Any]:
+    """An assistant message's ``tool_calls`` as mlx_lm.server gives them to the template: a
+    function's ``arguments`` sent as a JSON string are parsed into their object."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ApiError(400, "a message's tool_calls must be a list of objects", param="messages")
+    parsed = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"]) if function["arguments"] else ""
+            except json.JSONDecodeError:
+                raise ApiError(
+                    400,
+                    f"tool call arguments must be JSON, got {_shown(function['arguments'])}",
+                    param="messages",
+                ) from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return parsed
+
+
+def _template_arguments(
+    body: Mapping[str, Any], model: LoadedModel
+) -> tuple[list[Any] | None, dict[str, Any]]:
+    """The request's ``tools`` and ``chat_template_kwargs``, for the chat template."""
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of tool definitions", param="tools")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if not model.tokenizer.takes_template_arguments:
+        for name, value in (("tools", tools), ("chat_template_kwargs", kwargs)):
+            if value:
+                raise ApiError(400, f"{model.name}'s chat template takes no {name}", param=name)
+    return tools, kwargs
+
+
 def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
+    """The chat prompt, rendered as mlx_lm.server renders it: each message with all its keys
+    (``tool_calls``, ``tool_call_id``, ``name``...), ``tools`` and ``chat_template_kwargs``."""
     if not model.tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -202,12 +254,25 @@ def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
+    tools, template_kwargs = _template_arguments(body, model)
     parsed = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message needs a string role", param="messages")
-        parsed.append({"role": message["role"], "content": _message_text(message.get("content"))})
-    return model.tokenizer.apply_chat_template(parsed)
+        rendered = {**message, "content": _message_content(message.get("content"))}
+        if message.get("tool_calls"):
+            if not model.tokenizer.takes_template_arguments:
+                raise ApiError(
+                    400, f"{model.name}'s chat template takes no tool_calls", param="messages"
+                )
+            rendered["tool_calls"] = _tool_calls(message["tool_calls"])
+        parsed.append(rendered)
+    try:
+        return model.tokenizer.apply_chat_template(parsed, tools, template_kwargs)
+    except Exception as exc:  # the model's own template refused these messages (jinja raise)
+        raise ApiError(
+            400, f"the chat template cannot render this request: {exc}", param="messages"
+        ) from None
 
 
 def _names_this_model(requested: Any, names: Collection[str]) -> bool:

@@ -43,7 +43,17 @@ class ServingTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    @property
+    def takes_template_arguments(self) -> bool:
+        """Whether the chat template can take ``tools``, ``tool_calls`` and extra arguments."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
 
     def text_stream(self) -> TextStream: ...
 
@@ -90,7 +100,16 @@ class ByteTokenizer:
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    @property
+    def takes_template_arguments(self) -> bool:
+        return False  # the fixed template below has no place for tools or switches
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return self.encode(text + "<|assistant|>\n")
 
@@ -122,9 +141,25 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._wrapper.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    @property
+    def takes_template_arguments(self) -> bool:
+        return True
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        # mlx_lm.server's call: the wrapper itself (which sets the thinking switch the model
+        # names, e.g. enable_thinking, unless the request does), tools, then the request's
+        # chat_template_kwargs.
         tokens = self._wrapper.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+            [dict(m) for m in messages],
+            add_generation_prompt=True,
+            tools=list(tools) if tools else None,
+            tokenize=True,
+            **dict(template_kwargs or {}),
         )
         if isinstance(tokens, Mapping):  # a BatchEncoding from some transformers versions
             tokens = tokens["input_ids"]
