@@ -33,8 +33,9 @@ import queue
 import select
 import socket
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -102,6 +103,9 @@ class ServingApp:
     describe_pool: Callable[[], dict[str, Any]]
     served_name: str = ""
     pool_unavailable: Callable[[], str | None] = lambda: None
+    created: int = field(default_factory=lambda: int(time.time()))
+    """The ``created`` of the model's /v1/models entry: when the worker started serving it
+    (mlx_lm.server gives its server's start time)."""
 
     @property
     def model_id(self) -> str:
@@ -233,7 +237,12 @@ class ServingHandler(BaseHTTPRequestHandler):
             status = {"status": "ok" if healthy else "no_session", "model": app.model_id}
             self._send_json(200 if healthy else 503, {**status, **pool})
         elif path == "/v1/models":
-            model = {"id": app.model_id, "object": "model", "owned_by": "vqpool"}
+            model = {
+                "id": app.model_id,
+                "object": "model",
+                "created": app.created,
+                "owned_by": "vqpool",
+            }
             self._send_json(200, {"object": "list", "data": [model]})
         elif path == "/v1/stats":
             stats = {
