@@ -12,7 +12,11 @@ Chat messages reach the model's chat template as ``mlx_lm.server`` gives them: e
 message (``tool_calls``, ``tool_call_id``, ``name``...), ``content: null`` as empty text, a tool
 call's JSON-string ``arguments`` parsed into an object, with the request's ``tools`` and
 ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). The built-in models' fixed
-template has no place for those: a request with them is refused naming the field.
+template has no place for those: a request with them is refused naming the field. A chat
+answer of a tokenizer that marks thinking or tool calls is split as mlx_lm.server splits it
+(:mod:`~vqpool.worker.api.chat_output`): ``reasoning`` (also as ``reasoning_content``),
+``tool_calls`` (streamed whole, each with its ``index``; ``finish_reason`` "tool_calls") and the
+content (null when only reasoning or calls came).
 
 Responses are mlx-lm's server shapes: a choice ended by a stop string has ``finish_reason``
 "stop" and its text ends before the stop string; with ``logprobs`` a choice carries ``logprobs:
@@ -88,6 +92,8 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: list[Any] | None = None
+    """The chat's ``tools`` (the tool parser is given them, as in mlx_lm.server)."""
 
 
 _SHOWN = reprlib.Repr()
@@ -242,7 +248,9 @@ def _template_arguments(
     return tools, kwargs
 
 
-def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
+def _chat_tokens(
+    body: Mapping[str, Any], model: LoadedModel, tools: list[Any] | None, kwargs: dict[str, Any]
+) -> list[int]:
     """The chat prompt, rendered as mlx_lm.server renders it: each message with all its keys
     (``tool_calls``, ``tool_call_id``, ``name``...), ``tools`` and ``chat_template_kwargs``."""
     if not model.tokenizer.has_chat_template:
@@ -254,7 +262,6 @@ def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
-    tools, template_kwargs = _template_arguments(body, model)
     parsed = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -268,7 +275,7 @@ def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
             rendered["tool_calls"] = _tool_calls(message["tool_calls"])
         parsed.append(rendered)
     try:
-        return model.tokenizer.apply_chat_template(parsed, tools, template_kwargs)
+        return model.tokenizer.apply_chat_template(parsed, tools, kwargs)
     except Exception as exc:  # the model's own template refused these messages (jinja raise)
         raise ApiError(
             400, f"the chat template cannot render this request: {exc}", param="messages"
@@ -333,7 +340,12 @@ def parse_completion(
         top_k=_integer(body, "top_k", 0, 0, model.vocab_size),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
     )
-    prompt = _prompt_tokens(body, model) if kind == TEXT else _chat_tokens(body, model)
+    tools: list[Any] | None = None
+    if kind == TEXT:
+        prompt = _prompt_tokens(body, model)
+    else:
+        tools, template_kwargs = _template_arguments(body, model)
+        prompt = _chat_tokens(body, model, tools, template_kwargs)
     return CompletionRequest(
         kind,
         prompt,
@@ -345,6 +357,7 @@ def parse_completion(
         stop,
         logprobs,
         top_logprobs,
+        tools,
     )
 
 
@@ -378,6 +391,18 @@ class ResponseBuilder:
         }
 
     @staticmethod
+    def _chat_parts(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """A message's (or delta's) reasoning and tool calls, when it has them. The reasoning
+        goes under both names clients read: ``reasoning`` (mlx_lm.server's) and
+        ``reasoning_content`` (DeepSeek's and vLLM's)."""
+        parts: dict[str, Any] = {}
+        if reasoning:
+            parts["reasoning_content"] = parts["reasoning"] = reasoning
+        if tool_calls:
+            parts["tool_calls"] = tool_calls
+        return parts
+
+    @staticmethod
     def _ending(
         finish_reason: str | None,
         detail: str | None,
@@ -403,11 +428,18 @@ class ResponseBuilder:
         token_ids: list[int] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
         cached_tokens: int = 0,
+        reasoning: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The whole response of a non-streaming request (``logprobs``: its entries, if asked)."""
+        """The whole response of a non-streaming request (``logprobs``: its entries, if asked;
+        ``reasoning``, ``tool_calls``: a chat answer's, split off its text)."""
         ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
-            choice = {"message": {"role": "assistant", "content": text}, **ending}
+            extra = self._chat_parts(reasoning, tool_calls)
+            # No text beside reasoning or tool calls: content null (mlx_lm.server, OpenAI).
+            content = text if text or not extra else None
+            message = {"role": "assistant", "content": content, **extra}
+            choice = {"message": message, **ending}
             response = self._envelope("chat.completion", choice)
         else:
             response = self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
@@ -421,11 +453,15 @@ class ResponseBuilder:
         detail: str | None = None,
         token_ids: list[int] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: a piece of text, or (with ``finish_reason``) the last one."""
+        """One streamed chunk: a piece of text (a chat's also reasoning and whole tool calls,
+        each with its ``index``), or (with ``finish_reason``) the last one."""
         ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
             delta: dict[str, Any] = {"content": text} if text else {}
+            delta.update(self._chat_parts(reasoning, tool_calls))
             if not self._sent_role:
                 delta["role"] = "assistant"
                 self._sent_role = True

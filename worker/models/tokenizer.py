@@ -17,8 +17,25 @@ Two kinds behind one small interface (:class:`ServingTokenizer`):
 from __future__ import annotations
 
 import codecs
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class OutputMarkers:
+    """How a tokenizer marks thinking and tool calls in a chat answer (mlx-lm's own objects).
+
+    Attributes:
+        machine: mlx-lm's ``TextStateMachine`` over the markers (``make_text_state_machine``).
+        initial_state: The state the answer starts in ("normal", or "reasoning" after a prompt
+            that ends inside a thinking block).
+        tool_parser: The tokenizer's tool-call parser (None: the model calls no tools).
+    """
+
+    machine: Any
+    initial_state: str
+    tool_parser: Callable[[str, Any], Any] | None
 
 
 class TextStream(Protocol):
@@ -56,6 +73,10 @@ class ServingTokenizer(Protocol):
     ) -> list[int]: ...
 
     def text_stream(self) -> TextStream: ...
+
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        """How a chat answer to ``prompt`` marks thinking and tool calls (None: it does not)."""
+        ...
 
     def token_text(self, token: int) -> str:
         """One token's own text (logprobs name their tokens with it)."""
@@ -116,6 +137,9 @@ class ByteTokenizer:
     def text_stream(self) -> TextStream:
         return ByteTextStream()
 
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        return None
+
     def token_text(self, token: int) -> str:
         return self.decode([token])
 
@@ -170,6 +194,21 @@ class HFTokenizer:
         # do not share one detokenizer's state.
         stream: TextStream = self._wrapper.detokenizer
         return stream
+
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        # mlx_lm.server's choice of the initial state (APIHandler's _tokenize).
+        wrapper = self._wrapper
+        if not (wrapper.has_thinking or wrapper.has_tool_calling):
+            return None
+        from mlx_lm.generate import make_text_state_machine
+
+        initial_state = "normal"
+        if wrapper.has_thinking:
+            tokens = list(prompt)
+            if wrapper.rfind_think_start(tokens) > wrapper.rfind_think_end(tokens):
+                initial_state = "reasoning"
+        initial_state = wrapper.response_initial_state or initial_state
+        return OutputMarkers(make_text_state_machine(wrapper), initial_state, wrapper.tool_parser)
 
     def token_text(self, token: int) -> str:
         # The vocabulary's own spelling, as mlx_lm.server reports it in logprobs.
