@@ -476,3 +476,24 @@ def test_a_thinking_answer_is_reasoning_over_http(stack: ServingStack, model_dir
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning"]
     assert all("content" not in d for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("draft_model", "some/draft"), ("num_draft_tokens", 3), ("adapters", "some/adapter")],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fields_the_worker_cannot_honour_are_refused_by_name(
+    field: str, value: Any, path: str, stack: ServingStack
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 2, field: value}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else chat)
+    before = stack.worker_stats("builtin:llama")["requests"]
+    reply = stack.complete("builtin:llama", body, path)
+    assert reply.status == 400, reply
+    assert reply.body["error"]["param"] == field
+    assert reply.body["error"]["message"].startswith(f"{field}: ")
+    assert stack.worker_stats("builtin:llama")["requests"] == before  # nothing ran
+    null = stack.complete("builtin:llama", {"prompt": "hi", "max_tokens": 2, field: None})
+    assert null.status == 200, null  # null is mlx_lm.server's "not given"

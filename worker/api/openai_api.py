@@ -6,7 +6,8 @@ or a list of token ids), ``/v1/chat/completions`` takes ``messages``; both take 
 string or a list of strings), ``logprobs`` (bool; for completions also OpenAI's legacy count of
 alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usage`` and
 ``model`` (if given, one of the names the worker serves under). ``n`` > 1 is refused with 400
-rather than ignored; other unknown fields are ignored, as OpenAI clients send many.
+rather than ignored, and so are the fields of mlx_lm.server the worker cannot honour yet
+(:data:`UNSUPPORTED_FIELDS`); other unknown fields are ignored, as OpenAI clients send many.
 
 Chat messages reach the model's chat template as ``mlx_lm.server`` gives them: every key of a
 message (``tool_calls``, ``tool_call_id``, ``name``...), ``content: null`` as empty text, a tool
@@ -282,6 +283,21 @@ def _chat_tokens(
         ) from None
 
 
+UNSUPPORTED_FIELDS = {
+    "draft_model": "speculative decoding (a draft model) is not supported",
+    "num_draft_tokens": "speculative decoding (a draft model) is not supported",
+    "adapters": "LoRA adapters are not supported",
+}
+"""Fields mlx_lm.server reads that this worker cannot honour yet: refused by name, never
+ignored (docs/serving.md lists every field of mlx_lm.server's requests)."""
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name}: {why} by vqpool-worker", param=name)
+
+
 def _names_this_model(requested: Any, names: Collection[str]) -> bool:
     """Whether a request's ``model`` names the model served here: one of its names, or the
     short label ``vqpoolctl`` shows for it (the same rule as the admin commands: see
@@ -319,6 +335,7 @@ def parse_completion(
             kind="model_not_found",
             param="model",
         )
+    _refuse_unsupported(body)
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", param="n")
     stop = _stop_strings(body)
