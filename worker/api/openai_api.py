@@ -43,6 +43,7 @@ from typing import Any
 
 from vqpool.shared.model_names import tail_matches
 from vqpool.worker.models.loading import LoadedModel
+from vqpool.worker.models.tokenizer import ChatPrompt
 from vqpool.worker.sched.scheduler import SamplingParams
 
 TEXT = "text"
@@ -276,7 +277,7 @@ def _chat_tokens(
             rendered["tool_calls"] = _tool_calls(message["tool_calls"])
         parsed.append(rendered)
     try:
-        return model.tokenizer.apply_chat_template(parsed, tools, kwargs)
+        return model.tokenizer.apply_chat_template(ChatPrompt(parsed, tools, kwargs))
     except Exception as exc:  # the model's own template refused these messages (jinja raise)
         raise ApiError(
             400, f"the chat template cannot render this request: {exc}", param="messages"

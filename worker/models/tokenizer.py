@@ -18,8 +18,18 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat template renders: the messages (every key of each), the request's ``tools``
+    (None: none) and its extra template arguments (``chat_template_kwargs``)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Any] | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,12 +75,7 @@ class ServingTokenizer(Protocol):
         """Whether the chat template can take ``tools``, ``tool_calls`` and extra arguments."""
         ...
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]: ...
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]: ...
 
     def text_stream(self) -> TextStream: ...
 
@@ -125,13 +130,8 @@ class ByteTokenizer:
     def takes_template_arguments(self) -> bool:
         return False  # the fixed template below has no place for tools or switches
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in chat.messages)
         return self.encode(text + "<|assistant|>\n")
 
     def text_stream(self) -> TextStream:
@@ -169,21 +169,16 @@ class HFTokenizer:
     def takes_template_arguments(self) -> bool:
         return True
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]:
         # mlx_lm.server's call: the wrapper itself (which sets the thinking switch the model
         # names, e.g. enable_thinking, unless the request does), tools, then the request's
         # chat_template_kwargs.
         tokens = self._wrapper.apply_chat_template(
-            [dict(m) for m in messages],
+            [dict(m) for m in chat.messages],
             add_generation_prompt=True,
-            tools=list(tools) if tools else None,
+            tools=list(chat.tools) if chat.tools else None,
             tokenize=True,
-            **dict(template_kwargs or {}),
+            **dict(chat.template_kwargs),
         )
         if isinstance(tokens, Mapping):  # a BatchEncoding from some transformers versions
             tokens = tokens["input_ids"]
