@@ -497,3 +497,23 @@ def test_fields_the_worker_cannot_honour_are_refused_by_name(
     assert stack.worker_stats("builtin:llama")["requests"] == before  # nothing ran
     null = stack.complete("builtin:llama", {"prompt": "hi", "max_tokens": 2, field: None})
     assert null.status == 200, null  # null is mlx_lm.server's "not given"
+
+
+def test_a_streamed_thinking_answer_reports_every_token(
+    stack: ServingStack, model_dir: Path
+) -> None:
+    """With ``return_token_ids`` every token's chunk is sent, split or not: the ids streamed are
+    the whole answer's, and so is the reasoning."""
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": MAX_TOKENS,
+        "return_token_ids": True,
+    }
+    whole = stack.complete(str(model_dir), body, "/v1/chat/completions").body["choices"][0]
+    events = stream_events(stack.url(str(model_dir)), "/v1/chat/completions", body)
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
+    assert (
+        "".join(c["delta"].get("reasoning", "") for c in choices) == whole["message"]["reasoning"]
+    )
+    assert choices[-1]["finish_reason"] == whole["finish_reason"] == "length"
