@@ -33,12 +33,14 @@ import queue
 import select
 import socket
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from vqpool.shared.api_error import ApiError
+from vqpool.worker.api.chat_output import ChatOutput
 from vqpool.worker.api.completion_text import CompletionText
 from vqpool.worker.api.openai_api import (
     CHAT,
@@ -102,6 +104,9 @@ class ServingApp:
     describe_pool: Callable[[], dict[str, Any]]
     served_name: str = ""
     pool_unavailable: Callable[[], str | None] = lambda: None
+    created: int = field(default_factory=lambda: int(time.time()))
+    """The ``created`` of the model's /v1/models entry: when the worker started serving it
+    (mlx_lm.server gives its server's start time)."""
 
     @property
     def model_id(self) -> str:
@@ -233,7 +238,12 @@ class ServingHandler(BaseHTTPRequestHandler):
             status = {"status": "ok" if healthy else "no_session", "model": app.model_id}
             self._send_json(200 if healthy else 503, {**status, **pool})
         elif path == "/v1/models":
-            model = {"id": app.model_id, "object": "model", "owned_by": "vqpool"}
+            model = {
+                "id": app.model_id,
+                "object": "model",
+                "created": app.created,
+                "owned_by": "vqpool",
+            }
             self._send_json(200, {"object": "list", "data": [model]})
         elif path == "/v1/stats":
             stats = {
@@ -334,6 +344,14 @@ class ServingHandler(BaseHTTPRequestHandler):
             reports_tokens=request.return_token_ids or request.logprobs,
         )
 
+    def _chat_output(self, request: CompletionRequest, *, streaming: bool) -> ChatOutput | None:
+        """The splitter of a chat answer into reasoning, tool calls and content, for a
+        tokenizer that marks them (None: the text is all content)."""
+        if request.kind != CHAT:
+            return None
+        markers = self.app.model.tokenizer.output_markers(request.prompt)
+        return None if markers is None else ChatOutput(markers, request.tools, streaming=streaming)
+
     def _complete(self, job: GenerationJob, request: CompletionRequest) -> None:
         text = self._text(request)
         parts: list[str] = []
@@ -353,9 +371,17 @@ class ServingHandler(BaseHTTPRequestHandler):
                 raise self._refusal(event)
             parts.append(text.finish())
             finish_reason, detail = event.finish_reason, event.detail
+        content, reasoning, tool_calls = "".join(parts), "", None
+        output = self._chat_output(request, streaming=False)
+        if output is not None:
+            output.add(content)
+            output.end(finish_reason)
+            delta = output.take()
+            content, reasoning, tool_calls = delta.content, delta.reasoning, delta.tool_calls
+            finish_reason = output.finish_reason(finish_reason)
         builder = ResponseBuilder(request.kind, self.app.model_id)
         response = builder.complete(
-            "".join(parts),
+            content,
             finish_reason,
             detail,
             len(request.prompt),
@@ -363,6 +389,8 @@ class ServingHandler(BaseHTTPRequestHandler):
             text.token_ids if request.return_token_ids else None,
             text.logprobs if request.logprobs else None,
             job.cached_tokens,
+            reasoning,
+            tool_calls,
         )
         self._send_json(200, response)
 
@@ -403,12 +431,29 @@ class ServingHandler(BaseHTTPRequestHandler):
         self.end_headers()
         builder = ResponseBuilder(request.kind, self.app.model_id)
         text = self._text(request)
+        output = self._chat_output(request, streaming=True)
 
         def chunk(piece: str, finish_reason: str | None = None, detail: str | None = None) -> None:
-            """One chunk with the ids and logprobs of the tokens since the last one."""
+            """One chunk with the ids and logprobs of the tokens since the last one; a chat
+            answer's piece split first (nothing is sent from inside a tool call's text, as
+            mlx_lm.server, unless the chunk reports its tokens)."""
+            reasoning, tool_calls = "", None
+            if output is not None:
+                output.add(piece)
+                if finish_reason is not None:
+                    output.end(finish_reason)
+                    finish_reason = output.finish_reason(finish_reason)
+                elif not text.reports_tokens and output.in_tool_call:
+                    return
+                delta = output.take()
+                if not (delta or finish_reason or text.reports_tokens):
+                    return
+                piece, reasoning, tool_calls = delta.content, delta.reasoning, delta.tool_calls
             ids = text.take_token_ids() if request.return_token_ids else None
             logprobs = text.take_logprobs() if request.logprobs else None
-            self._write_event(builder.chunk(piece, finish_reason, detail, ids, logprobs))
+            self._write_event(
+                builder.chunk(piece, finish_reason, detail, ids, logprobs, reasoning, tool_calls)
+            )
 
         try:
             ended = self._stream_tokens(job, event, text, chunk)

@@ -9,8 +9,19 @@ alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usa
 fields with its limits: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``
 (each with its ``*_context_size``), ``logit_bias``, ``xtc_probability``, ``xtc_threshold`` and
 ``seed`` (per request, even inside a batch: see ``worker/sched/sampling.py``). ``n`` > 1 is
-refused with 400 rather than ignored; other unknown fields are ignored, as OpenAI clients send
-many.
+refused with 400 rather than ignored, and so are the fields of mlx_lm.server the worker cannot
+honour yet (:data:`UNSUPPORTED_FIELDS`); other unknown fields are ignored, as OpenAI clients
+send many.
+
+Chat messages reach the model's chat template as ``mlx_lm.server`` gives them: every key of a
+message (``tool_calls``, ``tool_call_id``, ``name``...), ``content: null`` as empty text, a tool
+call's JSON-string ``arguments`` parsed into an object, with the request's ``tools`` and
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). The built-in models' fixed
+template has no place for those: a request with them is refused naming the field. A chat
+answer of a tokenizer that marks thinking or tool calls is split as mlx_lm.server splits it
+(:mod:`~vqpool.worker.api.chat_output`): ``reasoning`` (also as ``reasoning_content``),
+``tool_calls`` (streamed whole, each with its ``index``; ``finish_reason`` "tool_calls") and the
+content (null when only reasoning or calls came).
 
 Responses are mlx-lm's server shapes: a choice ended by a stop string has ``finish_reason``
 "stop" and its text ends before the stop string; with ``logprobs`` a choice carries ``logprobs:
@@ -26,6 +37,7 @@ tokens the worker's prompt cache gave (as OpenAI's; 0 on a miss or without a cac
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 import time
@@ -37,6 +49,7 @@ from typing import Any
 from vqpool.shared.api_error import ApiError
 from vqpool.shared.model_names import tail_matches
 from vqpool.worker.models.loading import LoadedModel
+from vqpool.worker.models.tokenizer import ChatPrompt
 from vqpool.worker.sched.sampling import SamplingParams
 
 TEXT = "text"
@@ -57,6 +70,8 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: list[Any] | None = None
+    """The chat's ``tools`` (the tool parser is given them, as in mlx_lm.server)."""
 
 
 _SHOWN = reprlib.Repr()
@@ -254,7 +269,11 @@ def _prompt_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     )
 
 
-def _message_text(content: Any) -> str:
+def _message_content(content: Any) -> str:
+    """A message's content as mlx_lm.server gives it to the template: text parts joined, no
+    content (an assistant message that only calls tools) empty."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
@@ -263,11 +282,54 @@ def _message_text(content: Any) -> str:
     ):
         return "".join(p["text"] for p in content)
     raise ApiError(
-        400, "message content must be a string or a list of text parts", param="messages"
+        400, "message content must be a string, null or a list of text parts", param="messages"
     )
 
 
-def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
+def _tool_calls(calls: Any) -> list[Any]:
+    """An assistant message's ``tool_calls`` as mlx_lm.server gives them to the template: a
+    function's ``arguments`` sent as a JSON string are parsed into their object."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ApiError(400, "a message's tool_calls must be a list of objects", param="messages")
+    parsed = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"]) if function["arguments"] else ""
+            except json.JSONDecodeError:
+                raise ApiError(
+                    400,
+                    f"tool call arguments must be JSON, got {_shown(function['arguments'])}",
+                    param="messages",
+                ) from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return parsed
+
+
+def _template_arguments(
+    body: Mapping[str, Any], model: LoadedModel
+) -> tuple[list[Any] | None, dict[str, Any]]:
+    """The request's ``tools`` and ``chat_template_kwargs``, for the chat template."""
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of tool definitions", param="tools")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if not model.tokenizer.takes_template_arguments:
+        for name, value in (("tools", tools), ("chat_template_kwargs", kwargs)):
+            if value:
+                raise ApiError(400, f"{model.name}'s chat template takes no {name}", param=name)
+    return tools, kwargs
+
+
+def _chat_tokens(
+    body: Mapping[str, Any], model: LoadedModel, tools: list[Any] | None, kwargs: dict[str, Any]
+) -> list[int]:
+    """The chat prompt, rendered as mlx_lm.server renders it: each message with all its keys
+    (``tool_calls``, ``tool_call_id``, ``name``...), ``tools`` and ``chat_template_kwargs``."""
     if not model.tokenizer.has_chat_template:
         raise ApiError(
             400,
@@ -281,8 +343,35 @@ def _chat_tokens(body: Mapping[str, Any], model: LoadedModel) -> list[int]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message needs a string role", param="messages")
-        parsed.append({"role": message["role"], "content": _message_text(message.get("content"))})
-    return model.tokenizer.apply_chat_template(parsed)
+        rendered = {**message, "content": _message_content(message.get("content"))}
+        if message.get("tool_calls"):
+            if not model.tokenizer.takes_template_arguments:
+                raise ApiError(
+                    400, f"{model.name}'s chat template takes no tool_calls", param="messages"
+                )
+            rendered["tool_calls"] = _tool_calls(message["tool_calls"])
+        parsed.append(rendered)
+    try:
+        return model.tokenizer.apply_chat_template(ChatPrompt(parsed, tools, kwargs))
+    except Exception as exc:  # the model's own template refused these messages (jinja raise)
+        raise ApiError(
+            400, f"the chat template cannot render this request: {exc}", param="messages"
+        ) from None
+
+
+UNSUPPORTED_FIELDS = {
+    "draft_model": "speculative decoding (a draft model) is not supported",
+    "num_draft_tokens": "speculative decoding (a draft model) is not supported",
+    "adapters": "LoRA adapters are not supported",
+}
+"""Fields mlx_lm.server reads that this worker cannot honour yet: refused by name, never
+ignored (docs/serving.md lists every field of mlx_lm.server's requests)."""
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name}: {why} by vqpool-worker", param=name)
 
 
 def _names_this_model(requested: Any, names: Collection[str]) -> bool:
@@ -322,6 +411,7 @@ def parse_completion(
             kind="model_not_found",
             param="model",
         )
+    _refuse_unsupported(body)
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", param="n")
     stop = _stop_strings(body)
@@ -338,7 +428,12 @@ def parse_completion(
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _integer(body, max_tokens_name, default_max_tokens, 1, max_tokens_limit)
     sampling = _sampling(body, model)
-    prompt = _prompt_tokens(body, model) if kind == TEXT else _chat_tokens(body, model)
+    tools: list[Any] | None = None
+    if kind == TEXT:
+        prompt = _prompt_tokens(body, model)
+    else:
+        tools, template_kwargs = _template_arguments(body, model)
+        prompt = _chat_tokens(body, model, tools, template_kwargs)
     return CompletionRequest(
         kind,
         prompt,
@@ -350,6 +445,7 @@ def parse_completion(
         stop,
         logprobs,
         top_logprobs,
+        tools,
     )
 
 
@@ -383,6 +479,18 @@ class ResponseBuilder:
         }
 
     @staticmethod
+    def _chat_parts(reasoning: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """A message's (or delta's) reasoning and tool calls, when it has them. The reasoning
+        goes under both names clients read: ``reasoning`` (mlx_lm.server's) and
+        ``reasoning_content`` (DeepSeek's and vLLM's)."""
+        parts: dict[str, Any] = {}
+        if reasoning:
+            parts["reasoning_content"] = parts["reasoning"] = reasoning
+        if tool_calls:
+            parts["tool_calls"] = tool_calls
+        return parts
+
+    @staticmethod
     def _ending(
         finish_reason: str | None,
         detail: str | None,
@@ -408,11 +516,18 @@ class ResponseBuilder:
         token_ids: list[int] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
         cached_tokens: int = 0,
+        reasoning: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The whole response of a non-streaming request (``logprobs``: its entries, if asked)."""
+        """The whole response of a non-streaming request (``logprobs``: its entries, if asked;
+        ``reasoning``, ``tool_calls``: a chat answer's, split off its text)."""
         ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
-            choice = {"message": {"role": "assistant", "content": text}, **ending}
+            extra = self._chat_parts(reasoning, tool_calls)
+            # No text beside reasoning or tool calls: content null (mlx_lm.server, OpenAI).
+            content = text if text or not extra else None
+            message = {"role": "assistant", "content": content, **extra}
+            choice = {"message": message, **ending}
             response = self._envelope("chat.completion", choice)
         else:
             response = self._envelope("text_completion", {"text": text, "logprobs": None, **ending})
@@ -426,11 +541,15 @@ class ResponseBuilder:
         detail: str | None = None,
         token_ids: list[int] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: a piece of text, or (with ``finish_reason``) the last one."""
+        """One streamed chunk: a piece of text (a chat's also reasoning and whole tool calls,
+        each with its ``index``), or (with ``finish_reason``) the last one."""
         ending = self._ending(finish_reason, detail, token_ids, logprobs)
         if self.kind == CHAT:
             delta: dict[str, Any] = {"content": text} if text else {}
+            delta.update(self._chat_parts(reasoning, tool_calls))
             if not self._sent_role:
                 delta["role"] = "assistant"
                 self._sent_role = True

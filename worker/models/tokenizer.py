@@ -17,8 +17,35 @@ Two kinds behind one small interface (:class:`ServingTokenizer`):
 from __future__ import annotations
 
 import codecs
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat template renders: the messages (every key of each), the request's ``tools``
+    (None: none) and its extra template arguments (``chat_template_kwargs``)."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Any] | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OutputMarkers:
+    """How a tokenizer marks thinking and tool calls in a chat answer (mlx-lm's own objects).
+
+    Attributes:
+        machine: mlx-lm's ``TextStateMachine`` over the markers (``make_text_state_machine``).
+        initial_state: The state the answer starts in ("normal", or "reasoning" after a prompt
+            that ends inside a thinking block).
+        tool_parser: The tokenizer's tool-call parser (None: the model calls no tools).
+    """
+
+    machine: Any
+    initial_state: str
+    tool_parser: Callable[[str, Any], Any] | None
 
 
 class TextStream(Protocol):
@@ -43,9 +70,18 @@ class ServingTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    @property
+    def takes_template_arguments(self) -> bool:
+        """Whether the chat template can take ``tools``, ``tool_calls`` and extra arguments."""
+        ...
+
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]: ...
 
     def text_stream(self) -> TextStream: ...
+
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        """How a chat answer to ``prompt`` marks thinking and tool calls (None: it does not)."""
+        ...
 
     def token_text(self, token: int) -> str:
         """One token's own text (logprobs name their tokens with it)."""
@@ -90,12 +126,19 @@ class ByteTokenizer:
     def decode(self, tokens: Sequence[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    @property
+    def takes_template_arguments(self) -> bool:
+        return False  # the fixed template below has no place for tools or switches
+
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in chat.messages)
         return self.encode(text + "<|assistant|>\n")
 
     def text_stream(self) -> TextStream:
         return ByteTextStream()
+
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        return None
 
     def token_text(self, token: int) -> str:
         return self.decode([token])
@@ -122,9 +165,20 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._wrapper.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    @property
+    def takes_template_arguments(self) -> bool:
+        return True
+
+    def apply_chat_template(self, chat: ChatPrompt) -> list[int]:
+        # mlx_lm.server's call: the wrapper itself (which sets the thinking switch the model
+        # names, e.g. enable_thinking, unless the request does), tools, then the request's
+        # chat_template_kwargs.
         tokens = self._wrapper.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+            [dict(m) for m in chat.messages],
+            add_generation_prompt=True,
+            tools=list(chat.tools) if chat.tools else None,
+            tokenize=True,
+            **dict(chat.template_kwargs),
         )
         if isinstance(tokens, Mapping):  # a BatchEncoding from some transformers versions
             tokens = tokens["input_ids"]
@@ -135,6 +189,21 @@ class HFTokenizer:
         # do not share one detokenizer's state.
         stream: TextStream = self._wrapper.detokenizer
         return stream
+
+    def output_markers(self, prompt: Sequence[int]) -> OutputMarkers | None:
+        # mlx_lm.server's choice of the initial state (APIHandler's _tokenize).
+        wrapper = self._wrapper
+        if not (wrapper.has_thinking or wrapper.has_tool_calling):
+            return None
+        from mlx_lm.generate import make_text_state_machine
+
+        initial_state = "normal"
+        if wrapper.has_thinking:
+            tokens = list(prompt)
+            if wrapper.rfind_think_start(tokens) > wrapper.rfind_think_end(tokens):
+                initial_state = "reasoning"
+        initial_state = wrapper.response_initial_state or initial_state
+        return OutputMarkers(make_text_state_machine(wrapper), initial_state, wrapper.tool_parser)
 
     def token_text(self, token: int) -> str:
         # The vocabulary's own spelling, as mlx_lm.server reports it in logprobs.

@@ -41,6 +41,24 @@ CHAT_TEMPLATE = (
 )
 """A minimal chat template: a role token, the content and a newline per message."""
 
+TOOL_CHAT_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+"""The extra special tokens of a tool-chat directory: mlx-lm's tokenizer finds its tool-call
+markers (the ``json_tools`` parser) and thinking markers by these names."""
+
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['role'] == 'tool' %}[{{ message['tool_call_id'] }}]{% endif %}"
+    "{{ message['content'] }}{% for tool_call in message.get('tool_calls', []) %}"
+    "{% set tool_call = tool_call.function %}<tool_call>"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "<|assistant|>{% if enable_thinking %}<think>{% endif %}{% endif %}"
+)
+"""A chat template that uses ``tools``, assistant ``tool_calls``, ``tool`` messages and
+``enable_thinking`` (Qwen's switch: the answer starts inside ``<think>``), in the json_tools
+format ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` mlx-lm infers its parser from."""
+
 QUANT_GROUP_SIZE = 64
 """Weights per quantization group: every input dimension of the architectures here (hidden 64,
 intermediate 128) is a multiple of it."""
@@ -90,9 +108,11 @@ Say hello in five words. Why share one pool? The quick brown fox jumps over the 
 """
 
 
-def build_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
+def build_tokenizer_json(
+    vocab_size: int = VOCAB_SIZE, extra_special_tokens: Sequence[str] = ()
+) -> str:
     """A byte-level BPE tokenizer (``tokenizer.json`` text) trained on a short built-in text;
-    the special tokens take ids 0..3 (EOS is 0)."""
+    the special tokens take ids 0..3 (EOS is 0), then ``extra_special_tokens``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -100,7 +120,7 @@ def build_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -109,16 +129,20 @@ def build_tokenizer_json(vocab_size: int = VOCAB_SIZE) -> str:
     return text
 
 
-def write_model_dir(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def write_model_dir(
+    path: Path, arch: str = "llama", seed: int = 0, *, tool_chat: bool = False
+) -> Path:
     """Write a loadable model directory of architecture ``arch`` at ``path`` (created if
-    missing); returns ``path``. fp32 weights, a few hundred KiB in all.
+    missing); returns ``path``. fp32 weights, a few hundred KiB in all. ``tool_chat``: the
+    tokenizer has :data:`TOOL_CHAT_TOKENS` and the chat template is :data:`TOOL_CHAT_TEMPLATE`
+    (mlx-lm then sees a model that calls tools and thinks).
 
     Raises:
         ValueError: ``arch`` is not one of :data:`ARCHITECTURES`.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
-    return write_config_dir(path, ARCHITECTURES[arch], seed)
+    return write_config_dir(path, ARCHITECTURES[arch], seed, tool_chat=tool_chat)
 
 
 def write_config_dir(
@@ -127,14 +151,19 @@ def write_config_dir(
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
     bits: int | None = None,
+    *,
+    tool_chat: bool = False,
 ) -> Path:
     """Write a loadable model directory at ``path`` (created if missing) for any mlx-lm
     architecture: ``model_args`` are its ``config.json`` args (``model_type`` included) apart
     from the vocabulary, which the tokenizer sets; weights are random, of ``dtype``, quantized to
     ``bits`` per weight in groups of :data:`QUANT_GROUP_SIZE` when ``bits`` is given (as
-    ``mlx_lm.convert -q`` writes them: packed weights, scales and biases). Returns ``path``."""
+    ``mlx_lm.convert -q`` writes them: packed weights, scales and biases); ``tool_chat`` as in
+    :func:`write_model_dir`. Returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = build_tokenizer_json()
+    tokenizer_json = build_tokenizer_json(
+        extra_special_tokens=TOOL_CHAT_TOKENS if tool_chat else ()
+    )
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     config = {
         **model_args,
@@ -157,7 +186,7 @@ def write_config_dir(
         "bos_token": None,
         "add_bos_token": False,
         "model_max_length": config["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TOOL_CHAT_TEMPLATE if tool_chat else CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
