@@ -27,9 +27,10 @@ import pytest
 from daemon_harness import remove_tree, short_tmpdir
 from mlx_lm.generate import generate_step
 from serving_harness import ServingStack
+from vqpool.shared.api_error import ApiError
 from vqpool.worker.api.chat_output import ChatOutput
 from vqpool.worker.api.completion_text import CompletionText
-from vqpool.worker.api.openai_api import CHAT, ApiError, ResponseBuilder, parse_completion
+from vqpool.worker.api.openai_api import CHAT, ResponseBuilder, parse_completion
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.testing.http_client import request_json, stream_events
 from vqpool.worker.testing.model_dirs import write_model_dir

@@ -87,12 +87,6 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
     # Loading's transients may have filled MLX's buffer cache: bounded from here on.
     apply_cache_limit(args.mlx_cache_limit)
     memory = MemoryProbe(weights_bytes(loaded.model))
-    log.info(
-        "%s loaded: %d bytes of weights; MLX buffer cache limited to %d bytes",
-        loaded.name,
-        memory.weights,
-        args.mlx_cache_limit,
-    )
     served_name = args.served_model_name or loaded.name
     max_concurrent = args.max_concurrent
     batching = batching_problem(loaded.model)
@@ -134,6 +128,13 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 described["pool_error"] = problem
             return described
 
+    # Logged once the model is known to be servable: a refusal stays the one line it says.
+    log.info(
+        "%s loaded: %d bytes of weights; MLX buffer cache limited to %d bytes",
+        loaded.name,
+        memory.weights,
+        args.mlx_cache_limit,
+    )
     owner_prefix = f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}"
     prompt_cache: PromptCache | None = None
     if pool is not None and isinstance(source, PooledCacheSource) and args.prompt_cache_bytes:
