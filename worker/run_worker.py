@@ -173,7 +173,13 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         # step boundary, give the bytes back.
         pool.set_reclaim_handler(scheduler.give_back)
     app = ServingApp(
-        loaded, scheduler, args.max_tokens, args.max_tokens_limit, describe_pool, served_name
+        loaded,
+        scheduler,
+        args.max_tokens,
+        args.max_tokens_limit,
+        describe_pool,
+        served_name,
+        allowed_origins=args.allowed_origins,
     )
     if pool is not None:
         app.pool_unavailable = pool.daemon_unavailable

@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each daemon call may take (default: %(default)g)",
     )
     parser.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=("*",),
+        metavar="ORIGINS",
+        help="comma-separated origins browsers may call the API from, as mlx_lm.server's "
+        "(CORS; default: * = any)",
+    )
+    parser.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop as on SIGTERM when stdin reaches end of file: for a supervisor holding a "
@@ -189,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="stderr log level (default: %(default)s)",
     )
     return parser
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(text.split(","))
 
 
 def _growth_wait(text: str) -> float:

@@ -75,6 +75,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
     "port": 8080,
     "api_key": None,
+    "allowed_origins": "*",
     "max_loaded": None,
     "keep_alive": "5m",
     "queue_timeout": 120.0,
@@ -93,6 +94,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "host": (str,),
     "port": (int,),
     "api_key": (str,),
+    "allowed_origins": (str,),
     "max_loaded": (int,),
     "keep_alive": (int, float, str),
     "queue_timeout": (int, float),
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         help=f"require Authorization: Bearer KEY on every route but /health (env {API_KEY_ENV}); "
         "needed to listen on an address other than loopback",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        help="comma-separated origins browsers may call the API from, as mlx_lm.server's "
+        "(CORS; default: * = any); preflight OPTIONS is answered here",
     )
     serve.add_argument("--run-dir", help="vqpoold's run directory (as vqpoold's --run-dir)")
     serve.add_argument(
@@ -362,6 +370,7 @@ async def serve(
             metrics,
             queue_timeout=options["queue_timeout"],
             api_key=options["api_key"],
+            allowed_origins=tuple(options["allowed_origins"].split(",")),
             body_timeout=options["body_timeout"],
             write_timeout=options["write_timeout"],
         ),

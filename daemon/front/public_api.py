@@ -9,7 +9,9 @@ reaches the worker with the name, the only change made to a body. A request's ow
 idle time after it.
 
 Every refusal is a JSON error in the workers' shape. With an API key, every route but
-``/health`` needs ``Authorization: Bearer KEY``.
+``/health`` needs ``Authorization: Bearer KEY``. CORS as mlx_lm.server's ``--allowed-origins``:
+every response carries its headers and a preflight ``OPTIONS`` (any path, no key: browsers send
+none) is answered here with 204, never by a worker, so it loads no model.
 """
 
 from __future__ import annotations
@@ -74,6 +76,32 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status == 405 and "Allow" in exc.headers:
             refusal.headers["Allow"] = exc.headers["Allow"]
         return error_response(refusal)
+
+
+@web.middleware
+async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A CORS preflight, answered before any other check (:func:`cors_headers` adds the rest)."""
+    if request.method == "OPTIONS":
+        return web.Response(status=204, content_type="application/json")
+    return await handler(request)
+
+
+def cors_headers(
+    allowed_origins: tuple[str, ...],
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """Adds mlx_lm.server's CORS headers to every response before it is sent (a stream too)."""
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if "*" in allowed_origins:
+            response.headers["Access-Control-Allow-Origin"] = "*"
+        elif origin in allowed_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+        response.headers["Access-Control-Allow-Methods"] = "*"
+        response.headers["Access-Control-Allow-Headers"] = "*"
+
+    return add
 
 
 def api_key_check(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -221,8 +249,9 @@ def build_public_app(
     api_key: str | None,
     body_timeout: float,
     write_timeout: float,
+    allowed_origins: tuple[str, ...] = ("*",),
 ) -> web.Application:
-    middlewares: list[Any] = [json_errors]
+    middlewares: list[Any] = [preflight, json_errors]
     if api_key:
         middlewares.append(api_key_check(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -245,4 +274,5 @@ def build_public_app(
         await app[SESSION].close()
 
     app.cleanup_ctx.append(session_context)
+    app.on_response_prepare.append(cors_headers(allowed_origins))
     return app

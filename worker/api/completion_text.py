@@ -101,7 +101,8 @@ class CompletionText:
         self.token_ids.append(token)
         if isinstance(event, ScoredToken):
             self.logprobs.append(self._logprob_entry(event))
-        self._decoder.add_token(token)
+        if token not in self._tokenizer.eos_token_ids:  # EOS ends the text, as in mlx-lm
+            self._decoder.add_token(token)
         piece = self._scanner.feed(self._decoder.last_segment)
         if self._scanner.stopped:
             self.stopped_text = piece

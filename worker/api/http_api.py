@@ -14,7 +14,8 @@ like any invalid JSON. ``/health`` answers 503 with ``status:
 "no_session"`` while the worker cannot use a pool session (evicted and re-opening one, or the
 daemon not answering: :meth:`PoolClient.session_problem`). While the daemon does not answer, a
 completion request is refused at once with 503 and ``Retry-After``, naming the daemon; every
-503 carries ``Retry-After``.
+503 carries ``Retry-After``. CORS as mlx_lm.server's ``--allowed-origins``: every response
+carries its headers; ``OPTIONS`` on any path is a 204 preflight answer.
 
 A request's text goes through :class:`~vqpool.worker.api.completion_text.CompletionText`: when a
 stop string completes, the handler answers at once and cancels the job with reason "stop".
@@ -107,6 +108,8 @@ class ServingApp:
     created: int = field(default_factory=lambda: int(time.time()))
     """The ``created`` of the model's /v1/models entry: when the worker started serving it
     (mlx_lm.server gives its server's start time)."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """Origins a browser may call from (``--allowed-origins``; ``*``: any)."""
 
     @property
     def model_id(self) -> str:
@@ -139,6 +142,23 @@ class ServingHandler(BaseHTTPRequestHandler):
     def send_response(self, code: int, message: str | None = None) -> None:
         self._responded = True
         super().send_response(code, message)
+
+    def end_headers(self) -> None:
+        self._send_cors_headers()
+        super().end_headers()
+
+    def _send_cors_headers(self) -> None:
+        """CORS on every response, as mlx_lm.server sends it: the origin allowed (``*``, or the
+        request's own when listed), any method and header."""
+        allowed = self.app.allowed_origins
+        origin = self.headers.get("Origin") if getattr(self, "headers", None) else None
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        self.send_header("Access-Control-Allow-Methods", "*")
+        self.send_header("Access-Control-Allow-Headers", "*")
 
     def _send_json(
         self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
@@ -320,6 +340,12 @@ class ServingHandler(BaseHTTPRequestHandler):
         )
 
     do_PUT = do_DELETE = do_PATCH = _other_method
+
+    def do_OPTIONS(self) -> None:
+        """A browser's CORS preflight, on any path (as mlx_lm.server): 204 with the headers."""
+        self.send_response(204)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
 
     # -- completions -----------------------------------------------------------------------------
 

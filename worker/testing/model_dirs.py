@@ -59,6 +59,11 @@ TOOL_CHAT_TEMPLATE = (
 ``enable_thinking`` (Qwen's switch: the answer starts inside ``<think>``), in the json_tools
 format ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` mlx-lm infers its parser from."""
 
+TOOL_CALL_JSON = '{"name":"get_weather", "arguments": {"city" :"Paris"}}'
+"""A tool call the tool-chat tokenizer also learns (its spacing varies so that no run of
+punctuation repeats): encoded, every piece of it is a different token, so a test can make a
+random model write it with ``logit_bias`` and a frequency penalty that retires each token used."""
+
 QUANT_GROUP_SIZE = 64
 """Weights per quantization group: every input dimension of the architectures here (hidden 64,
 intermediate 128) is a multiple of it."""
@@ -109,10 +114,11 @@ Say hello in five words. Why share one pool? The quick brown fox jumps over the 
 
 
 def build_tokenizer_json(
-    vocab_size: int = VOCAB_SIZE, extra_special_tokens: Sequence[str] = ()
+    vocab_size: int = VOCAB_SIZE, extra_special_tokens: Sequence[str] = (), extra_text: str = ""
 ) -> str:
-    """A byte-level BPE tokenizer (``tokenizer.json`` text) trained on a short built-in text;
-    the special tokens take ids 0..3 (EOS is 0), then ``extra_special_tokens``."""
+    """A byte-level BPE tokenizer (``tokenizer.json`` text) trained on a short built-in text
+    and ``extra_text``; the special tokens take ids 0..3 (EOS is 0), then
+    ``extra_special_tokens``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -124,7 +130,7 @@ def build_tokenizer_json(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines() * 4, trainer=trainer)
+    tokenizer.train_from_iterator((_TRAINING_TEXT + extra_text).splitlines() * 4, trainer=trainer)
     text: str = tokenizer.to_str()
     return text
 
@@ -134,7 +140,8 @@ def write_model_dir(
 ) -> Path:
     """Write a loadable model directory of architecture ``arch`` at ``path`` (created if
     missing); returns ``path``. fp32 weights, a few hundred KiB in all. ``tool_chat``: the
-    tokenizer has :data:`TOOL_CHAT_TOKENS` and the chat template is :data:`TOOL_CHAT_TEMPLATE`
+    tokenizer has :data:`TOOL_CHAT_TOKENS`, has learnt :data:`TOOL_CALL_JSON` and the chat template
+    is :data:`TOOL_CHAT_TEMPLATE`
     (mlx-lm then sees a model that calls tools and thinks).
 
     Raises:
@@ -161,8 +168,10 @@ def write_config_dir(
     ``mlx_lm.convert -q`` writes them: packed weights, scales and biases); ``tool_chat`` as in
     :func:`write_model_dir`. Returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = build_tokenizer_json(
-        extra_special_tokens=TOOL_CHAT_TOKENS if tool_chat else ()
+    tokenizer_json = (
+        build_tokenizer_json(extra_special_tokens=TOOL_CHAT_TOKENS, extra_text=TOOL_CALL_JSON)
+        if tool_chat
+        else build_tokenizer_json()
     )
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     config = {
