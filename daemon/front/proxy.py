@@ -81,15 +81,16 @@ async def forward(
             await _send(request, response, f"data: {json.dumps(error)}\n\n".encode(), write_timeout)
         await _send(request, response, b"", write_timeout, eof=True)
         return response
-    except ClientStalled:
+    except ClientGone:
         return response  # its connection is closed: aiohttp sends nothing more
     finally:
         # Closing, not releasing: a request the client left must end at the worker too.
         upstream.close()
 
 
-class ClientStalled(Exception):
-    """The client took none of its answer for the write timeout; its connection is closed."""
+class ClientGone(Exception):
+    """The client left, or took none of its answer for the write timeout: its connection is
+    closed, nothing more can be sent."""
 
 
 async def _send(
@@ -102,7 +103,7 @@ async def _send(
 ) -> None:
     """Write ``data`` (and end the answer when ``eof``); a client that takes none of it for
     ``timeout`` seconds has its connection closed (its buffered answer dropped) and
-    :class:`ClientStalled` is raised."""
+    :class:`ClientGone` is raised, as for a client that left."""
     try:
         async with asyncio.timeout(timeout):
             if eof:
@@ -118,4 +119,6 @@ async def _send(
         )
         if request.transport is not None:
             request.transport.abort()
-        raise ClientStalled from None
+        raise ClientGone from None
+    except ConnectionResetError:  # the client left while its answer was written
+        raise ClientGone from None
