@@ -65,13 +65,13 @@ from vqpool.worker.testing.launch import ServeProcess
 # the 96 block ids (48 K + 48 V): the budget binds. The demo's requests need ~4-13 blocks per
 # stream each and up to 6 run at once, so the two models contend and some requests wait. Each
 # model keeps a reserve (no other model gets it); the first model weighs twice the second in
-# how the rest is shared. Real models (--model) get a budget their blocks fit in.
+# how the rest is shared. Real models (--model) get a budget their blocks fit in, and the id
+# space the budget sizes (fixed at 96 ids, a real model's blocks would bind long before it).
 SERVE_CONFIG = """\
 # vqpool serve configuration written by scripts/demo
 [vqpoold]
 budget = "{budget}"
-n_blocks = 96
-block_size = 16
+{id_space}block_size = 16
 lease = 5.0
 log_level = "WARNING"
 
@@ -90,6 +90,7 @@ path = {second}
 reserve = "{reserve}"
 weight = 1
 {worker_options}"""
+BUILTIN_ID_SPACE = "n_blocks = 96\n"
 BUILTIN_BUDGET = ("320KiB", "64KiB")
 REAL_MODEL_BUDGET = ("1GiB", "128MiB")
 
@@ -492,6 +493,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     config.write_text(
         SERVE_CONFIG.format(
             budget=budget,
+            id_space=BUILTIN_ID_SPACE if args.model is None else "",
             reserve=reserve,
             first=first,
             second=second,
