@@ -22,6 +22,7 @@ from vqpool.daemon.core.sessions import Session, SessionTable
 from vqpool.daemon.core.timeline import HistoryClock, StreamTimeline
 from vqpool.shared.allocator import Block, BlockPoolAllocator, Owner, PoolConfig
 from vqpool.shared.errors import (
+    BlockPoolExhaustedError,
     ClaimConflictError,
     NotOwnerError,
     OwnerAlreadyActiveError,
@@ -35,6 +36,11 @@ from vqpool.shared.protocol import (
 )
 
 log = logging.getLogger("vqpoold")
+
+ID_SHORTAGE_SECONDS = 5.0
+"""How long an allocation refused for lack of ids is remembered (:meth:`Coordinator.ids_short`).
+A worker whose request waits for blocks retries every few tens of milliseconds, renewing it; one
+that gave up stops asking other workers' prompt caches for blocks within these seconds."""
 
 BlockCounts = dict[str, int]
 """Blocks per stream: what a free, a claim or a session's end changed, for the budget above to
@@ -106,6 +112,10 @@ class Coordinator:
         self.history_clock = HistoryClock()
         self._holder: dict[Owner, Session] = {}
         self._max_tokens = MAX_BLOCKS_PER_ALLOCATE * config.block_size
+        # Per pool stream, the blocks of the latest allocation refused for lack of free ids and
+        # when (monotonic): one record a stream, whatever the number of waiting requests.
+        self._id_shortages: dict[str, tuple[int, float]] = {}
+        self._one_stream = None if config.separate_kv else "kv"
         # Counters for the admin's stats; plain ints so the hot path pays one add.
         self.n_requests = 0
         self.n_bad_requests = 0
@@ -200,17 +210,50 @@ class Coordinator:
         holder = self._holder.get(owner)
         if (holder is not session and holder is not None) or n_tokens > self._max_tokens:
             self.check_allocate(session, n_tokens, owner)  # raises what is wrong
-        if holder is not None:  # already ours: the allocator alone decides
-            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
         try:
-            self._holder[owner] = session
-            session.owners.add(owner)
-            return self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
-        except BaseException:
-            # An exhausted allocate registers the owner (seed behaviour); it held nothing before.
-            self.allocator.release_owner(owner)
-            self._unbind(owner)
+            if holder is not None:  # already ours: the allocator alone decides
+                ids = self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
+            else:
+                try:
+                    self._holder[owner] = session
+                    session.owners.add(owner)
+                    ids = self.allocator.allocate_ids(stream, n_tokens, owner, fmt)
+                except BaseException:
+                    # An exhausted allocate registers the owner (seed behaviour); it held
+                    # nothing before.
+                    self.allocator.release_owner(owner)
+                    self._unbind(owner)
+                    raise
+        except BlockPoolExhaustedError:
+            # NOTE: a refusal for lack of ids is never parked (the budget parks byte waits
+            # only), so it is recorded here for the cache advice to ask prompt caches for ids.
+            self._id_shortages[self._one_stream or stream] = (
+                -(-n_tokens // self.allocator.config.block_size),
+                time.monotonic(),
+            )
             raise
+        if self._id_shortages:  # one test on the hot path while no allocation is short
+            self._note_ids_served(self._one_stream or stream, len(ids))
+        return ids
+
+    def _note_ids_served(self, stream: str, n_blocks: int) -> None:
+        """An allocation of ``n_blocks`` in ``stream`` was served: as many as a recorded
+        shortage asked were free, so it is over (a request still short records it again)."""
+        shortage = self._id_shortages.get(stream)
+        if shortage is not None and n_blocks >= shortage[0]:
+            del self._id_shortages[stream]
+
+    def ids_short(self, now: float) -> BlockCounts:
+        """Blocks per stream that allocations refused for lack of ids in the last
+        :data:`ID_SHORTAGE_SECONDS` (monotonic ``now``) lack beyond the free ones now; records
+        older than that are dropped."""
+        short: BlockCounts = {}
+        for stream, (n_blocks, when) in list(self._id_shortages.items()):
+            if now - when > ID_SHORTAGE_SECONDS:
+                del self._id_shortages[stream]
+            elif (lacking := n_blocks - self.allocator.n_free(stream)) > 0:
+                short[stream] = lacking
+        return short
 
     def allocate_many(
         self, session: Session, items: Sequence[tuple[str, int, Owner, str]]

@@ -95,21 +95,38 @@ def ping(
         session.prompt_cache = args["prompt_cache"]
     if args["memory"] is not None:
         state.budget.note_memory(session, args["memory"], now)
-    return cache_advice(state, session)
+    return cache_advice(state, session, now)
 
 
-def cache_advice(state: DaemonState, session: Session) -> dict[str, Any] | None:
+def cache_advice(state: DaemonState, session: Session, now: float) -> dict[str, Any] | None:
     """What the answer to a load report asks of the worker's prompt cache (None: nothing):
     ``drop_cache`` once after ``cache_drop``; else ``release_bytes`` from a worker that reports
     cached bytes, when giving them back would let allocations of other sessions that wait for
-    memory be granted (:func:`bytes_cache_would_serve`)."""
+    memory be granted (:func:`bytes_cache_would_serve`) or that were refused for lack of ids
+    (:func:`bytes_freeing_ids`)."""
     if session.drop_cache:
         session.drop_cache = False
         return {"drop_cache": True}
     if not session.prompt_cache or not session.prompt_cache["bytes"]:
         return None
-    wanted = bytes_cache_would_serve(state, session)
+    # NOTE: the byte ledger parks byte waits only: an allocation refused because the pool's ids
+    # ran out (a fixed --n-blocks under a budget that does not bind) waits at its worker, so
+    # without the second term a prompt cache elsewhere would keep those ids forever.
+    wanted = max(bytes_cache_would_serve(state, session), bytes_freeing_ids(state, session, now))
     return {"release_bytes": wanted} if wanted else None
+
+
+def bytes_freeing_ids(state: DaemonState, session: Session, now: float) -> int:
+    """Bytes the cache of ``session`` would give back to free as many blocks as allocations
+    refused for lack of ids lately still lack (:meth:`Coordinator.ids_short`); 0 if none.
+
+    A cached entry holds as many blocks in each stream (its keys and its values), so freeing n
+    blocks of any one stream gives back n blocks' bytes of every stream."""
+    short = state.coord.ids_short(now)
+    if not short:
+        return 0
+    cost = session.bytes_per_block
+    return max(short.values()) * sum(cost.get(s, 0) for s in state.coord.allocator.streams)
 
 
 def bytes_cache_would_serve(state: DaemonState, session: Session) -> int:
