@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from daemon_harness import AgentProcess, daemon_args_for, remove_tree, short_tmpdir
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
+from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.model_dirs import write_model_dir
 
 DEFAULT_DAEMON_ARGS = ("--n-blocks", "256", "--lease", "1", "--log-level", "INFO")
 
@@ -87,3 +89,16 @@ def make_pool(
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def tool_chat_dir() -> Iterator[Path]:
+    """A test-written model directory whose tokenizer marks thinking and tool calls."""
+    base = short_tmpdir("vqc")
+    yield write_model_dir(base / "tools", "llama", tool_chat=True)
+    remove_tree(base)
+
+
+@pytest.fixture(scope="module")
+def tool_chat_model(tool_chat_dir: Path) -> LoadedModel:
+    return load_model(str(tool_chat_dir))

@@ -24,7 +24,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from daemon_harness import remove_tree, short_tmpdir
 from mlx_lm.generate import generate_step
 from serving_harness import ServingStack
 from vqpool.shared.api_error import ApiError
@@ -33,7 +32,6 @@ from vqpool.worker.api.completion_text import CompletionText
 from vqpool.worker.api.openai_api import CHAT, ResponseBuilder, parse_completion
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.testing.http_client import request_json, stream_events
-from vqpool.worker.testing.model_dirs import write_model_dir
 
 MAX_TOKENS = 12
 
@@ -71,31 +69,19 @@ TOOL_CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Iterator[Path]:
-    base = short_tmpdir("vqc")
-    yield write_model_dir(base / "tools", "llama", tool_chat=True)
-    remove_tree(base)
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir: Path) -> Iterator[ServingStack]:
-    serving = ServingStack([str(model_dir), "builtin:llama"]).start()
+def stack(tool_chat_dir: Path) -> Iterator[ServingStack]:
+    serving = ServingStack([str(tool_chat_dir), "builtin:llama"]).start()
     yield serving
     serving.stop()
 
 
-def mlx_server_prompt(model_dir: Path, body: dict[str, Any]) -> list[int]:
+def mlx_server_prompt(tool_chat_dir: Path, body: dict[str, Any]) -> list[int]:
     """The prompt tokens mlx_lm.server renders for a chat ``body``: its own message processing
     and its own ``apply_chat_template`` call (with no ``--chat-template-args``)."""
     from mlx_lm import load
     from mlx_lm.server import process_message_content
 
-    tokenizer = load(str(model_dir))[1]
+    tokenizer = load(str(tool_chat_dir))[1]
     messages = copy.deepcopy(body["messages"])
     process_message_content(messages)
     tokens = tokenizer.apply_chat_template(
@@ -108,8 +94,10 @@ def mlx_server_prompt(model_dir: Path, body: dict[str, Any]) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def worker_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
-    request = parse_completion(body, CHAT, loaded, default_max_tokens=8, max_tokens_limit=64)
+def worker_prompt(tool_chat_model: LoadedModel, body: dict[str, Any]) -> list[int]:
+    request = parse_completion(
+        body, CHAT, tool_chat_model, default_max_tokens=8, max_tokens_limit=64
+    )
     return request.prompt
 
 
@@ -146,26 +134,26 @@ BODIES: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("case", sorted(BODIES))
 def test_chat_renders_as_mlx_lm_server_renders_it(
-    case: str, model_dir: Path, loaded: LoadedModel
+    case: str, tool_chat_dir: Path, tool_chat_model: LoadedModel
 ) -> None:
     body = BODIES[case]
     sent = copy.deepcopy(body)
-    expected = mlx_server_prompt(model_dir, body)
-    assert worker_prompt(loaded, body) == expected
+    expected = mlx_server_prompt(tool_chat_dir, body)
+    assert worker_prompt(tool_chat_model, body) == expected
     assert body == sent  # the request's messages are not changed in place
 
 
 def test_the_rendering_uses_tools_calls_and_the_thinking_switch(
-    model_dir: Path, loaded: LoadedModel
+    tool_chat_dir: Path, tool_chat_model: LoadedModel
 ) -> None:
     """The premise of the parity test: every argument changes the rendered prompt."""
-    with_tools = worker_prompt(loaded, BODIES["tools and a tool conversation"])
-    no_thinking = worker_prompt(loaded, BODIES["thinking switched off"])
-    no_tools = worker_prompt(loaded, {"messages": TOOL_CONVERSATION})
+    with_tools = worker_prompt(tool_chat_model, BODIES["tools and a tool conversation"])
+    no_thinking = worker_prompt(tool_chat_model, BODIES["thinking switched off"])
+    no_tools = worker_prompt(tool_chat_model, {"messages": TOOL_CONVERSATION})
     assert len({tuple(with_tools), tuple(no_thinking), tuple(no_tools)}) == 3
     from mlx_lm import load
 
-    text = load(str(model_dir))[1].decode(with_tools)
+    text = load(str(tool_chat_dir))[1].decode(with_tools)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
     assert "<|tool|>[call_1]sunny, 21 C" in text
     assert text.endswith("<|assistant|><think>")
@@ -202,30 +190,30 @@ def test_the_rendering_uses_tools_calls_and_the_thinking_switch(
     ],
 )
 def test_malformed_tool_fields_are_refused_by_name(
-    change: dict[str, Any], param: str, message: str, loaded: LoadedModel
+    change: dict[str, Any], param: str, message: str, tool_chat_model: LoadedModel
 ) -> None:
     body = {"messages": TOOL_CONVERSATION, **change}
     with pytest.raises(ApiError) as refused:
-        worker_prompt(loaded, body)
+        worker_prompt(tool_chat_model, body)
     assert refused.value.status == 400
     assert refused.value.param == param
     assert message in refused.value.message
 
 
 def test_a_tool_conversation_is_served_as_mlx_lm_generates_it(
-    stack: ServingStack, model_dir: Path
+    stack: ServingStack, tool_chat_dir: Path
 ) -> None:
     body = {**BODIES["tools and a tool conversation"], "max_tokens": MAX_TOKENS}
     reply = stack.complete(
-        str(model_dir), {**body, "return_token_ids": True}, "/v1/chat/completions"
+        str(tool_chat_dir), {**body, "return_token_ids": True}, "/v1/chat/completions"
     )
     assert reply.status == 200, reply
-    prompt = mlx_server_prompt(model_dir, body)
+    prompt = mlx_server_prompt(tool_chat_dir, body)
     assert reply.body["usage"]["prompt_tokens"] == len(prompt)
 
     from mlx_lm import load
 
-    model = load(str(model_dir))[0]
+    model = load(str(tool_chat_dir))[0]
     steps = generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
     expected = [int(token) for token, _ in steps]
     choice = reply.body["choices"][0]
@@ -250,15 +238,15 @@ def test_the_byte_template_refuses_tools_by_name(stack: ServingStack) -> None:
     assert "tool_calls" in reply.body["error"]["message"]
 
 
-def test_models_entries_carry_created(stack: ServingStack, model_dir: Path) -> None:
+def test_models_entries_carry_created(stack: ServingStack, tool_chat_dir: Path) -> None:
     before = int(time.time())
-    reply = request_json(stack.url(str(model_dir)), "GET", "/v1/models")
+    reply = request_json(stack.url(str(tool_chat_dir)), "GET", "/v1/models")
     assert reply.status == 200
     (entry,) = reply.body["data"]
-    assert entry["id"] == str(model_dir)
+    assert entry["id"] == str(tool_chat_dir)
     assert entry["object"] == "model"
     assert isinstance(entry["created"], int) and 0 < entry["created"] <= before
-    again = request_json(stack.url(str(model_dir)), "GET", "/v1/models").body["data"][0]
+    again = request_json(stack.url(str(tool_chat_dir)), "GET", "/v1/models").body["data"][0]
     assert again["created"] == entry["created"]  # the worker's start, not the request's time
 
 
@@ -293,7 +281,7 @@ class _ReplayedGeneration:
 
 
 def mlx_server_answer(
-    model_dir: Path, prompt: list[int], answer: str, finish: str, stream: bool
+    tool_chat_dir: Path, prompt: list[int], answer: str, finish: str, stream: bool
 ) -> list[dict[str, Any]]:
     """What mlx_lm.server's handler answers when the model generates ``answer``'s tokens and
     ends with ``finish`` (a stop is an EOS token): its response objects, in order."""
@@ -304,8 +292,8 @@ def mlx_server_answer(
     from mlx_lm.server import APIHandler, GenerationContext, Response
     from mlx_lm.server import CompletionRequest as MlxRequest
 
-    tokenizer = load(str(model_dir))[1]
-    markers = load_model(str(model_dir)).tokenizer.output_markers(prompt)
+    tokenizer = load(str(tool_chat_dir))[1]
+    markers = load_model(str(tool_chat_dir)).tokenizer.output_markers(prompt)
     assert markers is not None
     ctx = GenerationContext(
         tokenizer.has_tool_calling,
@@ -370,10 +358,10 @@ def mlx_server_answer(
 
 
 def worker_answer(
-    loaded: LoadedModel, prompt: list[int], answer: str, finish: str, stream: bool
+    tool_chat_model: LoadedModel, prompt: list[int], answer: str, finish: str, stream: bool
 ) -> list[dict[str, Any]]:
     """The worker's response objects for the same tokens, built as its handler builds them."""
-    tokenizer = loaded.tokenizer
+    tokenizer = tool_chat_model.tokenizer
     markers = tokenizer.output_markers(prompt)
     assert markers is not None
     output = ChatOutput(markers, TOOLS, streaming=stream)
@@ -433,18 +421,20 @@ def answer_parts(responses: list[dict[str, Any]]) -> dict[str, Any]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("case", sorted(ANSWERS))
 def test_an_answer_splits_as_mlx_lm_server_splits_it(
-    case: str, stream: bool, model_dir: Path, loaded: LoadedModel
+    case: str, stream: bool, tool_chat_dir: Path, tool_chat_model: LoadedModel
 ) -> None:
     answer, finish = ANSWERS[case]
-    prompt = worker_prompt(loaded, {"messages": TOOL_CONVERSATION, "tools": TOOLS})
-    expected = answer_parts(mlx_server_answer(model_dir, prompt, answer, finish, stream))
-    assert answer_parts(worker_answer(loaded, prompt, answer, finish, stream)) == expected
+    prompt = worker_prompt(tool_chat_model, {"messages": TOOL_CONVERSATION, "tools": TOOLS})
+    expected = answer_parts(mlx_server_answer(tool_chat_dir, prompt, answer, finish, stream))
+    assert answer_parts(worker_answer(tool_chat_model, prompt, answer, finish, stream)) == expected
 
 
-def test_the_split_answers_name_what_they_found(model_dir: Path, loaded: LoadedModel) -> None:
+def test_the_split_answers_name_what_they_found(
+    tool_chat_dir: Path, tool_chat_model: LoadedModel
+) -> None:
     """The premise of the parity test: the reference really finds reasoning and calls."""
-    prompt = worker_prompt(loaded, {"messages": TOOL_CONVERSATION, "tools": TOOLS})
-    whole = worker_answer(loaded, prompt, REASONING_THEN_CALL, "stop", False)[0]
+    prompt = worker_prompt(tool_chat_model, {"messages": TOOL_CONVERSATION, "tools": TOOLS})
+    whole = worker_answer(tool_chat_model, prompt, REASONING_THEN_CALL, "stop", False)[0]
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
     message = whole["choices"][0]["message"]
     assert message["reasoning_content"] == "plan it"
@@ -452,16 +442,16 @@ def test_the_split_answers_name_what_they_found(model_dir: Path, loaded: LoadedM
     (call,) = message["tool_calls"]
     assert call["type"] == "function"
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    streamed = worker_answer(loaded, prompt, REASONING_THEN_CALL, "stop", True)
+    streamed = worker_answer(tool_chat_model, prompt, REASONING_THEN_CALL, "stop", True)
     calls = [c for chunk in streamed for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0]
 
 
-def test_a_thinking_answer_is_reasoning_over_http(stack: ServingStack, model_dir: Path) -> None:
+def test_a_thinking_answer_is_reasoning_over_http(stack: ServingStack, tool_chat_dir: Path) -> None:
     """The template opens ``<think>`` (enable_thinking, on by default for a thinking tokenizer):
     the whole answer is reasoning, content null; switched off, it is content."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_TOKENS}
-    model = str(model_dir)
+    model = str(tool_chat_dir)
     thinking = stack.complete(model, body, "/v1/chat/completions")
     assert thinking.status == 200, thinking
     message = thinking.body["choices"][0]["message"]
@@ -501,7 +491,7 @@ def test_fields_the_worker_cannot_honour_are_refused_by_name(
 
 
 def test_a_streamed_thinking_answer_reports_every_token(
-    stack: ServingStack, model_dir: Path
+    stack: ServingStack, tool_chat_dir: Path
 ) -> None:
     """With ``return_token_ids`` every token's chunk is sent, split or not: the ids streamed are
     the whole answer's, and so is the reasoning."""
@@ -510,8 +500,8 @@ def test_a_streamed_thinking_answer_reports_every_token(
         "max_tokens": MAX_TOKENS,
         "return_token_ids": True,
     }
-    whole = stack.complete(str(model_dir), body, "/v1/chat/completions").body["choices"][0]
-    events = stream_events(stack.url(str(model_dir)), "/v1/chat/completions", body)
+    whole = stack.complete(str(tool_chat_dir), body, "/v1/chat/completions").body["choices"][0]
+    events = stream_events(stack.url(str(tool_chat_dir)), "/v1/chat/completions", body)
     choices = [e["choices"][0] for e in events if e["choices"]]
     assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
     assert (

@@ -17,14 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from daemon_harness import remove_tree, short_tmpdir
 from front_harness import FrontDoor
 from serving_harness import ServingStack
 from vqpool.worker.api.openai_api import CHAT, parse_completion
-from vqpool.worker.models.loading import LoadedModel, load_model
+from vqpool.worker.models.loading import LoadedModel
 from vqpool.worker.testing.http_client import request_json, stream_events
-from vqpool.worker.testing.model_dirs import TOOL_CALL_JSON, write_model_dir
+from vqpool.worker.testing.model_dirs import TOOL_CALL_JSON
 
 TOOLS = [
     {
@@ -49,30 +47,22 @@ EXPECTED_CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 """The call as OpenAI clients read it: arguments as JSON text (mlx-lm's ``json.dumps``)."""
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Iterator[Path]:
-    base = short_tmpdir("vqt")
-    yield write_model_dir(base / "tools", "llama", tool_chat=True)
-    remove_tree(base)
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(str(model_dir))
-
-
-def call_tokens(loaded: LoadedModel) -> list[int]:
+def call_tokens(tool_chat_model: LoadedModel) -> list[int]:
     text = f"<tool_call>{TOOL_CALL_JSON}</tool_call>"
-    return [int(t) for t in loaded.tokenizer.encode(text)]
+    return [int(t) for t in tool_chat_model.tokenizer.encode(text)]
 
 
-def forced_body(loaded: LoadedModel, body: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
+def forced_body(
+    tool_chat_model: LoadedModel, body: dict[str, Any], tokens: list[int]
+) -> dict[str, Any]:
     """``body`` with the logit bias and frequency penalty under which greedy decoding writes
     ``tokens`` then EOS."""
-    prompt = parse_completion(body, CHAT, loaded, default_max_tokens=8, max_tokens_limit=64).prompt
+    prompt = parse_completion(
+        body, CHAT, tool_chat_model, default_max_tokens=8, max_tokens_limit=64
+    ).prompt
     in_prompt = Counter(prompt)
     penalty = BIAS_STEP * (len(tokens) + 2)  # a written token falls below EOS
-    eos = min(loaded.tokenizer.eos_token_ids)
+    eos = min(tool_chat_model.tokenizer.eos_token_ids)
     ranks = {token: len(tokens) - i for i, token in enumerate(tokens)} | {eos: 0}
     bias = {
         str(token): BIAS_STEP * (rank + 1) + penalty * in_prompt[token]
@@ -121,27 +111,27 @@ def check_tool_call_answers(base_url: str, body: dict[str, Any], tokens: list[in
     assert delta_call["function"] == EXPECTED_CALL
 
 
-def test_the_forced_sequence_is_distinct_tokens(loaded: LoadedModel) -> None:
+def test_the_forced_sequence_is_distinct_tokens(tool_chat_model: LoadedModel) -> None:
     """The premise of the forcing: no token of the call repeats, none is EOS."""
-    tokens = call_tokens(loaded)
+    tokens = call_tokens(tool_chat_model)
     assert len(set(tokens)) == len(tokens) > 10
-    assert not set(tokens) & set(loaded.tokenizer.eos_token_ids)
+    assert not set(tokens) & set(tool_chat_model.tokenizer.eos_token_ids)
 
 
 def test_a_tool_call_over_http_is_parsed_whole_and_streamed(
-    model_dir: Path, loaded: LoadedModel
+    tool_chat_dir: Path, tool_chat_model: LoadedModel
 ) -> None:
-    tokens = call_tokens(loaded)
-    stack = ServingStack([str(model_dir)]).start()
+    tokens = call_tokens(tool_chat_model)
+    stack = ServingStack([str(tool_chat_dir)]).start()
     try:
-        body = forced_body(loaded, CHAT_BODY, tokens)
-        reply = stack.complete(str(model_dir), {**body, "return_token_ids": True},
+        body = forced_body(tool_chat_model, CHAT_BODY, tokens)
+        reply = stack.complete(str(tool_chat_dir), {**body, "return_token_ids": True},
                                "/v1/chat/completions")  # fmt: skip
         assert reply.status == 200, reply
-        eos = min(loaded.tokenizer.eos_token_ids)
+        eos = min(tool_chat_model.tokenizer.eos_token_ids)
         assert reply.body["choices"][0]["token_ids"] == [*tokens, eos]
-        check_tool_call_answers(stack.url(str(model_dir)), body, tokens)
-        unforced = stack.complete(str(model_dir), {**CHAT_BODY, "max_tokens": 8},
+        check_tool_call_answers(stack.url(str(tool_chat_dir)), body, tokens)
+        unforced = stack.complete(str(tool_chat_dir), {**CHAT_BODY, "max_tokens": 8},
                                   "/v1/chat/completions")  # fmt: skip
         assert unforced.body["choices"][0]["finish_reason"] == "length"  # no call by chance
         assert "tool_calls" not in unforced.body["choices"][0]["message"]
@@ -149,9 +139,11 @@ def test_a_tool_call_over_http_is_parsed_whole_and_streamed(
         stack.stop()
 
 
-def test_a_tool_call_through_the_front_door(model_dir: Path, loaded: LoadedModel) -> None:
-    tokens = call_tokens(loaded)
-    with FrontDoor("--model", str(model_dir)) as front:
+def test_a_tool_call_through_the_front_door(
+    tool_chat_dir: Path, tool_chat_model: LoadedModel
+) -> None:
+    tokens = call_tokens(tool_chat_model)
+    with FrontDoor("--model", str(tool_chat_dir)) as front:
         (name,) = [entry["id"] for entry in front.get("/v1/models").body["data"]]
-        body = {**forced_body(loaded, CHAT_BODY, tokens), "model": name}
+        body = {**forced_body(tool_chat_model, CHAT_BODY, tokens), "model": name}
         check_tool_call_answers(front.url, body, tokens)
