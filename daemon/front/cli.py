@@ -409,14 +409,14 @@ async def serve(
         await stop.wait()
         log.info("stopping: no new requests; stopping the workers")
         await site.stop()
-        await supervisor.close()
         return 0
     finally:
+        # The workers first: each ends its running requests, so the handlers proxying them end.
+        await supervisor.close()
         await public.cleanup()
         if control is not None:
             await control.cleanup()
             socket_path(run_dir, FRONT_SOCKET_NAME).unlink(missing_ok=True)
-        await supervisor.close()
         await daemon.stop()
 
 

@@ -41,6 +41,8 @@ class ModelSlot:
     """Requests proxied to its worker now."""
     queued: int = 0
     """Requests waiting for it to load (or for room to load it)."""
+    waiting_since: float = 0.0
+    """When (monotonic) its oldest queued request came: loads waiting for room go oldest first."""
     answered: int = 0
     """Of those, the ones a failure already answered: they are leaving, no load starts for
     them."""

@@ -96,7 +96,6 @@ class Supervisor:
         self._grace_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
         self.slots = {name: ModelSlot(entry) for name, entry in catalog.entries.items()}
-        self._waiting_since: dict[str, float] = {}
         self._changed: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -136,7 +135,7 @@ class Supervisor:
         deadline = started + timeout
         failures_seen = slot.failures
         if slot.queued == 0:
-            self._waiting_since[slot.name] = started
+            slot.waiting_since = started
         slot.queued += 1
         self._touch(slot)
         try:
@@ -233,7 +232,7 @@ class Supervisor:
             for s in self.slots.values()
             if s.state == NOT_LOADED and s.queued > s.answered and s.retry_at <= now
         ]
-        pending.sort(key=lambda s: self._waiting_since.get(s.name, now))
+        pending.sort(key=lambda s: s.waiting_since)
         for slot in pending:
             if not self._has_room():
                 self._free_room()
