@@ -9,6 +9,7 @@ waits at most ``timeout`` for that). Names resolve as in the public API.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from vqpool.daemon.front.catalog import Catalog
 from vqpool.daemon.front.model_slot import ModelSlot
-from vqpool.daemon.front.public_api import json_errors
+from vqpool.daemon.front.public_api import json_errors, served_model
 from vqpool.daemon.front.supervisor import Supervisor
 from vqpool.shared.api_error import ApiError
 
@@ -43,19 +44,12 @@ async def _target(request: web.Request) -> tuple[ModelSlot, float]:
         or not (0 <= timeout <= MAX_WAIT)
     ):
         raise ApiError(400, f"timeout must be 0..{MAX_WAIT:g} seconds", param="timeout")
-    try:
-        entry = request.app[CATALOG].resolve(body["model"])
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="model") from None
-    if entry is None:
-        names = ", ".join(request.app[CATALOG].names)
-        raise ApiError(404, f"model {body['model'][:200]!r} is not served; served: {names}")
+    entry = served_model(request.app[CATALOG], body["model"])
     return request.app[SUPERVISOR].slots[entry.name], float(timeout)
 
 
-def _row(request: web.Request, slot: ModelSlot) -> dict[str, Any]:
-    supervisor = request.app[SUPERVISOR]
-    return next(v for v in supervisor.views() if v["name"] == slot.name)
+def _row(slot: ModelSlot) -> dict[str, Any]:
+    return slot.view(asyncio.get_running_loop().time())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -74,13 +68,13 @@ async def models(request: web.Request) -> web.Response:
 async def load(request: web.Request) -> web.Response:
     slot, timeout = await _target(request)
     await request.app[SUPERVISOR].load(slot, timeout)
-    return web.json_response(_row(request, slot))
+    return web.json_response(_row(slot))
 
 
 async def unload(request: web.Request) -> web.Response:
     slot, timeout = await _target(request)
     done = await request.app[SUPERVISOR].unload(slot, timeout)
-    return web.json_response({**_row(request, slot), "unloaded": done})
+    return web.json_response({**_row(slot), "unloaded": done})
 
 
 def build_control_app(supervisor: Supervisor, catalog: Catalog, url: str) -> web.Application:

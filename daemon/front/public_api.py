@@ -157,6 +157,15 @@ def _model_of(body: dict[str, Any], catalog: Catalog) -> ModelEntry:
         raise ApiError(400, f"name a model: one of {_names(catalog)}", param="model")
     if not isinstance(given, str):
         raise ApiError(400, "model must be a string", param="model")
+    return served_model(catalog, given)
+
+
+def served_model(catalog: Catalog, given: str) -> ModelEntry:
+    """The model ``given`` names (the catalog's one rule).
+
+    Raises:
+        ApiError: 400 when it is the label of several models, 404 when it names none.
+    """
     try:
         entry = catalog.resolve(given)
     except ValueError as exc:
