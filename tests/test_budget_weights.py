@@ -246,3 +246,42 @@ def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any)
         assert samples[("vqpool_model_weights_bytes", (("model", "coming"),))] == MIB
     finally:
         client.close()
+
+
+def test_a_short_load_asks_the_least_recently_used_prompt_caches_and_they_give_back() -> None:
+    block_bytes = 4096  # builtin:llama, per stream and block
+    kv = 64 * block_bytes
+    stack = ServingStack(
+        ["builtin:llama"],
+        daemon_args=("--n-blocks", "256", "--lease", "1", "--budget", f"{kv + llama_weights()}B"),
+    ).start()
+    try:
+        # Two prompts of 150 tokens + 4 generated: two cache entries of 10 blocks a stream
+        # (80 KiB each), the first the least recently used.
+        for first in (0, 100):
+            body = {"prompt": [first + i for i in range(150)], "max_tokens": 4}
+            assert stack.complete("builtin:llama", body).status == 200
+
+        def cached() -> int:
+            (session,) = stack.daemon.admin("sessions")
+            return int((session["prompt_cache"] or {}).get("bytes", 0))
+
+        wait_until(lambda: cached() == 160 * KIB, timeout=10)
+        in_cache = cached()
+        free = stack.daemon.admin("budget")["free"]
+        assert free == kv - in_cache
+        # Short by 16 KiB: the cache is asked for exactly that much, and gives it back.
+        ask = {"model": "next", "weights": free + 16 * KIB, "kv_min": 0, "ttl": 60}
+        short = stack.daemon.admin("load_reserve", **ask)
+        assert short["granted"] is False
+        assert short["short"] == 16 * KIB and short["cached"] == 16 * KIB
+        wait_until(lambda: stack.daemon.admin("budget")["free"] >= free + 16 * KIB, timeout=10)
+        wait_until(lambda: cached() < in_cache, timeout=10)
+        assert cached() == 80 * KIB  # the least recently used entry, not the whole cache
+        granted = stack.daemon.admin("load_reserve", **ask)
+        assert granted["granted"]
+        assert total_weights(stack.daemon) == llama_weights() + ask["weights"]
+        assert stack.daemon.admin("load_release", ticket=granted["ticket"]) == {"released": True}
+        stack.daemon.audit()
+    finally:
+        stack.stop()
