@@ -7,15 +7,12 @@ refused with the numbers. Real daemon, real workers or raw clients speaking the 
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import RawClient, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import RawClient, scrape_metrics, wait_until
 from serving_harness import ServingStack
 from vqpool.shared.errors import VqpoolError
 from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
@@ -231,15 +228,7 @@ def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any)
         rows = {line.split()[0]: line.split() for line in listing.stdout.splitlines() if line}
         assert rows["loaded"][1:4] == ["0", "B", "2"], listing.stdout  # HELD 0 B, WEIGHTS 2 MiB
         assert rows["coming"][3:5] == ["1", "MiB"], listing.stdout
-        match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
-        assert match, daemon.log()
-        with urllib.request.urlopen(match.group(1), timeout=5) as response:
-            text = response.read().decode()
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
+        samples = scrape_metrics(daemon.log())
         assert samples[("vqpool_budget_weights_bytes", ())] == 3 * MIB
         assert samples[("vqpool_budget_free_bytes", ())] == MIB
         assert samples[("vqpool_model_weights_bytes", (("model", "loaded"),))] == 2 * MIB
