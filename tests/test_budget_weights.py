@@ -13,11 +13,9 @@ from typing import Any, cast
 import pytest
 from ctl_harness import run_ctl
 from daemon_harness import RawClient, scrape_metrics, wait_until
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import VqpoolError
 from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
-from vqpool.worker.models.memory import weights_bytes
-from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.testing.launch import DaemonProcess
 
 KIB = 1 << 10
@@ -26,9 +24,7 @@ REFUSED = (VqpoolError, ValueError)  # bad arguments; a value the daemon cannot 
 
 
 def llama_weights() -> int:
-    """builtin:llama's parameters' bytes, as the worker builds it (seed 0)."""
-    model, _ = build_tiny_model("llama", seed=0)
-    return weights_bytes(model)
+    return builtin_weights("builtin:llama")
 
 
 def model_row(daemon: DaemonProcess, model: str) -> dict[str, Any] | None:
