@@ -1051,8 +1051,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 ledger.budget - (snap.reserved - reserve)
             )
             assert (v.outcome is LoadOutcome.NEVER) == never, v
-            if not never:
-                assert v.short == weights + kv_min - v.free > 0
+            if not never:  # short by the excess over the budget too, if any
+                assert v.short >= weights + kv_min - v.free and v.short > 0
         self._settle()
 
     @precondition(lambda self: self.weights)

@@ -323,17 +323,19 @@ class BudgetLedger:
         rec = found if found is not None else book.record(model)
         try:
             others_reserved = book.reserved - rec.reserve
-            free = max(0, book.kv_budget - book.total_held - book.protected_from(rec))
+            # Negative while KV and weights are over the budget: the excess is short too.
+            usable = book.kv_budget - book.total_held - book.protected_from(rec)
+            free = max(0, usable)
             need = weights + kv_min
             if kv_min > rec.limit or weights + max(kv_min, rec.reserve) > (
                 book.budget - others_reserved
             ):
-                outcome, short = LoadOutcome.NEVER, max(0, need - free)
-            elif need <= free:
+                outcome, short = LoadOutcome.NEVER, max(0, need - usable)
+            elif need <= usable:
                 outcome, short = LoadOutcome.GRANT, 0
                 self.set_weights(model, key, weights)
             else:
-                outcome, short = LoadOutcome.SHORT, need - free
+                outcome, short = LoadOutcome.SHORT, need - usable
         finally:
             if found is None and not (rec.held or rec.queue or rec.weights):
                 del self._models[model]
