@@ -353,6 +353,8 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     daemon = DaemonChild(run_dir)
     budget, default = options["budget"], None
+    if budget is not None:
+        budget = str(budget)  # [serve] may give bytes as an int; vqpoold takes an argument
     if budget is None and not file_budget:
         default = await asyncio.to_thread(machine_default_budget)
         budget = str(default.nbytes)
