@@ -93,8 +93,9 @@ class LedgerCalls:
         """Ask the ledger for ``need``: the ticket when granted, else what is short.
 
         Raises:
-            BadRequestError: The load can never fit (the message names the numbers).
-            VqpoolError: The daemon refused otherwise or does not answer.
+            ValueError: The load can never fit (the message names the numbers), or the daemon
+                has as many loads pending as it takes.
+            VqpoolError: The daemon does not answer.
         """
         answer = await self.call(
             "load_reserve",
@@ -113,18 +114,18 @@ class LedgerCalls:
         await self.call("load_release", ticket=ticket)
 
     async def budget(self) -> dict[str, Any]:
-        """The ``budget`` op's answer (``budget``, ``total_held``, ``weights``, ``free``, ...)."""
+        """The ``budget`` op's answer (``budget``, ``total_held``, ``total_weights``, ``free``,
+        ...)."""
         answer: dict[str, Any] = await self.call("budget")
         return answer
 
-    async def cache_released(self, free_before: int) -> bool:
-        """Wait (at most :data:`CACHE_RELEASE_WAIT` seconds) until the ledger's free bytes grew
-        past ``free_before``, the prompt caches the daemon asked having released some of their
-        bytes; whether they did."""
+    async def cache_released(self) -> None:
+        """Wait (at most :data:`CACHE_RELEASE_WAIT` seconds) until the ledger's free bytes
+        grow: the prompt caches the daemon just asked give their bytes back with their next
+        heartbeat."""
         deadline = time.monotonic() + CACHE_RELEASE_WAIT
-        while time.monotonic() < deadline:
-            free = (await self.budget())["free"]
-            if free is None or free > free_before:
-                return True
+        free_before = (await self.budget())["free"]
+        while time.monotonic() < deadline and free_before is not None:
             await asyncio.sleep(0.05)
-        return False
+            if (await self.budget())["free"] > free_before:
+                return

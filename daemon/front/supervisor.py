@@ -53,7 +53,7 @@ from vqpool.daemon.front.model_slot import (
 from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.errors import BadRequestError, UnknownOpError, VqpoolError
+from vqpool.shared.errors import UnknownOpError, VqpoolError
 from vqpool.shared.model_weights import WeightsEstimate, estimate_weights
 
 log = logging.getLogger("vqpool.serve")
@@ -368,14 +368,16 @@ class Supervisor:
             except UnknownOpError:
                 log.warning("vqpoold does not reserve memory for loads (an older one): loading")
                 return True, None
-            except BadRequestError as exc:
-                slot.refuse(str(exc))
-                log.warning("not loading %s: %s", slot.name, exc)
+            except ValueError as exc:  # it can never fit: no wait helps
+                reason = str(exc).removeprefix("load_reserve: ")
+                slot.refuse(reason)
+                log.warning("not loading %s: %s", slot.name, reason)
                 return False, None
             if short is None:
                 return True, ticket
             slot.memory_wait = short.message(slot.name)
-            if short.cached > 0 and await self.ledger.cache_released(short.free):
+            if short.cached > 0:  # caches first; asked again, they answer what is still held
+                await self.ledger.cache_released()
                 continue
             victim = self._memory_victim()
             if victim is not None:
@@ -409,7 +411,7 @@ class Supervisor:
                 totals = await self.ledger.budget()
                 if totals["budget"] is None:
                     continue
-                excess = totals["total_held"] + totals.get("weights", 0) - totals["budget"]
+                excess = totals["total_held"] + totals["total_weights"] - totals["budget"]
                 if excess <= 0:
                     continue
                 sessions = await self.ledger.call("sessions")

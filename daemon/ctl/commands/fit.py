@@ -37,7 +37,6 @@ from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json, op_help, positive_int
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.errors import BadRequestError
 from vqpool.shared.front_client import FrontDoorNotRunning
 from vqpool.shared.kv_size import kv_token_bytes
 from vqpool.shared.model_names import resolve_model
@@ -181,7 +180,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
             answer = ctl.call(
                 "fit", model=args.model, context=args.context, concurrency=args.concurrency
             )
-        except BadRequestError:  # no worker connected: priced from its files, if they tell
+        except ValueError:  # no worker connected: priced from its files, if they tell
             answer = _unpriced_fit(ctl, args, rows)
             if answer is None:
                 raise
