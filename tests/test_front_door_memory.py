@@ -19,9 +19,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from ctl_harness import run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_front_door_swaps import Stream, gone, open_stream
+from vqpool.daemon.ctl.exits import Exit
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_token_bytes
 from vqpool.shared.model_weights import estimate_weights
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
@@ -250,3 +253,31 @@ def test_a_lowered_budget_unloads_the_least_recently_used_idle_model(
         assert front.row("medium")["state"] == "loaded"
         totals = front.admin("budget")
         assert totals["total_held"] + totals["total_weights"] <= totals["budget"]
+
+
+def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(
+    models: dict[str, Path],
+) -> None:
+    small, medium, large = models["small"], models["medium"], models["large"]
+    budget = load_need(large) + load_need(medium) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200
+        fit = run_ctl(front.run_dir, "fit", "--model", "large", "--context", "32")
+        as_json = run_ctl(front.run_dir, "fit", "--model", "large", "--context", "32", "--json")
+        assert fit.returncode == as_json.returncode == Exit.FIT_AFTER_OTHERS_RETURN, fit.stderr
+        answer = json.loads(as_json.stdout)
+        assert answer["weights"] == weights(large)
+        assert answer["need"] == kv_bytes(large, 32)
+        assert set(answer["models"]) == {"small", "medium"}
+        freed = answer["models"]["small"]
+        assert freed["idle"] and freed["weights"] == weights(small)
+        # The least recently used idle model is the one named; its unload is enough.
+        fb = format_bytes
+        assert fit.stdout.splitlines()[-1] == (
+            f"loading large needs {fb(weights(large))} of weights and {fb(kv_bytes(large, 32))} "
+            f"of KV; {fb(answer['free'])} free now; unloading idle small "
+            f"({fb(freed['weights'] + freed['held'])}) makes it fit"
+        )
+        # Asking loaded and unloaded nothing.
+        assert sorted(s["model"] for s in front.admin("sessions")) == ["medium", "small"]
