@@ -304,6 +304,7 @@ def test_a_load_waiting_for_memory_past_its_timeout_gets_a_503_with_the_numbers(
     assert budget < load_need(medium) + load_need(small)
     config = config_for({"small": small, "medium": medium}, budget, queue_timeout=3)
     with FrontDoor(config=config) as front:
+        front.control(timeout=90).load("medium", 60)  # its load outlasts the queue timeout
         stream = hold(front, "medium")
         reply = front.complete("small")
         assert reply.status == 503, reply.body
