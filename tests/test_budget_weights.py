@@ -7,20 +7,15 @@ refused with the numbers. Real daemon, real workers or raw clients speaking the 
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import RawClient, wait_until
-from prometheus_client.parser import text_string_to_metric_families
-from serving_harness import ServingStack
+from daemon_harness import RawClient, scrape_metrics, wait_until
+from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import VqpoolError
 from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
-from vqpool.worker.models.memory import weights_bytes
-from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.testing.launch import DaemonProcess
 
 KIB = 1 << 10
@@ -29,9 +24,7 @@ REFUSED = (VqpoolError, ValueError)  # bad arguments; a value the daemon cannot 
 
 
 def llama_weights() -> int:
-    """builtin:llama's parameters' bytes, as the worker builds it (seed 0)."""
-    model, _ = build_tiny_model("llama", seed=0)
-    return weights_bytes(model)
+    return builtin_weights("builtin:llama")
 
 
 def model_row(daemon: DaemonProcess, model: str) -> dict[str, Any] | None:
@@ -231,18 +224,49 @@ def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any)
         rows = {line.split()[0]: line.split() for line in listing.stdout.splitlines() if line}
         assert rows["loaded"][1:4] == ["0", "B", "2"], listing.stdout  # HELD 0 B, WEIGHTS 2 MiB
         assert rows["coming"][3:5] == ["1", "MiB"], listing.stdout
-        match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
-        assert match, daemon.log()
-        with urllib.request.urlopen(match.group(1), timeout=5) as response:
-            text = response.read().decode()
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
+        samples = scrape_metrics(daemon.log())
         assert samples[("vqpool_budget_weights_bytes", ())] == 3 * MIB
         assert samples[("vqpool_budget_free_bytes", ())] == MIB
         assert samples[("vqpool_model_weights_bytes", (("model", "loaded"),))] == 2 * MIB
         assert samples[("vqpool_model_weights_bytes", (("model", "coming"),))] == MIB
     finally:
         client.close()
+
+
+def test_a_short_load_asks_the_least_recently_used_prompt_caches_and_they_give_back() -> None:
+    block_bytes = 4096  # builtin:llama, per stream and block
+    kv = 64 * block_bytes
+    stack = ServingStack(
+        ["builtin:llama"],
+        daemon_args=("--n-blocks", "256", "--lease", "1", "--budget", f"{kv + llama_weights()}B"),
+    ).start()
+    try:
+        # Two prompts of 150 tokens + 4 generated: two cache entries of 10 blocks a stream
+        # (80 KiB each), the first the least recently used.
+        for first in (0, 100):
+            body = {"prompt": [first + i for i in range(150)], "max_tokens": 4}
+            assert stack.complete("builtin:llama", body).status == 200
+
+        def cached() -> int:
+            (session,) = stack.daemon.admin("sessions")
+            return int((session["prompt_cache"] or {}).get("bytes", 0))
+
+        wait_until(lambda: cached() == 160 * KIB, timeout=10)
+        in_cache = cached()
+        free = stack.daemon.admin("budget")["free"]
+        assert free == kv - in_cache
+        # Short by 16 KiB: the cache is asked for exactly that much, and gives it back.
+        ask = {"model": "next", "weights": free + 16 * KIB, "kv_min": 0, "ttl": 60}
+        short = stack.daemon.admin("load_reserve", **ask)
+        assert short["granted"] is False
+        assert short["short"] == 16 * KIB and short["cached"] == 16 * KIB
+        wait_until(lambda: stack.daemon.admin("budget")["free"] >= free + 16 * KIB, timeout=10)
+        wait_until(lambda: cached() < in_cache, timeout=10)
+        assert cached() == 80 * KIB  # the least recently used entry, not the whole cache
+        granted = stack.daemon.admin("load_reserve", **ask)
+        assert granted["granted"]
+        assert total_weights(stack.daemon) == llama_weights() + ask["weights"]
+        assert stack.daemon.admin("load_release", ticket=granted["ticket"]) == {"released": True}
+        stack.daemon.audit()
+    finally:
+        stack.stop()

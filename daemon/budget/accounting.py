@@ -477,7 +477,8 @@ class BudgetAccounting:
         found = []
         if self.limited and snap.over_budget:
             found.append(
-                f"budget: {fb(snap.total_held)} held, {fb(snap.over_budget)} over the budget "
+                f"budget: {fb(snap.total_held)} of KV and {fb(snap.total_weights)} of weights "
+                f"held, {fb(snap.over_budget)} over the budget "
                 f"({fb(snap.budget)})"
             )
         for name, view in sorted(snap.models.items()):

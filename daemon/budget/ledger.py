@@ -203,6 +203,17 @@ class BudgetLedger:
         return self._book.total_weights
 
     @property
+    def free(self) -> int:
+        """Bytes neither held as KV nor charged as weights (0 when over the budget)."""
+        return max(0, self._book.kv_budget - self._book.total_held)
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether KV and weights together are over the budget (a lowered budget, weights
+        measured larger): nothing is granted until they are back under."""
+        return self._book.total_held > self._book.kv_budget
+
+    @property
     def lend_reserves(self) -> bool:
         return self._book.lend_reserves
 
