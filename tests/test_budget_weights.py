@@ -224,6 +224,10 @@ def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any)
         rows = {line.split()[0]: line.split() for line in listing.stdout.splitlines() if line}
         assert rows["loaded"][1:4] == ["0", "B", "2"], listing.stdout  # HELD 0 B, WEIGHTS 2 MiB
         assert rows["coming"][3:5] == ["1", "MiB"], listing.stdout
+        watch = run_ctl(daemon.run_dir, "watch", "--interval=0.1", "--count=1")
+        assert watch.returncode == 0, watch.stderr
+        assert "held 0 B KV + 3 MiB weights" in watch.stdout, watch.stdout
+        assert "weights 2 MiB" in watch.stdout and "weights 1 MiB" in watch.stdout, watch.stdout
         samples = scrape_metrics(daemon.log())
         assert samples[("vqpool_budget_weights_bytes", ())] == 3 * MIB
         assert samples[("vqpool_budget_free_bytes", ())] == MIB
@@ -270,3 +274,23 @@ def test_a_short_load_asks_the_least_recently_used_prompt_caches_and_they_give_b
         stack.daemon.audit()
     finally:
         stack.stop()
+
+
+def test_a_budget_lowered_below_the_weights_grants_nothing_and_audit_says_by_how_much(
+    daemon: DaemonProcess, raw: RawClient
+) -> None:
+    raw.hello(model="m", weights=2 * MIB, bytes_per_block=4096)
+    daemon.admin("budget", bytes=MIB + 512 * KIB)
+    budget = daemon.admin("budget")
+    assert budget["over_budget"] is True and budget["free"] == 0
+    reply = raw.call("allocate", {"stream": "k", "n_tokens": 16, "owner": "r", "wait": 0})
+    # Its own weights alone are over the budget: no KV could ever be granted to it.
+    assert not reply["ok"] and "can never be granted" in reply["error"]["message"], reply
+    assert "the budget 1.5 MiB minus its weights" in reply["error"]["message"], reply
+    audit = daemon.admin("audit")
+    assert audit["ok"], audit  # the books agree: the excess is a breach, not a bug
+    breaches = audit["breaches"]
+    assert any("2 MiB of weights held, 512 KiB over the budget" in b for b in breaches), audit
+    # Its worker gone, the weights go with it: the budget holds again.
+    assert raw.call("goodbye")["ok"]
+    assert daemon.admin("budget")["over_budget"] is False
