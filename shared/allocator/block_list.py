@@ -104,7 +104,7 @@ class PoolBlock(Block):
     pickling) are plain ``Block`` records of its values when copied.
     """
 
-    __slots__ = ("_chunk", "_free_used", "_pool", "alone", "alone_id")
+    __slots__ = ("_chunk", "_free_used", "_pool", "alone", "alone_fill", "alone_id")
 
     def __init__(self, block_id: int, stream: str, pool: _Pool, chunk: BlockList) -> None:
         # Block's generated __init__ would write the read-only fields: set the stored ones.
@@ -119,6 +119,10 @@ class PoolBlock(Block):
         # (the commonest) shares them instead of building two tuples each time.
         self.alone = (self,)
         self.alone_id = (block_id,)
+        # The fill map of its one-block allocations that fill it partly, made on the first:
+        # one such allocation holds it at a time (the block is held by one), and nothing reads
+        # the fill of a dead allocation, so the next one takes it over.
+        self.alone_fill: dict[int, int] | None = None
 
     def _holder(self) -> BlockList | None:
         """The allocation holding this block now, if the one that last handed it out still
@@ -130,16 +134,16 @@ class PoolBlock(Block):
             return None
         return chunk
 
-    @property  # type: ignore[override]
+    @property
     def owner(self) -> Owner | None:
         chunk = self._holder()
         return None if chunk is None else chunk.owner
 
     @owner.setter
     def owner(self, value: Owner | None) -> None:
-        raise AttributeError("a pool's Block changes owner by allocate() and free(), not by a write")
+        raise AttributeError("a pool's Block changes owner by allocate() and free(), not a write")
 
-    @property  # type: ignore[override]
+    @property
     def format(self) -> str:
         return self._chunk.format
 
@@ -147,7 +151,7 @@ class PoolBlock(Block):
     def format(self, value: str) -> None:
         raise AttributeError("a pool's Block takes its format from allocate(), not from a write")
 
-    @property  # type: ignore[override]
+    @property
     def n_used(self) -> int:
         chunk = self._holder()
         if chunk is None:

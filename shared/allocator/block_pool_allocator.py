@@ -90,7 +90,13 @@ class BlockPoolAllocator(RestartClaims):
                     chunk.stream = stream
                     chunk.format = format
                     chunk.owner = owner
-                    chunk.fill = {block_id: n_tokens} if n_tokens < block_size else None
+                    if n_tokens < block_size:
+                        if (fill := block.alone_fill) is None:
+                            fill = block.alone_fill = {}
+                        fill[block_id] = n_tokens
+                        chunk.fill = fill
+                    else:
+                        chunk.fill = None
                     chunk.n_freed = 0
                     chunk.dead = False
                     chunk._blocks = held
@@ -272,11 +278,10 @@ class BlockPoolAllocator(RestartClaims):
         self._unindexed.pop(id(chunk), None)
         owner = chunk.owner
         held = self._holdings.get(owner)
-        if held is chunk:
+        if held is chunk or (  # its only allocation, or the last of several
+            isinstance(held, dict) and held.pop(id(chunk), None) is not None and not held
+        ):
             del self._holdings[owner]
-        elif type(held) is not BlockList and held is not None:  # several
-            if held.pop(id(chunk), None) is not None and not held:
-                del self._holdings[owner]
         if not was_active:
             self._active_owners.discard(owner)
 
@@ -444,12 +449,12 @@ class BlockPoolAllocator(RestartClaims):
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
         with self._lock:
-            held = self._holdings.pop(owner, None)
-            if held is not None:
+            filed = self._holdings.pop(owner, None)
+            if filed is not None:
                 chunk_of = self._chunk_of
                 counts = self._counts
                 unindexed = self._unindexed
-                for chunk in (held,) if type(held) is BlockList else held.values():
+                for chunk in filed.values() if isinstance(filed, dict) else (filed,):
                     chunk.dead = True
                     if unindexed:
                         unindexed.pop(id(chunk), None)

@@ -84,9 +84,10 @@ class AllocatorState:
         self._active_owners: set[Owner] = set()
         # One Block per id, as the seed keeps them, but made on the id's first allocate() or
         # claim() and then kept (PoolBlock): each public allocation points them at itself
-        # instead of building new objects or setting their fields. Indexed by id (a list: looking ids up in it costs a tenth of a
-        # dict's), None for an id not used yet; empty until the first public allocation, so a
-        # pool of a million blocks costs nothing to build. The ids path (allocate_ids,
+        # instead of building new objects or setting their fields. Indexed by id (a list:
+        # looking ids up in it costs a tenth of a dict's), None for an id not used yet; empty
+        # until the first public allocation, so a pool of a million blocks costs nothing to
+        # build. The ids path (allocate_ids,
         # claim_ids) neither makes nor changes them.
         self._block_objects: list[PoolBlock | None] = []
         # The AllocationStats counters as a plain list: updates are list stores and a history
@@ -174,7 +175,7 @@ class AllocatorState:
         held = self._holdings.get(owner)
         if held is None:
             return ()
-        return (held,) if type(held) is BlockList else held.values()
+        return held.values() if isinstance(held, dict) else (held,)
 
     # -- streams and owners ----------------------------------------------------------------------
 
@@ -325,7 +326,7 @@ class AllocatorState:
             held: dict[int, BlockList] = {}
             n_partial = 0
             for owner, filed in self._holdings.items():
-                chunks = {id(filed): filed} if type(filed) is BlockList else filed
+                chunks = filed if isinstance(filed, dict) else {id(filed): filed}
                 assert chunks, f"owner {owner!r} is listed with no blocks"
                 for key, chunk in chunks.items():
                     assert key == id(chunk), f"owner {owner!r} files a chunk under a wrong key"
