@@ -66,14 +66,8 @@ class BlockList(list[Block]):
 def new_record(ids: tuple[int, ...], stream: str, format: str, owner: Owner) -> BlockList:
     """A new allocation's record, its list empty, nothing freed or filled yet."""
     chunk = BlockList()
-    chunk.block_ids = ids
-    chunk.stream = stream
-    chunk.format = format
-    chunk.owner = owner
-    chunk.fill = None
-    chunk.n_freed = 0
-    chunk.dead = False
-    chunk._blocks = None
+    chunk.block_ids, chunk.stream, chunk.format, chunk.owner = ids, stream, format, owner
+    chunk.fill, chunk.n_freed, chunk.dead, chunk._blocks = None, 0, False, None
     return chunk
 
 

@@ -75,14 +75,16 @@ class BlockPoolAllocator(RestartClaims):
             try:
                 free = self._free[stream]
                 recycled = free.recycled
-                objects = self._block_objects
-                if (
-                    recycled
-                    and not free.claimed
-                    and not free.never_used
-                    and (block_id := recycled[-1]) < len(objects)
-                    and (block := objects[block_id]) is not None
-                ):
+                try:
+                    block = (
+                        self._block_objects[recycled[-1]]
+                        if recycled and not free.claimed and not free.never_used
+                        else None
+                    )
+                except IndexError:  # past every Block made yet
+                    block = None
+                if block is not None:
+                    block_id = block.block_id
                     # new_record(), inlined: the call is a tenth of this allocate()
                     held = block.alone
                     chunk = BlockList(held)
