@@ -792,6 +792,27 @@ def test_a_block_id_has_one_block_object_for_the_pools_life() -> None:
     pool.check_invariants()
 
 
+def test_a_pools_block_is_changed_by_the_allocator_only() -> None:
+    # Its owner, format and fill are read from the allocation that handed it out: allocate and
+    # free set none of them, and a caller's write cannot make them disagree with the pool.
+    pool = pool_of(n_blocks=8, block_size=4)
+    (block,) = pool.allocate("k", 3, owner=1, format="int4")
+    for field, value in (("owner", 2), ("format", "fp16"), ("n_used", 4)):
+        with pytest.raises(AttributeError):
+            setattr(block, field, value)
+    assert (block.owner, block.format, block.n_used) == (1, "int4", 3)
+    assert block == Block(block.block_id, "k", "int4", 3, 1, True)
+    record = copy.copy(block)
+    assert type(record) is Block and record == block
+    pool.free([block])
+    assert record.owner == 1 and (block.owner, block.n_used, block.format) == (None, 0, "int4")
+    pool.mark_used(block, 2)  # a free block: only the object changes, as the seed's
+    block.n_used = 1  # so does a write, while it is free
+    assert block.n_used == 1 and pool.stats._fragmented_count == 0
+    assert pool.allocate("k", 4, owner=3)[0] is block and block.n_used == 4  # handed out again
+    pool.check_invariants()
+
+
 def test_free_all_leaves_alone_a_block_freed_before_and_handed_out_again() -> None:
     pool = pool_of(n_blocks=8)
     first = pool.allocate("k", 16 * 2, owner=1)  # ids 3, 2

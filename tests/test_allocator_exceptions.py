@@ -13,16 +13,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import vqpool.shared.allocator.block_list as block_list_module
 import vqpool.shared.allocator.block_pool_allocator as allocator_module
 import vqpool.shared.allocator.claims as claims_module
 import vqpool.shared.allocator.state as state_module
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 
-# The modules that build an allocation's record (allocate(), claim()) and Block objects.
+# The modules that build an allocation's record (allocate(), claim()) and Block objects (the
+# pool's own, PoolBlock).
 BUILT_IN = {
-    "BlockList": (allocator_module, claims_module),
-    "Block": (block_list_module, state_module),
+    "new_record": (allocator_module, claims_module),
+    "PoolBlock": (state_module,),
 }
 
 
@@ -48,9 +48,10 @@ def arm_chunk_map(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
 
 
 def arm_holdings(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
-    pool._holdings = armed(dict, ("__setitem__",), exc)(pool._holdings)
+    pool._holdings = armed(dict, ("__setitem__", "setdefault"), exc)(pool._holdings)
     for owner, chunks in list(pool._holdings.items()):  # an owner growing adds to its own map
-        dict.__setitem__(pool._holdings, owner, armed(dict, ("__setitem__",), exc)(chunks))
+        if isinstance(chunks, dict):  # (an owner of one allocation is filed with it alone)
+            dict.__setitem__(pool._holdings, owner, armed(dict, ("__setitem__",), exc)(chunks))
     return pool._holdings
 
 
@@ -136,7 +137,7 @@ def test_allocate_changes_nothing_when_interrupted(
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("built", ["BlockList", "Block"], ids=["record", "blocks"])
+@pytest.mark.parametrize("built", ["new_record", "PoolBlock"], ids=["record", "blocks"])
 @pytest.mark.parametrize("claimed", [False, True], ids=["plain", "after-claims"])
 def test_allocate_interrupted_building_its_list_changes_nothing(
     monkeypatch: pytest.MonkeyPatch, built: str, claimed: bool
@@ -168,8 +169,8 @@ def test_ids_path_builds_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    for module in BUILT_IN["Block"]:
-        monkeypatch.setattr(module, "Block", interrupted)
+    for module in BUILT_IN["PoolBlock"]:
+        monkeypatch.setattr(module, "PoolBlock", interrupted)
     ids = pool.allocate_ids("k", 100, "new")
     claimed = pool.claim_ids("claimer-2", "k", [10, 11], [3, 16])
     pool.free_ids(ids[:2])

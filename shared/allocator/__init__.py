@@ -17,8 +17,10 @@ costs grew with the pool, with the order of frees, and with every block it hande
   only once something looks a block up by id: an allocation freed whole never pays it.
   ``allocate()`` returns that BlockList filled with its ``Block`` objects, a real ``list`` as
   the seed returns; what the caller does to the list never changes the allocator's record
-  (``block_ids``). As in the seed, an id has one Block object for the pool's life, its fields
-  set in place; unlike the seed's, it is made on the id's first ``allocate()``.
+  (``block_ids``). As in the seed, an id has one Block object for the pool's life; unlike the
+  seed's, it is made on the id's first ``allocate()``, and its owner, format and fill are read
+  from the allocation that last handed it out (``PoolBlock``), so no allocate or free writes a
+  field per block.
   ``allocate_ids()`` (the daemon's path) neither makes nor changes a Block (``block_list``).
 * Frees in any order are O(1) per block: a block is found through that dict, never searched for.
   ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from operator import is_
 
-from vqpool.shared.allocator.block_list import BlockList
+from vqpool.shared.allocator.block_list import BlockList, PoolBlock, new_record
 from vqpool.shared.allocator.claims import RestartClaims
 from vqpool.shared.allocator.state import (
     FRAGMENTED,
@@ -62,6 +62,80 @@ class BlockPoolAllocator(RestartClaims):
             BlockPoolExhaustedError: Too few free blocks and no room to grow; nothing allocated
                 (the owner stays registered, as in the seed).
         """
+        block_size = self._block_size
+        if not self._separate_kv:
+            stream = "kv"
+        elif stream != "k" and stream != "v":
+            return self._allocate_chunk(stream, n_tokens, owner, format, True)  # (it raises)
+        if 0 < n_tokens <= block_size:
+            # The commonest call (a decode step's next block), inline: one recycled id whose
+            # Block exists, nothing claimed and nothing never used on the stack. Anything else
+            # takes the general path.
+            self._lock.acquire()  # not "with": see _allocate_chunk()
+            try:
+                free = self._free[stream]
+                recycled = free.recycled
+                try:
+                    block = (
+                        self._block_objects[recycled[-1]]
+                        if recycled and not free.claimed and not free.never_used
+                        else None
+                    )
+                except IndexError:  # past every Block made yet
+                    block = None
+                if block is not None:
+                    block_id = block.block_id
+                    # new_record(), inlined: the call is a tenth of this allocate()
+                    held = block.alone
+                    chunk = BlockList(held)
+                    chunk.block_ids = block.alone_id
+                    chunk.stream = stream
+                    chunk.format = format
+                    chunk.owner = owner
+                    if n_tokens < block_size:
+                        if (fill := block.alone_fill) is None:
+                            fill = block.alone_fill = {}
+                        fill[block_id] = n_tokens
+                        chunk.fill = fill
+                    else:
+                        chunk.fill = None
+                    chunk.n_freed = 0
+                    chunk.dead = False
+                    chunk._blocks = held
+                    active = self._active_owners
+                    was_active = owner in active
+                    counts = self._counts
+                    peak = counts[PEAK_IN_USE]
+                    counted = False
+                    try:
+                        self._chunk_of[block_id] = chunk
+                        if self._holdings.setdefault(owner, chunk) is not chunk:
+                            self._hold_locked(owner, chunk)  # it holds others
+                        active.add(owner)
+                        recycled.pop()
+                        if n_tokens < block_size:
+                            counts[FRAGMENTED] += 1
+                        counts[N_ALLOCATIONS] += 1
+                        counts[N_REUSED] += 1
+                        in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
+                        if in_use > peak:
+                            counts[PEAK_IN_USE] = in_use
+                        counted = True
+                        self._history.append(tuple(counts))
+                        block._chunk = chunk
+                    except BaseException:
+                        self._undo_allocate_locked(chunk, was_active)
+                        if not recycled or recycled[-1] != block_id:
+                            recycled.append(block_id)
+                        if counted:
+                            counts[FRAGMENTED] -= n_tokens < block_size
+                            counts[N_ALLOCATIONS] -= 1
+                            counts[N_REUSED] -= 1
+                            counts[PEAK_IN_USE] = peak
+                        raise
+                    return chunk
+            finally:
+                self._lock.release()
         return self._allocate_chunk(stream, n_tokens, owner, format, True)
 
     def allocate_ids(
@@ -129,20 +203,12 @@ class BlockPoolAllocator(RestartClaims):
                 if new_hi < hi:
                     taken.extend(range(hi - 1, new_hi - 1, -1))
                 ids = tuple(taken)
-            chunk = BlockList(ids, stream, format, owner)
+            chunk = new_record(ids, stream, format, owner)
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 chunk.fill = {ids[-1]: last_used}
-            blocks: list[Block] | None = None
             if with_blocks:
-                # _list_blocks_locked(), inlined for one block whose Block exists already
-                objects = self._block_objects
-                if n_needed == 1 and ids[0] < len(objects) and (block := objects[ids[0]]):
-                    blocks = chunk._blocks = [block]
-                    chunk.append(block)
-                else:
-                    self._list_blocks_locked(chunk)
-                    blocks = chunk._blocks
+                self._list_blocks_locked(chunk)
             active = self._active_owners
             was_active = owner in active
             unused = free.never_used  # on the stack, never handed out
@@ -160,11 +226,7 @@ class BlockPoolAllocator(RestartClaims):
                 self._chunk_of[ids[0]] = chunk
                 if n_needed > 1:  # the rest on the first lookup by id, if any (_index_locked)
                     self._unindexed[id(chunk)] = chunk
-                chunks = self._holdings.get(owner)
-                if chunks is None:
-                    self._holdings[owner] = {id(chunk): chunk}
-                else:
-                    chunks[id(chunk)] = chunk
+                self._hold_locked(owner, chunk)
                 active.add(owner)
                 if keep == n_listed - 1:
                     recycled.pop()
@@ -189,6 +251,10 @@ class BlockPoolAllocator(RestartClaims):
                     counts[PEAK_IN_USE] = in_use
                 counted = True
                 self._history.append(tuple(counts))
+                if with_blocks:
+                    # _hand_out_blocks_locked(), inlined: one call less per allocate()
+                    for block in chunk._blocks:  # type: ignore[union-attr]
+                        block._chunk = chunk
             except BaseException:
                 self._undo_allocate_locked(chunk, was_active)
                 if len(recycled) != n_listed:  # the stack was cut at ``keep``: put its top back
@@ -203,14 +269,6 @@ class BlockPoolAllocator(RestartClaims):
                     counts[N_REUSED] -= n_reused
                     counts[PEAK_IN_USE] = peak
                 raise
-            if blocks is not None:
-                # _hand_out_blocks_locked(), inlined: one call less per allocate()
-                for block in blocks:
-                    block.owner = owner
-                    block.format = format
-                    block.n_used = block_size
-                if last_used < block_size:
-                    blocks[-1].n_used = last_used
             return chunk
         finally:
             self._lock.release()
@@ -221,8 +279,10 @@ class BlockPoolAllocator(RestartClaims):
         chunk.dead = True
         self._unindexed.pop(id(chunk), None)
         owner = chunk.owner
-        chunks = self._holdings.get(owner)
-        if chunks is not None and chunks.pop(id(chunk), None) is not None and not chunks:
+        held = self._holdings.get(owner)
+        if held is chunk or (  # its only allocation, or the last of several
+            isinstance(held, dict) and held.pop(id(chunk), None) is not None and not held
+        ):
             del self._holdings[owner]
         if not was_active:
             self._active_owners.discard(owner)
@@ -273,20 +333,48 @@ class BlockPoolAllocator(RestartClaims):
         """Return blocks to their stream's free list. Already-free blocks are skipped.
 
         Blocks are found by id, so freeing a copy frees the block; each Block object passed is
-        marked free (owner None, n_used 0), as the seed's shared objects were. A list allocate()
-        returned frees what it lists now, whatever its caller changed in it.
+        marked free (owner None, n_used 0), as the seed's shared objects were (the pool's own
+        objects show it by themselves). A list allocate() returned frees what it lists now,
+        whatever its caller changed in it.
         """
-        # An allocation's own list still holding just the Block objects built for it (same
-        # objects, same order: an O(len) check in C) is the whole allocation.
-        if (
-            type(blocks) is BlockList
-            and blocks._blocks is not None
-            and len(blocks) == len(blocks._blocks)
-            and all(map(is_, blocks, blocks._blocks))
+        # An allocation's own list still holding just the Block objects listed for it (same
+        # objects, same order: an O(len) check in C) is the whole allocation; so is the record
+        # of an ids-path allocation (free_ids passes it, no caller has it).
+        if type(blocks) is BlockList and (
+            (held := blocks._blocks) is None
+            or (len(held) == 1 == len(blocks) and blocks[0] is held[0])
+            or (len(blocks) == len(held) and all(map(is_, blocks, held)))
         ):
             self._lock.acquire()  # not "with": see allocate()
             try:
-                self._free_chunk_locked(blocks)
+                if blocks.dead or blocks.n_freed:
+                    self._free_ids_locked(blocks.block_ids)
+                    self._record_history()
+                    return
+                # The common case: a whole live allocation none of whose blocks was freed
+                # alone. No per-block bookkeeping: its map entries just go stale, and its
+                # Blocks, pointing at a dead allocation, read as free.
+                blocks.dead = True
+                if self._unindexed:  # never looked up by id: its other entries never written
+                    self._unindexed.pop(id(blocks), None)
+                ids = blocks.block_ids
+                free = self._free[blocks.stream]
+                if free.claimed:
+                    free.give_back(ids)
+                else:
+                    free.recycled.extend(ids)
+                # _drop_chunk_locked(), inlined for an owner of one allocation
+                owner = blocks.owner
+                if self._holdings[owner] is blocks:
+                    del self._holdings[owner]
+                    self._active_owners.discard(owner)
+                else:
+                    self._drop_chunk_locked(blocks)
+                counts = self._counts
+                counts[N_FREES] += len(ids)
+                if blocks.fill:
+                    counts[FRAGMENTED] -= len(blocks.fill)
+                self._history.append(tuple(counts))
             finally:
                 self._lock.release()
             return
@@ -295,64 +383,32 @@ class BlockPoolAllocator(RestartClaims):
             self._free_ids_locked([b.block_id for b in objects])
             self._record_history()
         for block in objects:
-            block.owner = None
-            block.n_used = 0
+            if type(block) is PoolBlock:
+                block._free_used = None  # (a value written while free is gone, as the seed's)
+            else:
+                block.owner = None
+                block.n_used = 0
 
     def free_ids(self, block_ids: Iterable[int]) -> None:
         """free() by id, for callers that hold ids, not Block objects (the daemon). Already-free
-        ids are skipped. The ids of one whole allocation, in the order allocate_ids() or
-        claim_ids() gave them, are freed at once, with no per-block work."""
+        ids are skipped. The ids of one whole allocation of the ids path, in the order
+        allocate_ids() or claim_ids() gave them, are freed at once, with no per-block work."""
         ids = block_ids if type(block_ids) is tuple else tuple(block_ids)
-        self._lock.acquire()  # not "with": see allocate()
-        try:
-            chunk = self._chunk_of.get(ids[0]) if ids else None
-            # Not dead and nothing freed alone: every id of the chunk is still held by it.
-            if (
-                chunk is not None
-                and not chunk.dead
-                and not chunk.n_freed
-                and chunk.block_ids == ids
-            ):
-                self._free_chunk_locked(chunk)
-                return
+        # Found without the lock (one dict read): free() takes it, and frees by id if the
+        # allocation was freed meanwhile, as if this call came after.
+        chunk = self._chunk_of.get(ids[0]) if ids else None
+        if (
+            chunk is not None
+            and chunk._blocks is None  # (a public allocation's list is the caller's)
+            and not chunk.dead
+            and not chunk.n_freed
+            and chunk.block_ids == ids
+        ):
+            self.free(chunk)
+            return
+        with self._lock:
             self._free_ids_locked(ids)
             self._record_history()
-        finally:
-            self._lock.release()
-
-    def _free_chunk_locked(self, chunk: BlockList) -> None:
-        """Free every block an allocation still holds, and record one history row."""
-        if chunk.dead or chunk.n_freed:
-            self._free_ids_locked(chunk.block_ids)
-            self._record_history()
-            return
-        # The common case: a whole live allocation none of whose blocks was freed alone. No
-        # per-block bookkeeping: its map entries just go stale.
-        chunk.dead = True
-        if self._unindexed:  # never looked up by id: its other entries were never written
-            self._unindexed.pop(id(chunk), None)
-        if chunk._blocks is not None:
-            for block in chunk._blocks:  # every one still this allocation's
-                block.owner = None
-                block.n_used = 0
-        ids = chunk.block_ids
-        free = self._free[chunk.stream]
-        if free.claimed:
-            free.give_back(ids)
-        else:
-            free.recycled.extend(ids)
-        # _drop_chunk_locked(chunk), inlined: the call alone is 3% of allocate+free.
-        owner = chunk.owner
-        chunks = self._holdings[owner]
-        del chunks[id(chunk)]
-        if not chunks:
-            del self._holdings[owner]
-            self._active_owners.discard(owner)
-        counts = self._counts
-        counts[N_FREES] += len(ids)
-        if chunk.fill:
-            counts[FRAGMENTED] -= len(chunk.fill)
-        self._history.append(tuple(counts))
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
         if self._unindexed:
@@ -360,15 +416,11 @@ class BlockPoolAllocator(RestartClaims):
         chunk_of = self._chunk_of
         free_lists = self._free
         counts = self._counts
-        objects = self._block_objects
         for block_id in ids:
             chunk = chunk_of.get(block_id)
             if chunk is None or chunk.dead:
                 continue
-            del chunk_of[block_id]
-            if chunk._blocks is not None and (block := objects[block_id]) is not None:
-                block.owner = None
-                block.n_used = 0
+            del chunk_of[block_id]  # (its Block, if any, reads as free from now on)
             fill = chunk.fill
             if fill and fill.pop(block_id, None) is not None:
                 counts[FRAGMENTED] -= 1
@@ -387,35 +439,31 @@ class BlockPoolAllocator(RestartClaims):
         """Forget an allocation none of whose blocks is held any more; with the owner's last
         one gone, release the owner, as the seed does."""
         owner = chunk.owner
-        chunks = self._holdings[owner]
-        del chunks[id(chunk)]
-        if not chunks:
-            del self._holdings[owner]
-            self._active_owners.discard(owner)
+        held = self._holdings[owner]
+        if held is not chunk:  # one of several
+            assert type(held) is not BlockList
+            del held[id(chunk)]
+            if held:
+                return
+        del self._holdings[owner]
+        self._active_owners.discard(owner)
 
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
         with self._lock:
-            chunks = self._holdings.pop(owner, None)
-            if chunks is not None:
+            filed = self._holdings.pop(owner, None)
+            if filed is not None:
                 chunk_of = self._chunk_of
                 counts = self._counts
                 unindexed = self._unindexed
-                for chunk in chunks.values():
+                for chunk in filed.values() if isinstance(filed, dict) else (filed,):
                     chunk.dead = True
                     if unindexed:
                         unindexed.pop(id(chunk), None)
                     free = self._free[chunk.stream]
                     held: Sequence[int] = chunk.block_ids
-                    blocks = chunk._blocks
                     if chunk.n_freed:  # its blocks freed alone may be another's by now
                         held = [i for i in held if chunk_of.get(i) is chunk]
-                        if blocks is not None:
-                            objects = self._block_objects
-                            blocks = [b for i in held if (b := objects[i]) is not None]
-                    for block in blocks or ():
-                        block.owner = None
-                        block.n_used = 0
                     free.give_back(held)
                     if chunk.fill:
                         counts[FRAGMENTED] -= len(chunk.fill)
@@ -487,15 +535,18 @@ class BlockPoolAllocator(RestartClaims):
                 self._mark_used_locked(block, n_used)
 
     def _mark_used_locked(self, block: Block, n_used: int) -> None:
-        block.n_used = n_used
         block_id = block.block_id
         if self._unindexed:
             self._index_locked()
         chunk = self._chunk_of.get(block_id)  # _live_chunk(), inlined: a decode step's call
-        if chunk is None or chunk.dead:
+        if chunk is not None and chunk.dead:
+            chunk = None
+        if type(block) is not PoolBlock:
+            block.n_used = n_used
+        elif chunk is None or block._chunk is not chunk:  # free: only the object changes
+            block._free_used = (block._chunk, n_used)
+        if chunk is None:
             return
-        if chunk._blocks is not None and (held := self._block_objects[block_id]) is not None:
-            held.n_used = n_used
         fill = chunk.fill
         was_partial = fill is not None and block_id in fill
         if n_used < self._block_size:

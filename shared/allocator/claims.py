@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import repeat
 
-from vqpool.shared.allocator.block_list import BlockList
+from vqpool.shared.allocator.block_list import BlockList, new_record
 from vqpool.shared.allocator.free_list import FreeList
 from vqpool.shared.allocator.state import (
     FRAGMENTED,
@@ -134,7 +134,7 @@ class RestartClaims(AllocatorState):
                         f"in this pool (retired, another stream's, or beyond the pool's "
                         f"{self._counts[N_BLOCKS]} blocks); nothing was claimed"
                     )
-            chunk = BlockList(ids, s, format, owner)
+            chunk = new_record(ids, s, format, owner)
             if fill:
                 chunk.fill = fill
             if with_blocks:
@@ -147,11 +147,7 @@ class RestartClaims(AllocatorState):
                 free.total += len(grown)
             else:
                 claimed.update(ids)
-            holdings = self._holdings.get(owner)
-            if holdings is None:
-                self._holdings[owner] = {id(chunk): chunk}
-            else:
-                holdings[id(chunk)] = chunk
+            self._hold_locked(owner, chunk)
             self._chunk_of.update(zip(ids, repeat(chunk)))
             self._active_owners.add(owner)
             counts = self._counts
@@ -164,9 +160,6 @@ class RestartClaims(AllocatorState):
             self._record_history()
             if with_blocks:
                 self._hand_out_blocks_locked(chunk)
-                for block in chunk._blocks or ():
-                    if block.block_id in fill:
-                        block.n_used = fill[block.block_id]
             return chunk
 
     def _check_growth_claim_locked(self, block_id: int, stream: str, n_grown: int) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 from itertools import repeat
+from operator import itemgetter
 from typing import cast
 
-from vqpool.shared.allocator.block_list import BlockList
+from vqpool.shared.allocator.block_list import BlockList, PoolBlock
 from vqpool.shared.allocator.free_list import FreeList
 from vqpool.shared.errors import OwnerAlreadyActiveError
 from vqpool.shared.pool import Block, Owner, PoolConfig
@@ -75,17 +77,19 @@ class AllocatorState:
         # allocation freed before any such lookup (allocate + free_all, the commonest life)
         # never costs a map write per block.
         self._unindexed: dict[int, BlockList] = {}
-        # Owner -> its live chunks in allocation order, keyed by id(chunk); an owner is here
-        # while it holds a block.
-        self._holdings: dict[Owner, dict[int, BlockList]] = {}
+        # Owner -> its live chunks in allocation order: the chunk itself while it is the only
+        # one (most owners, and no dict to build), else a dict of them keyed by id(chunk). An
+        # owner is here while it holds a block. See _hold_locked and _chunks_of.
+        self._holdings: dict[Owner, BlockList | dict[int, BlockList]] = {}
         self._active_owners: set[Owner] = set()
         # One Block per id, as the seed keeps them, but made on the id's first allocate() or
-        # claim() and then kept: each public allocation sets their fields in place instead of
-        # building new objects. Indexed by id (a list: looking ids up in it costs a tenth of a
-        # dict's), None for an id not used yet; empty until the first public allocation, so a
-        # pool of a million blocks costs nothing to build. The ids path (allocate_ids,
+        # claim() and then kept (PoolBlock): each public allocation points them at itself
+        # instead of building new objects or setting their fields. Indexed by id (a list:
+        # looking ids up in it costs a tenth of a dict's), None for an id not used yet; empty
+        # until the first public allocation, so a pool of a million blocks costs nothing to
+        # build. The ids path (allocate_ids,
         # claim_ids) neither makes nor changes them.
-        self._block_objects: list[Block | None] = []
+        self._block_objects: list[PoolBlock | None] = []
         # The AllocationStats counters as a plain list: updates are list stores and a history
         # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
         self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
@@ -124,36 +128,54 @@ class AllocatorState:
         """Fill a new allocation's list with the Block objects of its ids (all below
         ``id_end``, or the pool's id space), making those not made yet; changes nothing the
         pool reads (making a Block can fail: this runs before the allocation changes anything).
-        :meth:`_hand_out_blocks_locked` sets their fields once the allocation is made."""
+        The allocation then points them at itself (:meth:`_hand_out_blocks_locked`)."""
         objects = self._block_objects
         id_end = max(id_end, self._next_block_id)
         if len(objects) < id_end:  # the first public allocation, or the pool grew since
             objects.extend(repeat(None, id_end - len(objects)))
         ids = chunk.block_ids
-        blocks = list(map(objects.__getitem__, ids))
-        if not all(blocks):  # an id's first public use (a Block is always true)
-            stream = chunk.stream
+        # itemgetter: the fastest C-level gather of many list items (a tuple)
+        found = itemgetter(*ids)(objects) if len(ids) > 1 else (objects[ids[0]],)
+        if not all(found):  # an id's first public use (a Block is always true)
+            made = list(found)
             for i, block_id in enumerate(ids):
-                if blocks[i] is None:
-                    # ever_allocated from the start: it exists only to be handed out
-                    block = Block(block_id, stream, "fp16", 0, None, True)
-                    blocks[i] = objects[block_id] = block
-        listed = cast("list[Block]", blocks)  # no None left
-        chunk.extend(listed)
-        chunk._blocks = listed
+                if made[i] is None:
+                    made[i] = objects[block_id] = PoolBlock(block_id, chunk.stream, self, chunk)
+            found = tuple(made)
+        blocks = cast("tuple[PoolBlock, ...]", found)  # no None left
+        chunk.extend(blocks)
+        chunk._blocks = blocks
 
-    def _hand_out_blocks_locked(self, chunk: BlockList) -> None:
-        """Set the Block objects of an allocation just made to what it holds, all full: the
-        caller sets the ``n_used`` of those it fills partly."""
-        owner, format, size = chunk.owner, chunk.format, self._block_size
+    @staticmethod
+    def _hand_out_blocks_locked(chunk: BlockList) -> None:
+        """Point the Block objects of an allocation just made at it: their owner, format and
+        fill are read from it from now on (see PoolBlock)."""
         blocks = chunk._blocks
         assert blocks is not None
-        # A plain loop: its attribute stores are specialised for __slots__, faster than any
-        # C-level setattr over the list.
+        # A plain loop: its attribute store is specialised for __slots__, faster than any
+        # C-level setattr over the tuple.
         for block in blocks:
-            block.owner = owner
-            block.format = format
-            block.n_used = size
+            block._chunk = chunk
+
+    # -- holdings ----------------------------------------------------------------------------
+
+    def _hold_locked(self, owner: Owner, chunk: BlockList) -> None:
+        """File a new allocation under its owner (see ``_holdings``)."""
+        holdings = self._holdings
+        held = holdings.get(owner)
+        if held is None:
+            holdings[owner] = chunk
+        elif type(held) is BlockList:  # a second allocation: from now on a dict
+            holdings[owner] = {id(held): held, id(chunk): chunk}
+        else:
+            held[id(chunk)] = chunk
+
+    def _chunks_of(self, owner: Owner) -> Iterable[BlockList]:
+        """The live allocations of ``owner``, in allocation order."""
+        held = self._holdings.get(owner)
+        if held is None:
+            return ()
+        return held.values() if isinstance(held, dict) else (held,)
 
     # -- streams and owners ----------------------------------------------------------------------
 
@@ -244,7 +266,7 @@ class AllocatorState:
                 Block(
                     bid, chunk.stream, chunk.format, (chunk.fill or {}).get(bid, size), owner, True
                 )
-                for chunk in self._holdings.get(owner, {}).values()
+                for chunk in self._chunks_of(owner)
                 for bid in chunk.block_ids
                 if chunk_of.get(bid) is chunk
             ]
@@ -255,7 +277,7 @@ class AllocatorState:
         with self._lock:
             size = self._block_size
             usage: dict[str, tuple[int, int]] = {}
-            for chunk in self._holdings.get(owner, {}).values():
+            for chunk in self._chunks_of(owner):
                 n_held = len(chunk.block_ids) - chunk.n_freed
                 unused = sum(size - n for n in chunk.fill.values()) if chunk.fill else 0
                 n_blocks, n_tokens = usage.get(chunk.stream, (0, 0))
@@ -265,8 +287,7 @@ class AllocatorState:
     def n_blocks_for(self, owner: Owner) -> int:
         """How many blocks ``owner`` holds now."""
         with self._lock:
-            chunks = self._holdings.get(owner, {})
-            return sum(len(c.block_ids) - c.n_freed for c in chunks.values())
+            return sum(len(c.block_ids) - c.n_freed for c in self._chunks_of(owner))
 
     def stream_of(self, block_id: int) -> str | None:
         """The stream of ``block_id`` while it is allocated, else None (the daemon's budget
@@ -304,7 +325,8 @@ class AllocatorState:
             self._index_locked()
             held: dict[int, BlockList] = {}
             n_partial = 0
-            for owner, chunks in self._holdings.items():
+            for owner, filed in self._holdings.items():
+                chunks = filed if isinstance(filed, dict) else {id(filed): filed}
                 assert chunks, f"owner {owner!r} is listed with no blocks"
                 for key, chunk in chunks.items():
                     assert key == id(chunk), f"owner {owner!r} files a chunk under a wrong key"
