@@ -10,17 +10,21 @@ read its token ids from the job's event queue. One generation thread does the re
   (``{owner_prefix}-{n}``) and blocks are reserved before its prefill (``reserve``): with
   "on-demand" for its prompt plus ``headroom_slots`` (a block), with "prompt" for its prompt plus
   one token, with "full" for its prompt plus ``max_tokens``; it grows at block boundaries from there
-  (see Preemption). If the pool has too few free blocks, the head waits (and the jobs behind it too:
-  a long prompt is not starved by short ones); admission is retried every ``retry_interval``
-  seconds, since blocks may be freed by another worker, and at once when one of this worker's jobs
-  ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once with
-  ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
-  :class:`~vqpool.worker.sched.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
-  between models and workers, not who retries first; the generation thread keeps decoding and picks
-  the granted blocks up between steps. A job that can never fit its model's share of the budget (the
-  daemon's fit answer for prompt + ``max_tokens``) is refused at submit (:class:`NeverFitsError`,
-  HTTP 400). A job still waiting ``queue_timeout`` seconds after it was submitted ends as
-  ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
+  (see Preemption). With "on-demand", a job starts beside running rows only once those rows are
+  backed for their next growth, a look-ahead sized from measured steps between rows ending
+  (:mod:`vqpool.worker.sched.growth_forecast`): else admissions are held (``held_for_growth``)
+  rather than set up a preemption a few steps later. If the pool has too few free blocks, the head
+  waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
+  retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
+  when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
+  asks the daemon once with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds)
+  on the :class:`~vqpool.worker.sched.admission.AdmissionWaiter` thread, so the daemon's fair queue
+  decides between models and workers, not who retries first; the generation thread keeps decoding
+  and picks the granted blocks up between steps. A job that can never fit its model's share of the
+  budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
+  (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it was
+  submitted ends as ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue
+  refuses at once.
 * **Decode, batched (continuous batching).** Every active job decodes in one batched forward
   pass per step (mlx-lm's ``GenerationBatch``: one token per job per step, left-padded rows,
   mlx-lm's pipelining: step n+1 is built before step n's tokens are read). Jobs join and leave
@@ -34,12 +38,14 @@ read its token ids from the job's event queue. One generation thread does the re
   :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
 * **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
-  most recently admitted started job gives way at the step boundary: its blocks go back, its
-  prompt and generated tokens are kept, and it waits at the head of the queue (no queue
-  timeout: it was admitted once); on resume its KV is recomputed by a prefill and it goes on
-  (the client sees one response; greedy tokens are those of a run never preempted). A reclaim
-  ask from the daemon (:meth:`Scheduler.give_back`) preempts the same way, newest first, until
-  the bytes asked are freed. A job the pool cannot grow while it is the only one started is
+  started job cheapest to recompute and not about to finish gives way at the step boundary: its
+  blocks go back, its prompt's KV goes into the prompt cache (taking free memory only, and given
+  back first when a growth is refused again), its prompt and generated tokens are kept, and it
+  waits at the head of the queue (no queue timeout: it was admitted once); on resume the
+  prompt cache gives its prompt back and only the rest is prefilled, and it goes on (the
+  client sees one response; greedy tokens are those of a run never preempted). A reclaim ask
+  from the daemon (:meth:`Scheduler.give_back`) preempts in the same order until the bytes
+  asked are freed. A job the pool cannot grow while it is the only one started is
   preempted too when it could fit alone (another model or a reclaim took the room), and ends
   for lack of blocks only when it never can (:meth:`Scheduler._evict_for_lack_of_blocks`).
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the pool
@@ -98,6 +104,7 @@ from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
+from vqpool.worker.sched.growth_forecast import GrowthForecast
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
@@ -178,8 +185,11 @@ class GenerationJob:
     deadline: float = 0.0
     n_generated: int = 0
     generated: list[int] = field(default_factory=list)
-    admission: int = 0  # rank of its first admission (the highest is preempted first)
+    admission: int = 0  # rank of its first admission (among equals, the newest gives way)
     preemptions: int = 0
+    resumed_from: int = 0  # tokens it had generated when it was last preempted
+    kept_row: tuple[list[Any], list[int]] | None = None
+    """A copy of its row's KV and tokens while it gives way, for the prompt cache."""
     waited_for_blocks: bool = False
     retry_at: float = 0.0
     parked: bool = False
@@ -266,7 +276,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
-        self._preemption = PreemptionPolicy(source.fits_alone)
+        block_size = prompt_cache.block_size if prompt_cache is not None else headroom_slots
+        self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
+        self._forecast = GrowthForecast(block_size)
         self._batch = ContinuousBatch(
             model,
             source,
@@ -274,6 +286,7 @@ class Scheduler:
             prefill_step_size=prefill_step_size,
             on_prefill_start=self._reuse_cached_prefix,
             preemption=self._preemption,
+            on_preempt=self._keep_row,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
@@ -434,6 +447,8 @@ class Scheduler:
                 return
             if job.retry_at > time.monotonic():
                 return
+            if not self._growth_backed():
+                return
             try:
                 started = self._try_start(job)
             except Exception as exc:
@@ -447,6 +462,20 @@ class Scheduler:
                 self._park_or_retry(job)
                 return
             self._activate(job)
+
+    def _growth_backed(self) -> bool:
+        """With on-demand reserves, whether the running rows are backed for their next growth
+        (:mod:`~vqpool.worker.sched.growth_forecast`), so that another request may start
+        beside them; when not, admissions are held."""
+        if self.reserve != "on-demand":
+            return True
+        if self._forecast.holds(len(self._active)):
+            return False
+        if self._batch.back_ahead(self._forecast.look_ahead_slots()):
+            return True
+        self._forecast.hold(len(self._active))
+        self.stats.add(held_for_growth=1)
+        return False
 
     def _park_or_retry(self, job: GenerationJob) -> None:
         """The head cannot start now: wait at the daemon if it can, else retry soon."""
@@ -607,6 +636,29 @@ class Scheduler:
             layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in kv]
             self.prompt_cache.store(list(tokens[:n]), layers)
 
+    def _keeps_prompts(self) -> bool:
+        return self.prompt_cache is not None and self.prompt_cache.max_bytes > 0
+
+    def _recompute_cost(self, job: GenerationJob) -> int:
+        """Tokens ``job`` would prefill again if it gave way now: in its prefill, what it
+        prefilled so far; in the batch, its prompt and generated tokens but the prompt's whole
+        blocks, which the prompt cache keeps for its resume (:meth:`_keep_row`)."""
+        if not self._batch.in_batch(job):
+            return job.cache[0].size() if job.cache is not None else 0
+        tokens = len(job.prompt) + len(job.generated)
+        if not self._keeps_prompts():
+            return tokens
+        assert self.prompt_cache is not None
+        block_size = self.prompt_cache.block_size
+        return tokens - len(job.prompt) // block_size * block_size
+
+    def _keep_row(self, job: GenerationJob) -> None:
+        """``job`` gives way to a refused growth: copy its row's KV, so that its prompt goes
+        into the prompt cache once its blocks are back (:meth:`_preempt`) and its resume
+        prefills only what the cache lacks."""
+        if self._keeps_prompts() and not job.prompt_stored:
+            job.kept_row = self._batch.row_kv(job)
+
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
         lost = self.lost_owners() if self.lost_owners is not None else None
@@ -640,6 +692,7 @@ class Scheduler:
         for job, reason, response in outcome.finished:
             self._row_finished(job, reason, response)
         self._n_steps += 1
+        self._forecast.stepped()
         if self._n_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         self._sample_memory()
@@ -700,10 +753,19 @@ class Scheduler:
         generated (module docstring); nothing is sent to its client."""
         self._batch.leave(job)
         self._release(job)
+        if job.kept_row is not None:
+            # Its blocks are back: the entry takes what is free, and goes first when a growth
+            # is refused again (cached memory before requests).
+            kv, _ = job.kept_row
+            job.kept_row = None
+            self._store_in_prompt_cache(job.prompt, kv)
+            job.prompt_stored = True
         if job in self._active:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
+        self._forecast.refused()
         job.preemptions += 1
+        job.resumed_from = len(job.generated)
         job.deadline = math.inf  # admitted once: the queue timeout is not for it
         job.retry_at = 0.0
         job.waited_for_blocks = False
@@ -724,6 +786,7 @@ class Scheduler:
         back entries, least recently used first, then the running jobs the preemption policy
         names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
+            self._forecast.refused()
             # The prompt cache's blocks are the pool client's too: what it gives back shows in
             # held_bytes already, and is counted once.
             before = self.source.held_bytes()
@@ -783,6 +846,7 @@ class Scheduler:
         if job in self._active:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
+            self._forecast.row_ended()
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
         job.events.put(
