@@ -166,10 +166,14 @@ def _completion(stack: ServingStack, prompt: list[int], stream: bool) -> tuple[l
 
 @pytest.fixture(scope="module")
 def small_pool_stack() -> Iterator[ServingStack]:
+    # --reserve prompt: with on-demand, the newer request would not start beside the older one
+    # until the older one's next growth is backed (test_growth_on_demand.py), and nothing would
+    # be preempted. The newer one is the one preempted: its prompt (a block or more) is in the
+    # prompt cache, and it generated fewer tokens than the older one: less to recompute.
     stack = ServingStack(
         [LLAMA],
         daemon_args=("--n-blocks", "16", "--lease", "1"),
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "30", "--reserve", "prompt"],
     ).start()
     yield stack
     stack.stop()

@@ -186,14 +186,16 @@ class ContinuousBatch:
         return any(other is job for other in self._by_uid.values())
 
     def back_ahead(self, n_slots: int) -> bool:
-        """Have every row of the batch backed for ``n_slots`` more slots than it uses, without
-        waiting and without preempting anyone; False when the pool refused a row (rows that
-        got blocks keep them: they grow into them). True with an empty batch."""
+        """Have every row of the batch backed for ``n_slots`` more slots than it uses, from free
+        memory only (without waiting, taking the prompt cache's memory or preempting anyone);
+        False when the pool refused a row (rows that got blocks keep them: they grow into
+        them). True with an empty batch."""
         batch = self._generation
         if not len(batch):
             return True
         try:
-            failed = self.source.grow(batch.prompt_cache, batch.prompt_cache[0].size() + n_slots)
+            used = batch.prompt_cache[0].size()
+            failed = self.source.grow(batch.prompt_cache, used + n_slots, reclaim=False)
         except Exception as exc:
             log.warning("backing the batch's next growth failed: %s", exc)
             return False

@@ -10,8 +10,9 @@ look-ahead in the manner of vLLM's watermark, but sized from what this worker me
 
 * **The horizon** is the measured number of decode steps between two rows ending (an
   exponential moving average): until a row ends nothing of this worker's is freed, and every
-  row grows a slot per step meanwhile, so the rows need about that many slots each. It starts
-  at one block and is capped at :data:`MOST_LOOK_AHEAD_BLOCKS` blocks.
+  row grows a slot per step meanwhile, so the rows need about that many slots each. Until two
+  rows ended it is the most, :data:`MOST_LOOK_AHEAD_BLOCKS` blocks (nothing measured yet: be
+  careful), and never more.
 * **Recent refusals double it**: a growth refused (a preemption) or a reclaim ask within the
   last horizon means the pool is tight for this model (another model wants its share back): a
   model above its share is not started again at once only to give way again.
@@ -45,14 +46,15 @@ class GrowthForecast:
             raise ValueError(f"GrowthForecast: block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._steps = 0
-        self._steps_between_ends = float(block_size)
+        self._steps_between_ends: float | None = None  # not measured yet
         self._last_end: int | None = None
         self._refused_at: int | None = None
         self._held: tuple[int, int] | None = None  # (running then, step it expires at)
 
     @property
-    def steps_between_ends(self) -> float:
-        """The measured decode steps between two rows ending (moving average)."""
+    def steps_between_ends(self) -> float | None:
+        """The measured decode steps between two rows ending (moving average; None before
+        two rows ended)."""
         return self._steps_between_ends
 
     def stepped(self) -> None:
@@ -63,7 +65,10 @@ class GrowthForecast:
         """A running row ended (not preempted): its memory is back."""
         if self._last_end is not None:
             gap = self._steps - self._last_end
-            self._steps_between_ends += SMOOTHING * (gap - self._steps_between_ends)
+            if self._steps_between_ends is None:
+                self._steps_between_ends = float(gap)
+            else:
+                self._steps_between_ends += SMOOTHING * (gap - self._steps_between_ends)
         self._last_end = self._steps
 
     def refused(self) -> None:
@@ -72,10 +77,12 @@ class GrowthForecast:
 
     def look_ahead_slots(self) -> int:
         """Slots each running row must be able to grow by before another request starts."""
+        most = MOST_LOOK_AHEAD_BLOCKS * self.block_size
         horizon = self._steps_between_ends
+        if horizon is None:
+            return most
         if self._refused_at is not None and self._steps - self._refused_at <= horizon:
             horizon *= 2
-        most = MOST_LOOK_AHEAD_BLOCKS * self.block_size
         return max(1, min(most, math.ceil(horizon)))
 
     def hold(self, running: int) -> None:

@@ -98,6 +98,7 @@ from vqpool.shared.errors import (
     DaemonUnavailableError,
     OverBudgetError,
 )
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.kv.prompt_cache import PromptCache
@@ -225,6 +226,8 @@ class Scheduler:
         prompt_cache: Reuses the KV of earlier requests (``worker/kv/prompt_cache.py``): looked up
             when a job's prefill starts (the prompts of running jobs sharing a prefix with it
             are stored then), stored when a job ends.
+        block_size: Token slots per pool block: the unit of the look-ahead of on-demand
+            admission (``growth_forecast.py``) and of what the prompt cache keeps.
     """
 
     def __init__(
@@ -243,6 +246,7 @@ class Scheduler:
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache: PromptCache | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
@@ -276,7 +280,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
-        block_size = prompt_cache.block_size if prompt_cache is not None else headroom_slots
         self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
         self._forecast = GrowthForecast(block_size)
         self._batch = ContinuousBatch(
@@ -570,6 +573,8 @@ class Scheduler:
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
             job.cache = self._open_cache(job.owner)
+        if job.preemptions and self.prompt_cache is not None:
+            self.prompt_cache.touch([*job.prompt, *job.generated])
         try:
             self.source.reserve(job.cache, self._slots_for(job))
         except BlockPoolExhaustedError:
@@ -641,16 +646,15 @@ class Scheduler:
 
     def _recompute_cost(self, job: GenerationJob) -> int:
         """Tokens ``job`` would prefill again if it gave way now: in its prefill, what it
-        prefilled so far; in the batch, its prompt and generated tokens but the prompt's whole
-        blocks, which the prompt cache keeps for its resume (:meth:`_keep_row`)."""
+        prefilled so far; in the batch, its prompt and generated tokens but a prompt of a block
+        or more, which the prompt cache keeps for its resume (:meth:`_keep_row`)."""
         if not self._batch.in_batch(job):
             return job.cache[0].size() if job.cache is not None else 0
         tokens = len(job.prompt) + len(job.generated)
         if not self._keeps_prompts():
             return tokens
         assert self.prompt_cache is not None
-        block_size = self.prompt_cache.block_size
-        return tokens - len(job.prompt) // block_size * block_size
+        return tokens - (len(job.prompt) if len(job.prompt) >= self.prompt_cache.block_size else 0)
 
     def _keep_row(self, job: GenerationJob) -> None:
         """``job`` gives way to a refused growth: copy its row's KV, so that its prompt goes
