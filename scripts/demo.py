@@ -322,6 +322,8 @@ def summary(
         "peak bytes",
         "waits",
         "preempted",
+        "by reclaim",
+        "held",
         "exhaustions",
         "503s",
     ]
@@ -344,6 +346,8 @@ def summary(
                 human_bytes(stats["peak_bytes"]),
                 stats["waits"],
                 stats["preemptions"],
+                stats["reclaim_preemptions"],
+                stats["held_for_growth"],
                 stats["exhaustions"],
                 tallies[model].refused,
             ]
@@ -352,7 +356,9 @@ def summary(
     print(f"over {shares.samples} samples; decode share: of the workers' decode time;")
     print("tokens/s: generated tokens per busy second of the worker; blocks count K and V")
     print("blocks apart; waits: requests that queued for memory; preempted: requests that gave")
-    print("way, to their own model's growth or to a reclaim, and were resumed):\n")
+    print("way, to their own model's growth or to a reclaim, and were resumed; by reclaim:")
+    print("those for a reclaim ask; held: admissions held until the running requests' next")
+    print("growth could be backed, with --reserve on-demand):\n")
     print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(
@@ -390,8 +396,9 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
         )
         preemptions = (
             f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}. A request grows its memory on\n"
-            "demand; when the pool is full, the newest request gives way and is recomputed later,\n"
-            "with identical tokens: it is delayed, not cut."
+            "demand; a request starts only once the running ones' next growth is backed, and when\n"
+            "the pool is full the request cheapest to recompute gives way and resumes later from\n"
+            "its cached prompt, with identical tokens: it is delayed, not cut."
         )
     weights = (
         "Weights govern memory, not CPU: the bytes share leans to the weights while both models\n"

@@ -1,7 +1,8 @@
 """Preemption instead of failing, through a live vqpoold: when the pool refuses a growth step the
-newest request gives way (its blocks back), waits at the head of the queue, and on resume its KV
-is recomputed; its client sees one response whose greedy tokens and logprobs equal a run that
-was never preempted, streamed or not, and no request ends early because the pool was short."""
+request cheapest to recompute gives way (its blocks back), waits at the head of the queue, and
+on resume its KV is recomputed; its client sees one response whose greedy tokens and logprobs
+equal a run that was never preempted, streamed or not, and no request ends early because the
+pool was short."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ def test_demo_short_runs_end_to_end() -> None:
     assert preemptions, out
     # The summary says what the counts mean, then what to try next, and ends there.
     assert re.search(r"Preemptions: [\d.]+/s is (normal|more than)", out), out
-    assert "the newest request gives way and is recomputed later" in out
+    assert "the request cheapest to recompute gives way" in out
     assert "Weights govern memory, not CPU" in out
     assert "not expected to\nfollow the weights" in out
     lines = out.rstrip().splitlines()

@@ -803,6 +803,7 @@ class Scheduler:
                 if victim is None:
                     break
                 self._preempt(victim)
+                self.stats.add(reclaim_preemptions=1)
             ask.freed = max(0, before - self.source.held_bytes())
             ask.done.set()
 
