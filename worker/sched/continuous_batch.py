@@ -185,17 +185,21 @@ class ContinuousBatch:
         """Whether ``job`` has a row in the batch (it is prefilled and decoding)."""
         return any(other is job for other in self._by_uid.values())
 
+    def used_slots(self) -> int:
+        """Slots the batch's rows use now (padding included; 0 with no row)."""
+        batch = self._generation
+        return batch.prompt_cache[0].size() if len(batch) else 0
+
     def back_ahead(self, n_slots: int) -> bool:
-        """Have every row of the batch backed for ``n_slots`` more slots than it uses, from free
-        memory only (without waiting, taking the prompt cache's memory or preempting anyone);
-        False when the pool refused a row (rows that got blocks keep them: they grow into
-        them). True with an empty batch."""
+        """Have every row of the batch backed for ``n_slots`` slots, from free memory only
+        (without waiting, taking the prompt cache's memory or preempting anyone); False when
+        the pool refused a row (rows that got blocks keep them: they grow into them). True
+        with an empty batch."""
         batch = self._generation
         if not len(batch):
             return True
         try:
-            used = batch.prompt_cache[0].size()
-            failed = self.source.grow(batch.prompt_cache, used + n_slots, reclaim=False)
+            failed = self.source.grow(batch.prompt_cache, n_slots, reclaim=False)
         except Exception as exc:
             log.warning("backing the batch's next growth failed: %s", exc)
             return False

@@ -189,6 +189,7 @@ class GenerationJob:
     admission: int = 0  # rank of its first admission (among equals, the newest gives way)
     preemptions: int = 0
     resumed_from: int = 0  # tokens it had generated when it was last preempted
+    admission_slots: int = 0  # token slots its admission reserves (padding included)
     kept_row: tuple[list[Any], list[int]] | None = None
     """A copy of its row's KV and tokens while it gives way, for the prompt cache."""
     waited_for_blocks: bool = False
@@ -450,7 +451,7 @@ class Scheduler:
                 return
             if job.retry_at > time.monotonic():
                 return
-            if not self._growth_backed():
+            if not self._growth_backed(job):
                 return
             try:
                 started = self._try_start(job)
@@ -466,15 +467,17 @@ class Scheduler:
                 return
             self._activate(job)
 
-    def _growth_backed(self) -> bool:
+    def _growth_backed(self, job: GenerationJob) -> bool:
         """With on-demand reserves, whether the running rows are backed for their next growth
-        (:mod:`~vqpool.worker.sched.growth_forecast`), so that another request may start
-        beside them; when not, admissions are held."""
+        (:mod:`~vqpool.worker.sched.growth_forecast`) and for ``job``'s tokens, which pad them
+        when it joins, so that ``job`` may start beside them; when not, admissions are
+        held."""
         if self.reserve != "on-demand":
             return True
         if self._forecast.holds(len(self._active)):
             return False
-        if self._batch.back_ahead(self._forecast.look_ahead_slots()):
+        joined = max(self._batch.used_slots(), len(job.prompt) + len(job.generated))
+        if self._batch.back_ahead(joined + self._forecast.look_ahead_slots()):
             return True
         self._forecast.hold(len(self._active))
         self.stats.add(held_for_growth=1)
@@ -491,7 +494,7 @@ class Scheduler:
         job.parked = True
         job.retry_at = job.deadline
         self._waiter.park(
-            job, job.cache, self._slots_for(job), min(job.deadline - now, MAX_ALLOCATE_WAIT)
+            job, job.cache, job.admission_slots, min(job.deadline - now, MAX_ALLOCATE_WAIT)
         )
 
     def _collect(self, job: GenerationJob) -> bool:
@@ -516,7 +519,7 @@ class Scheduler:
         else:
             assert job.cache is not None
             try:
-                self.source.adopt(job.cache, self._slots_for(job), admission.taken)
+                self.source.adopt(job.cache, job.admission_slots, admission.taken)
                 self._queue_prefill(job)
             except Exception as exc:
                 self._fail_start(job, exc)
@@ -567,6 +570,24 @@ class Scheduler:
             len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
         )
 
+    def _admission_slots(self, job: GenerationJob) -> int:
+        """What ``job``'s admission reserves: :meth:`_slots_for`, and with on-demand reserves
+        at least the batch's length when it will join (the batch's rows used now, one slot per
+        step of its prefill, and its first token: a row is padded to the batch's length), so
+        that its join does not make it, or a running row, give way at once. Not when that
+        could never fit alone (then joining is left to growth, as before)."""
+        slots = self._slots_for(job)
+        if self.reserve != "on-demand":
+            return slots
+        used = self._batch.used_slots()
+        if not used:
+            return slots
+        n_tokens = len(job.prompt) + len(job.generated)
+        joined = used + -(-n_tokens // self.prefill_step_size) + 1
+        if joined <= slots or not self.source.fits_alone(joined):
+            return slots
+        return joined
+
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
@@ -575,8 +596,9 @@ class Scheduler:
             job.cache = self._open_cache(job.owner)
         if job.preemptions and self.prompt_cache is not None:
             self.prompt_cache.touch([*job.prompt, *job.generated])
+        job.admission_slots = self._admission_slots(job)
         try:
-            self.source.reserve(job.cache, self._slots_for(job))
+            self.source.reserve(job.cache, job.admission_slots)
         except BlockPoolExhaustedError:
             return False
         self._queue_prefill(job)
