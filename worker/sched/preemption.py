@@ -26,9 +26,13 @@ ask; they carry them out:
 * **Where it waits**: the head of the queue (:meth:`PreemptionPolicy.requeue_position`),
   except behind an admission parked at the daemon: the daemon serves a model's allocations in
   order, so that one is granted first anyway, and jumping it would leave its grant unclaimed.
-* **No churn**: after a preemption the scheduler starts nothing until one of its running
-  requests ends or none runs (:meth:`PreemptionPolicy.admits`): a request that just gave way
-  would else be restarted at once, prefilled, and preempted again.
+* **No churn (no ping-pong)**: a preemption (a refused growth or a reclaim ask: the pool, or
+  the model's share of the budget, holds fewer rows than ran) sets a window: the scheduler runs
+  at most as many requests as were left running (:meth:`PreemptionPolicy.admits`; at least
+  one), and the window opens by one each time a request ends with no preemption since it last
+  moved (:meth:`PreemptionPolicy.ended`). Without it the request that just gave way would be
+  restarted as soon as one ended, prefilled, and preempted again: a model above its share
+  whose growth was refused would be refilled at once to be refused again.
 * **Reclaim asks** reach the generation thread through a :class:`ReclaimDesk`: the reclaim
   listener's thread hands the bytes wanted over and waits until the next step boundary has
   preempted enough (or the deadline passed).
@@ -86,7 +90,8 @@ class PreemptionPolicy:
     ) -> None:
         self._fits_alone = fits_alone
         self._order = victim_order(recompute_cost, block_size)
-        self._hold_below: int | None = None  # no job starts until fewer than this run
+        self._window: int | None = None  # most jobs running since the last preemption
+        self._calm = False  # no preemption since the window last moved
 
     def growth_victim(self, started: Sequence[Any]) -> Any:
         """The pool refused to grow a started job: the job of ``started`` that gives way (the
@@ -116,18 +121,23 @@ class PreemptionPolicy:
         return 1 if waiting and waiting[0].parked else 0
 
     def preempted(self, running: int) -> None:
-        """A job was preempted; ``running`` jobs run now: hold admissions (:meth:`admits`)."""
-        if self._hold_below is None:
-            self._hold_below = running
-        else:
-            self._hold_below = min(self._hold_below, running)
+        """A job was preempted; ``running`` jobs run now: the window closes to that many."""
+        self._window = running if self._window is None else min(self._window, running)
+        self._calm = False
+
+    def ended(self) -> None:
+        """A running job ended (not preempted): the window opens by one if no preemption
+        came since it last moved."""
+        if self._window is None:
+            return
+        if self._calm:
+            self._window += 1
+        self._calm = True
 
     def admits(self, running: int) -> bool:
-        """Whether a job may start with ``running`` jobs running: after a preemption, only
-        once fewer than ran then run (one ended), or none does."""
-        if self._hold_below is not None and (running == 0 or running < self._hold_below):
-            self._hold_below = None
-        return self._hold_below is None
+        """Whether a job may start with ``running`` jobs running (the window; one may always
+        run)."""
+        return self._window is None or running < max(1, self._window)
 
 
 @dataclass(eq=False)

@@ -874,6 +874,7 @@ class Scheduler:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
             self._forecast.row_ended()
+            self._preemption.ended()
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
         job.events.put(
