@@ -6,14 +6,12 @@ request's greedy tokens and logprobs equal those of a run never preempted nor he
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
-from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.growth_forecast import MOST_LOOK_AHEAD_BLOCKS, GrowthForecast
 from vqpool.worker.sched.preemption import NEAR_FINISH_STEPS
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
@@ -24,23 +22,6 @@ MODEL = load_model(LLAMA).model
 BLOCK = 16
 SHORT = [1 + (j * 3) % 200 for j in range(5)]
 LONG = [1 + (7 + j * 3) % 200 for j in range(23)]
-
-
-@pytest.fixture
-def pooled(
-    start_daemon: Callable[..., DaemonProcess],
-) -> Iterator[Callable[[int], tuple[PooledCacheSource, DaemonProcess]]]:
-    pools: list[PoolClient] = []
-
-    def make(n_blocks: int) -> tuple[PooledCacheSource, DaemonProcess]:
-        daemon = start_daemon("--n-blocks", str(n_blocks))
-        pool, source = open_pool(str(daemon.run_dir), "growth", MODEL, 5.0)
-        pools.append(pool)
-        return source, daemon
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def scheduler_on(
@@ -82,10 +63,12 @@ def run(
     """Submit the jobs (prompt, max_tokens) at once, with logprobs, to a started scheduler."""
     scheduler = scheduler_on(source, max_concurrent=max_concurrent, cache_bytes=cache_bytes)
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for job in jobs:
-            scheduler.submit(job)
         results = [drain(job) for job in jobs]
     finally:
         scheduler.stop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,7 +18,6 @@ from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
-from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 from vqpool.worker.testing.http_client import stream_events
 from vqpool.worker.testing.launch import DaemonProcess
@@ -31,23 +30,6 @@ BLOCK = 16  # token slots per block (the daemon's default)
 # prompt cache: its prompt and generated tokens) with as many steps left, is preempted.
 SHORT = [1 + (j * 3) % 200 for j in range(5)]
 LONG = [1 + (7 + j * 3) % 200 for j in range(23)]
-
-
-@pytest.fixture
-def pooled(
-    start_daemon: Callable[..., DaemonProcess],
-) -> Iterator[Callable[[int], tuple[PooledCacheSource, DaemonProcess]]]:
-    pools: list[PoolClient] = []
-
-    def make(n_blocks: int) -> tuple[PooledCacheSource, DaemonProcess]:
-        daemon = start_daemon("--n-blocks", str(n_blocks))
-        pool, source = open_pool(str(daemon.run_dir), "preempt", MODEL, 5.0)
-        pools.append(pool)
-        return source, daemon
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def run(
@@ -71,10 +53,12 @@ def run(
         headroom_slots=BLOCK,
     )
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for job in jobs:
-            scheduler.submit(job)
         results = []
         for job in jobs:
             tokens: list[ScoredToken] = []

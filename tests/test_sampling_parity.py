@@ -123,10 +123,12 @@ def run_jobs(
         **SCHEDULER_SETTINGS,
     )
     jobs = [GenerationJob(p, n, sampling=s) for p, n, s in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for job in jobs:
-            scheduler.submit(job)
         return [tokens_to_the_end(job) for job in jobs], jobs
     finally:
         scheduler.stop()

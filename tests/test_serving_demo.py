@@ -65,7 +65,7 @@ def test_demo_short_runs_end_to_end() -> None:
         assert re.search(rf"{model} +loaded +\d+ +http://\S+ +0 +0 +1 +0 ", out), out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
     # model, reserve (2 words), weight, weight/bytes/decode shares, requests, tokens, ...
-    summary = {row[0]: row for row in rows if len(row) == 19}
+    summary = {row[0]: row for row in rows if len(row) == 20}
     assert set(summary) == {"builtin:llama", "builtin:qwen3"}
     assert "bytes share" in out and "decode share" in out
     for row in summary.values():
@@ -75,6 +75,7 @@ def test_demo_short_runs_end_to_end() -> None:
     assert summary["builtin:llama"][4] == "67%" and summary["builtin:qwen3"][4] == "33%"
     assert all(int(row[14]) >= int(row[15]) >= 0 for row in summary.values())  # by reclaim
     assert all(int(row[16]) >= 0 for row in summary.values())  # held
+    assert all(re.fullmatch(r"[\d.]+s|-", row[19]) for row in summary.values())  # p99 TTFT
     preemptions = re.search(r"Preemptions under load: (\d+) \([\d.]+/s over [\d.]+s\)", out)
     assert preemptions, out
     # The summary says what the counts mean, then what to try next, and ends there.

@@ -23,7 +23,11 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   same way (the newcomer, with little computed yet, is usually the one that gives way).
 * **Growing ahead** (:meth:`ContinuousBatch.back_ahead`): before the scheduler starts another
   request beside the batch's rows, it has their next slots backed
-  (:mod:`vqpool.worker.sched.growth_forecast`); a refusal preempts nobody.
+  (:mod:`vqpool.worker.sched.growth_forecast`); a refusal preempts nobody. With ``look_ahead``,
+  a decode step whose next slot crosses the rows' blocks first asks for that many slots ahead
+  from free memory (one pool call per row for several blocks instead of one per block: each
+  is a round trip to the daemon on the generation thread); refused, it grows by one slot as
+  before.
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
   input, and it may make ``max_tokens - len(generated)`` more tokens.
@@ -52,6 +56,7 @@ from mlx_lm.generate import (
     StopSequences,
     greedy_sampler,
 )
+from vqpool.worker.kv.batch_cache import batch_of
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.sched.preemption import PreemptionPolicy
 from vqpool.worker.sched.sampling import Sampler, logits_processors, row_sampler
@@ -118,6 +123,7 @@ class ContinuousBatch:
             None: one of its own over ``source``).
         on_preempt: Called with a job about to give way to a refused growth while its row is
             still in the batch (:meth:`row_kv` is valid).
+        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None: one).
     """
 
     def __init__(
@@ -130,9 +136,11 @@ class ContinuousBatch:
         on_prefill_start: Callable[[Any, list[int]], None] | None = None,
         preemption: PreemptionPolicy | None = None,
         on_preempt: Callable[[Any], None] | None = None,
+        look_ahead: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
         self.on_preempt = on_preempt
+        self.look_ahead = look_ahead
         self.preemption = preemption or PreemptionPolicy(source.fits_alone)
         self.on_prefill_start = on_prefill_start
         self.source = source
@@ -238,6 +246,11 @@ class ContinuousBatch:
         if not len(batch):
             return
         # The step writes the batch's next slot: back it before the forward pass.
+        if self.look_ahead is not None:
+            next_slot = batch.prompt_cache[0].size() + 1
+            pooled = batch_of(batch.prompt_cache)
+            if pooled is not None and pooled.length < next_slot:
+                self.back_ahead(next_slot + self.look_ahead())
         if not self._grow(
             lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome
         ):

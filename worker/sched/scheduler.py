@@ -291,6 +291,7 @@ class Scheduler:
             on_prefill_start=self._reuse_cached_prefix,
             preemption=self._preemption,
             on_preempt=self._keep_row,
+            look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
