@@ -5,14 +5,17 @@ down to the built-in tiny llama (prompt and output lengths divided by ``LENGTH_S
 budget likewise), played in wall-clock time against one real ``vqpoold`` and three real
 ``vqpool-worker`` processes (``builtin:llama`` served as ``steady``, ``bursty``, ``longctx``).
 Each request is a streamed completion; its time to first token is measured by the client.
-Two policies, same trace:
+Three policies, same trace:
 
 - ``elastic``: ``vqpoold --lend-reserves`` with the tier-1 reserves, workers with
   ``--reserve on-demand`` (grow, preempt, answer reclaims);
+- ``elastic full``: the same daemon, workers with ``--reserve full`` (only the workers' reserve
+  mode differs from ``elastic``: growth on demand against whole reservations);
 - ``shared today``: no reserves, workers with ``--reserve full``.
 
-Reports per policy: attainment of the TTFT objective, p99 TTFT per model, preemptions, and the
-daemon's reclaim counts and latency. On 2 shared vCPUs three workers and the client compete for
+Reports per policy: attainment of the TTFT objective, p99 TTFT per model, tokens generated per
+second of the trace's wall time, preemptions (and per second), and the daemon's reclaim counts
+and latency. On 2 shared vCPUs three workers and the client compete for
 the cores: read the two policies of one run against each other, not as absolute figures.
 """
 
@@ -54,7 +57,7 @@ def play(
     reserves: dict[str, float],
 ) -> dict[str, Any]:
     """Play ``trace`` (tier-1 requests, lengths already scaled) under ``policy``."""
-    elastic = policy == "elastic"
+    elastic = policy != "shared today"
     with tempfile.TemporaryDirectory(prefix="vqt3") as base:
         run_dir = Path(base) / "run"
         daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
@@ -68,7 +71,7 @@ def play(
                     for name in names:
                         reserve = int(budget_tokens * reserves[name]) * BYTES_PER_TOKEN
                         admin.call("model_set", model=name, reserve=reserve, create=True)
-            reserve_mode = "on-demand" if elastic else "full"
+            reserve_mode = "on-demand" if policy == "elastic" else "full"
             for name in names:
                 worker = WorkerProcess(
                     MODEL,
@@ -104,6 +107,7 @@ def play(
                 threads.append(thread)
             for thread in threads:
                 thread.join(300)
+            seconds = time.monotonic() - start
             stats = [request_json(w.url, "GET", "/v1/stats").body for w in workers]
             with AdminClient(run_dir, timeout=5.0) as admin:
                 reclaim = admin.call("budget")["reclaim"]
@@ -113,7 +117,13 @@ def play(
                 if worker.process is not None:
                     worker.stop()
             daemon.stop()
-    return {"played": played, "stats": stats, "reclaim": reclaim, "audit": audit}
+    return {
+        "played": played,
+        "stats": stats,
+        "reclaim": reclaim,
+        "audit": audit,
+        "seconds": seconds,
+    }
 
 
 def _one(url: str, request: Any, outcome: Played) -> None:
@@ -142,7 +152,7 @@ def tier3(
         f"tier 3 (real vqpoold + 3 vqpool-workers on {MODEL}, lengths / {LENGTH_SCALE}, budget "
         f"{budget_tokens} tokens, {len(trace)} requests, TTFT objective {TTFT_OBJECTIVE:g} s):"
     )
-    for policy in ("elastic", "shared today"):
+    for policy in ("elastic", "elastic full", "shared today"):
         result = play(policy, trace, names, budget_tokens, reserves)
         played: list[Played] = result["played"]
         met = sum(1 for p in played if p.ok and p.ttft is not None and p.ttft <= TTFT_OBJECTIVE)
@@ -153,6 +163,8 @@ def tier3(
         failed = sum(1 for p in played if not p.ok)
         preemptions = sum(int(s["preemptions"]) for s in result["stats"])
         exhaustions = sum(int(s["exhaustions"]) for s in result["stats"])
+        tokens = sum(int(s["completion_tokens"]) for s in result["stats"])
+        seconds = result["seconds"]
         reclaim = result["reclaim"]
         latency = "none"
         if reclaim["latency_p50_s"] is not None:
@@ -161,7 +173,9 @@ def tier3(
         median = statistics.median([p.ttft for p in played if p.ttft is not None] or [0.0])
         print(
             f"  {policy:<13} attainment {met / len(played):.3f}, failed {failed}, TTFT median "
-            f"{median:.3f} s, p99 TTFT (s): {', '.join(p99s)}; preemptions {preemptions}, "
+            f"{median:.3f} s, p99 TTFT (s): {', '.join(p99s)}; tokens {tokens} in "
+            f"{seconds:.1f} s ({tokens / seconds:.0f}/s); preemptions {preemptions} "
+            f"({preemptions / seconds:.1f}/s), "
             f"ended for lack of blocks {exhaustions}; reclaims asked {reclaim['asked']}, "
             f"answered {reclaim['answered']}, late {reclaim['late']}, latency {latency}; "
             f"audit blocks in use {result['audit']['blocks_in_use']}"

@@ -148,12 +148,15 @@ class ClientTally:
     ok: int = 0
     refused: int = 0  # 503: waited --queue-timeout in the worker's queue
     failed: list[str] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)  # seconds to the first token, streamed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def one_request(url: str, model: str, rng: random.Random, stream: bool, max_tokens: int) -> None:
-    """One chat request for ``model`` of up to ``max_tokens``; raises on anything but a
-    complete answer."""
+def one_request(
+    url: str, model: str, rng: random.Random, stream: bool, max_tokens: int
+) -> float | None:
+    """One chat request for ``model`` of up to ``max_tokens``; its time to first token when
+    streamed; raises on anything but a complete answer."""
     words = rng.randint(4, 30)
     topic = rng.choice(TOPICS)
     body = {
@@ -163,13 +166,20 @@ def one_request(url: str, model: str, rng: random.Random, stream: bool, max_toke
         "temperature": 0.7,
     }
     if stream:
-        events = list(stream_events(url, "/v1/chat/completions", body))
+        sent = time.monotonic()
+        ttft = None
+        events = []
+        for event in stream_events(url, "/v1/chat/completions", body):
+            if ttft is None and event["choices"][0].get("delta", {}).get("content"):
+                ttft = time.monotonic() - sent
+            events.append(event)
         if not events or events[-1]["choices"][0]["finish_reason"] is None:
             raise RuntimeError("the stream ended without a finish_reason")
-        return
+        return ttft
     reply = request_json(url, "POST", "/v1/chat/completions", body)
     if reply.status != 200:
         raise HttpStatusError(reply)
+    return None
 
 
 def client_loop(
@@ -179,9 +189,11 @@ def client_loop(
     n = 0
     while time.monotonic() < until:
         try:
-            one_request(url, model, rng, stream=n % 2 == 0, max_tokens=max_tokens)
+            ttft = one_request(url, model, rng, stream=n % 2 == 0, max_tokens=max_tokens)
             with tally.lock:
                 tally.ok += 1
+                if ttft is not None:
+                    tally.ttfts.append(ttft)
         except HttpStatusError as exc:
             with tally.lock:
                 if exc.reply.status == 503:  # the front door's or the worker's
@@ -322,8 +334,11 @@ def summary(
         "peak bytes",
         "waits",
         "preempted",
+        "by reclaim",
+        "held",
         "exhaustions",
         "503s",
+        "p99 TTFT",
     ]
     rows: list[list[object]] = []
     for model in workers:
@@ -344,21 +359,34 @@ def summary(
                 human_bytes(stats["peak_bytes"]),
                 stats["waits"],
                 stats["preemptions"],
+                stats["reclaim_preemptions"],
+                stats["held_for_growth"],
                 stats["exhaustions"],
                 tallies[model].refused,
+                _p99_seconds(tallies[model].ttfts),
             ]
         )
     print("\nPer model (bytes share: of the bytes held while both models wanted memory, mean")
     print(f"over {shares.samples} samples; decode share: of the workers' decode time;")
     print("tokens/s: generated tokens per busy second of the worker; blocks count K and V")
     print("blocks apart; waits: requests that queued for memory; preempted: requests that gave")
-    print("way, to their own model's growth or to a reclaim, and were resumed):\n")
+    print("way, to their own model's growth or to a reclaim, and were resumed; by reclaim:")
+    print("those for a reclaim ask; held: admissions held until the running requests' next")
+    print("growth could be backed, with --reserve on-demand; p99 TTFT: of the streamed")
+    print("requests, as their clients measured it):\n")
     print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
     per_stream = ", ".join(
         f"{r['stream']}: {r['retired']} retired, {r['n_total']} left" for r in shrink
     )
     print(f"\nShrink (vqpoolctl shrink): {retired} blocks retired ({per_stream})")
+
+
+def _p99_seconds(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.2f}s"
 
 
 # The demo's pool is small on purpose, so its preemption rate is high: on a 2-vCPU box runs of
@@ -390,8 +418,9 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
         )
         preemptions = (
             f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}. A request grows its memory on\n"
-            "demand; when the pool is full, the newest request gives way and is recomputed later,\n"
-            "with identical tokens: it is delayed, not cut."
+            "demand; a request starts only once the running ones' next growth is backed, and when\n"
+            "the pool is full the request cheapest to recompute gives way and resumes later from\n"
+            "its cached prompt, with identical tokens: it is delayed, not cut."
         )
     weights = (
         "Weights govern memory, not CPU: the bytes share leans to the weights while both models\n"

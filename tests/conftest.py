@@ -4,6 +4,8 @@
 * ``daemon``: a vqpoold on ``run_dir`` with a 256-block pool and a 1 s lease.
 * ``start_daemon``: a factory for daemons with other options (stopped afterwards).
 * ``start_worker``: a factory for worker processes on a run directory (stopped afterwards).
+* ``pooled``: a factory of pooled caches of ``builtin:llama``: ``pooled(n_blocks)`` gives a
+  ``PooledCacheSource`` on a fresh daemon with that many blocks, and the daemon.
 * ``make_pool``: parametrized over "local" and "remote": ``make_pool(PoolConfig(...))`` gives a
   BlockPoolAllocator or a PoolClient on a fresh daemon with that configuration, so one test
   checks that both behave the same.
@@ -17,7 +19,10 @@ from pathlib import Path
 import pytest
 from daemon_harness import AgentProcess, daemon_args_for, remove_tree, short_tmpdir
 from vqpool.shared import BlockPool, BlockPoolAllocator, PoolConfig
+from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import LoadedModel, load_model
+from vqpool.worker.pool.client import PoolClient
+from vqpool.worker.run_worker import open_pool
 from vqpool.worker.testing.launch import DaemonProcess
 from vqpool.worker.testing.model_dirs import write_model_dir
 
@@ -49,6 +54,24 @@ def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
         daemon.stop()
         if base is not None:
             remove_tree(base)
+
+
+@pytest.fixture
+def pooled(
+    start_daemon: Callable[..., DaemonProcess],
+) -> Iterator[Callable[[int], tuple[PooledCacheSource, DaemonProcess]]]:
+    model = load_model("builtin:llama").model
+    pools: list[PoolClient] = []
+
+    def make(n_blocks: int) -> tuple[PooledCacheSource, DaemonProcess]:
+        daemon = start_daemon("--n-blocks", str(n_blocks))
+        pool, source = open_pool(str(daemon.run_dir), "pooled", model, 5.0)
+        pools.append(pool)
+        return source, daemon
+
+    yield make
+    for pool in pools:
+        pool.close()
 
 
 @pytest.fixture

@@ -1,13 +1,14 @@
 """Preemption instead of failing, through a live vqpoold: when the pool refuses a growth step the
-newest request gives way (its blocks back), waits at the head of the queue, and on resume its KV
-is recomputed; its client sees one response whose greedy tokens and logprobs equal a run that
-was never preempted, streamed or not, and no request ends early because the pool was short."""
+request cheapest to recompute gives way (its blocks back), waits at the head of the queue, and
+on resume its KV is recomputed; its client sees one response whose greedy tokens and logprobs
+equal a run that was never preempted, streamed or not, and no request ends early because the
+pool was short."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +18,6 @@ from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
-from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 from vqpool.worker.testing.http_client import stream_events
 from vqpool.worker.testing.launch import DaemonProcess
@@ -26,26 +26,10 @@ LLAMA = "builtin:llama"
 MODEL = load_model(LLAMA).model
 BLOCK = 16  # token slots per block (the daemon's default)
 # Alone, each fits 8 blocks per stream (65 and 83 slots: 5 and 6 blocks); together, padded to
-# the longer row, they outgrow it after ~40 tokens: the newer one is preempted.
+# the longer row, they outgrow it after ~40 tokens: the short one, cheaper to recompute (no
+# prompt cache: its prompt and generated tokens) with as many steps left, is preempted.
 SHORT = [1 + (j * 3) % 200 for j in range(5)]
 LONG = [1 + (7 + j * 3) % 200 for j in range(23)]
-
-
-@pytest.fixture
-def pooled(
-    start_daemon: Callable[..., DaemonProcess],
-) -> Iterator[Callable[[int], tuple[PooledCacheSource, DaemonProcess]]]:
-    pools: list[PoolClient] = []
-
-    def make(n_blocks: int) -> tuple[PooledCacheSource, DaemonProcess]:
-        daemon = start_daemon("--n-blocks", str(n_blocks))
-        pool, source = open_pool(str(daemon.run_dir), "preempt", MODEL, 5.0)
-        pools.append(pool)
-        return source, daemon
-
-    yield make
-    for pool in pools:
-        pool.close()
 
 
 def run(
@@ -69,10 +53,12 @@ def run(
         headroom_slots=BLOCK,
     )
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for job in jobs:
-            scheduler.submit(job)
         results = []
         for job in jobs:
             tokens: list[ScoredToken] = []
@@ -99,7 +85,7 @@ def test_preempted_requests_resume_with_identical_tokens_and_logprobs(pooled: An
     assert_nothing_left(big, big_daemon)
     source, daemon = pooled(16)  # 8 blocks per stream
     results, jobs, stats = run(source, specs, max_concurrent=2)
-    assert stats["preemptions"] >= 1 and jobs[1].preemptions >= 1
+    assert stats["preemptions"] >= 1 and jobs[0].preemptions >= 1 and jobs[1].preemptions == 0
     assert stats["exhaustions"] == 0
     for (tokens, end), (ref_tokens, _), (_, n) in zip(results, alone, specs, strict=True):
         # Nothing ended early for lack of blocks; nothing was sent twice.
@@ -111,13 +97,13 @@ def test_preempted_requests_resume_with_identical_tokens_and_logprobs(pooled: An
 
 
 def test_a_preempted_request_resumes_at_the_head_of_the_queue(pooled: Any) -> None:
-    # The third request waits behind the two running ones; the newer of those is preempted
-    # and starts again (a new cache, a new owner id) before the third starts at all.
+    # The third request waits behind the two running ones; the cheaper of those (the short
+    # one) is preempted and starts again (a new cache, a new owner id) before the third starts.
     source, daemon = pooled(16)
     specs = [(SHORT, 60), (LONG, 60), (SHORT[:3], 10)]
     results, jobs, _ = run(source, specs, max_concurrent=2)
     # Owner ids are numbered in start order: the second's second start was the third start.
-    assert jobs[1].preemptions == 1 and jobs[1].owner == "p-3"
+    assert jobs[0].preemptions == 1 and jobs[0].owner == "p-3"
     assert jobs[2].owner is not None and int(jobs[2].owner.rsplit("-", 1)[1]) >= 4
     assert all(end.finish_reason == "length" and end.detail is None for _, end in results)
     assert [len(tokens) for tokens, _ in results] == [n for _, n in specs]
@@ -165,10 +151,14 @@ def _completion(stack: ServingStack, prompt: list[int], stream: bool) -> tuple[l
 
 @pytest.fixture(scope="module")
 def small_pool_stack() -> Iterator[ServingStack]:
+    # --reserve prompt: with on-demand, the newer request would not start beside the older one
+    # until the older one's next growth is backed (test_growth_on_demand.py), and nothing would
+    # be preempted. The newer one is the one preempted: its prompt (a block or more) is in the
+    # prompt cache, and it generated fewer tokens than the older one: less to recompute.
     stack = ServingStack(
         [LLAMA],
         daemon_args=("--n-blocks", "16", "--lease", "1"),
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "30", "--reserve", "prompt"],
     ).start()
     yield stack
     stack.stop()

@@ -123,10 +123,12 @@ def run_jobs(
         **SCHEDULER_SETTINGS,
     )
     jobs = [GenerationJob(p, n, sampling=s) for p, n, s in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
     scheduler.start()
     try:
-        for job in jobs:
-            scheduler.submit(job)
         return [tokens_to_the_end(job) for job in jobs], jobs
     finally:
         scheduler.stop()
@@ -217,20 +219,21 @@ def pooled(
 
 def test_a_preempted_row_resumes_with_the_same_history_and_random_stream(pooled: Any) -> None:
     # test_preemption's pair: together, padded to the longer row, they outgrow 8 blocks per
-    # stream after ~40 tokens and the newer one is preempted, then resumed with its generated
-    # tokens as prompt; its processors and its seeded sampler go on as if nothing happened.
+    # stream after ~40 tokens and the short one (cheaper to recompute) is preempted, then
+    # resumed with its generated tokens as prompt; its processors and its seeded sampler go on
+    # as if nothing happened.
     short = [1 + (j * 3) % 200 for j in range(5)]
     long = [1 + (7 + j * 3) % 200 for j in range(23)]
     fields = {"temp": 0.9, "frequency_penalty": 0.6, "frequency_context_size": 100}
     specs = [
-        (short, 60, params_of(PROCESSORS["all"])),
-        (long, 60, params_of({**fields, "seed": 5})),
+        (long, 60, params_of(PROCESSORS["all"])),
+        (short, 60, params_of({**fields, "seed": 5})),
     ]
     results, jobs = run_jobs(pooled(16), specs, max_concurrent=2, reserve="on-demand")
     assert jobs[1].preemptions >= 1
     assert results == [
-        mlx_tokens(short, 60, PROCESSORS["all"]),
-        mlx_tokens(long, 60, fields, seed=5),
+        mlx_tokens(long, 60, PROCESSORS["all"]),
+        mlx_tokens(short, 60, fields, seed=5),
     ]
 
 

@@ -65,7 +65,7 @@ def test_demo_short_runs_end_to_end() -> None:
         assert re.search(rf"{model} +loaded +\d+ +http://\S+ +0 +0 +1 +0 ", out), out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("builtin:")]
     # model, reserve (2 words), weight, weight/bytes/decode shares, requests, tokens, ...
-    summary = {row[0]: row for row in rows if len(row) == 17}
+    summary = {row[0]: row for row in rows if len(row) == 20}
     assert set(summary) == {"builtin:llama", "builtin:qwen3"}
     assert "bytes share" in out and "decode share" in out
     for row in summary.values():
@@ -73,12 +73,14 @@ def test_demo_short_runs_end_to_end() -> None:
         assert all(re.fullmatch(r"\d+%|-", share) for share in row[4:7]), row
         assert int(row[7]) > 0 and int(row[8]) > 0  # requests, tokens
     assert summary["builtin:llama"][4] == "67%" and summary["builtin:qwen3"][4] == "33%"
-    assert all(int(row[14]) >= 0 for row in summary.values())  # preempted
+    assert all(int(row[14]) >= int(row[15]) >= 0 for row in summary.values())  # by reclaim
+    assert all(int(row[16]) >= 0 for row in summary.values())  # held
+    assert all(re.fullmatch(r"[\d.]+s|-", row[19]) for row in summary.values())  # p99 TTFT
     preemptions = re.search(r"Preemptions under load: (\d+) \([\d.]+/s over [\d.]+s\)", out)
     assert preemptions, out
     # The summary says what the counts mean, then what to try next, and ends there.
     assert re.search(r"Preemptions: [\d.]+/s is (normal|more than)", out), out
-    assert "the newest request gives way and is recomputed later" in out
+    assert "the request cheapest to recompute gives way" in out
     assert "Weights govern memory, not CPU" in out
     assert "not expected to\nfollow the weights" in out
     lines = out.rstrip().splitlines()

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
 from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
@@ -171,6 +172,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         lost_owners=None if pool is None else pool.lost_owners,
         prefill_step_size=args.prefill_step_size,
         prompt_cache=prompt_cache,
+        block_size=DEFAULT_BLOCK_SIZE if pool is None else pool.config.block_size,
     )
     if prompt_cache is not None:
         prompt_cache.report()

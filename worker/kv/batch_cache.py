@@ -112,25 +112,27 @@ class RowBlocks:
         """
         self.adopt(n_slots, self.take(n_slots))
 
-    def grow(self, n_slots: int, wait: float = 0.0) -> None:
+    def grow(self, n_slots: int, wait: float = 0.0, reclaim: bool = True) -> None:
         """Hold blocks covering at least ``n_slots`` slots of the batch (its padding included);
         :meth:`shrink_to` may give them back. ``wait`` > 0 may wait that long at the daemon,
-        after the immediate tries (and the prompt cache's memory) failed.
+        after the immediate tries (and the prompt cache's memory, unless not ``reclaim``)
+        failed.
 
         Raises:
             BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
         """
-        taken = self.take(n_slots, wait, growth=True)
+        taken = self.take(n_slots, wait, growth=True, reclaim=reclaim)
         if taken is not None:
             self._hold(taken)
 
     def take(
-        self, n_slots: int, wait: float = 0.0, growth: bool = False
+        self, n_slots: int, wait: float = 0.0, growth: bool = False, reclaim: bool = True
     ) -> tuple[list[Block], list[Block]] | None:
         """Allocate the blocks ``n_slots`` slots still need (None when none), for :meth:`adopt`;
         any thread may call it. ``wait`` > 0 may wait that long at the daemon: an admission
         waits from its first try; a ``growth`` tries at once first, and waits only for the
-        blocks it needs (no extra) once the prompt cache could not make room."""
+        blocks it needs (no extra) once the prompt cache could not make room. Not ``reclaim``:
+        the prompt cache is left alone (a growth ahead of need takes free memory only)."""
         if self.released:
             raise RuntimeError(f"RowBlocks {self.owner!r}: released; make a new one")
         bs = self.layout.block_size
@@ -149,8 +151,10 @@ class RowBlocks:
                     return self._allocate(missing, first_wait, flag)
             # Cached memory goes before a request waits, is refused or gives way.
             layout = self.layout
-            freed = self.reclaim is not None and self.reclaim(
-                missing * (layout.k_block_bytes + layout.v_block_bytes)
+            freed = (
+                reclaim
+                and self.reclaim is not None
+                and self.reclaim(missing * (layout.k_block_bytes + layout.v_block_bytes))
             )
             if not freed and not (growth and wait > 0):
                 raise
@@ -291,10 +295,13 @@ class PooledBatch:
         """Block ids the rows hold (K and V counted apart)."""
         return sum(row.n_block_ids for row in self.rows)
 
-    def ensure(self, n_slots: int, deadline: float | None = None) -> list[int]:
+    def ensure(
+        self, n_slots: int, deadline: float | None = None, reclaim: bool = True
+    ) -> list[int]:
         """Make the buffers at least ``n_slots`` long, every row's blocks first. With a
         ``deadline`` (monotonic), a row's growth may wait at the daemon until then (the rows
-        share it: the caller blocks until ``deadline`` at most, plus round trips).
+        share it: the caller blocks until ``deadline`` at most, plus round trips). Not
+        ``reclaim``: a refused growth does not take the prompt cache's memory.
 
         Returns the indices of the rows the pool could not grow; then nothing else changed
         except that rows which could grow hold their new blocks. The caller takes the failed
@@ -307,7 +314,7 @@ class PooledBatch:
             if row.capacity < n_slots:
                 wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    row.grow(n_slots, wait)
+                    row.grow(n_slots, wait, reclaim)
                 except BlockPoolExhaustedError:
                     failed.append(i)
         if failed:

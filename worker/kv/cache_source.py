@@ -10,11 +10,12 @@ mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 * ``reserve(cache, n_tokens)``: make sure the request's first ``n_tokens`` slots are backed
   before its prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it
   has too few, nothing changed; stock: nothing to do).
-* ``grow(batch_cache, n_slots, deadline)``: before a batched step, make the batch's buffers
-  cover ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
+* ``grow(batch_cache, n_slots, deadline, reclaim)``: before a batched step, make the batch's
+  buffers cover ``n_slots`` slots; returns the rows the pool could not grow (pooled: see
   ``worker/kv/batch_cache.py``; stock: ``BatchKVCache`` grows inside the step, nothing to do).
   With a ``deadline`` (monotonic) a growth may wait at the daemon until then; ``growth_wait``
-  is the seconds a step may spend so (0 without a daemon).
+  is the seconds a step may spend so (0 without a daemon). Not ``reclaim``: free memory only
+  (a growth ahead of need leaves the prompt cache alone).
 * ``release(cache)``: give everything back (pooled: ``free_all``); the request's row of a batch
   is released when the batch drops it.
 * ``n_blocks()`` / ``nbytes()``: what this worker holds now, for its stats.
@@ -77,7 +78,11 @@ class CacheSource(Protocol):
     def growth_wait(self) -> float: ...
 
     def grow(
-        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+        self,
+        batch_cache: list[Any],
+        n_slots: int,
+        deadline: float | None = None,
+        reclaim: bool = True,
     ) -> list[int]: ...
 
     def release(self, cache: list[Any]) -> None: ...
@@ -177,12 +182,16 @@ class PooledCacheSource:
         return self._growth_wait if self.waits else 0.0
 
     def grow(
-        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+        self,
+        batch_cache: list[Any],
+        n_slots: int,
+        deadline: float | None = None,
+        reclaim: bool = True,
     ) -> list[int]:
         batch = batch_of(batch_cache)
         assert batch is not None, "a pooled source's batch is a PooledBatchKVCache"
         self._batches.add(batch)
-        return batch.ensure(n_slots, deadline)
+        return batch.ensure(n_slots, deadline, reclaim)
 
     def release(self, cache: list[Any]) -> None:
         row = _row(cache)
@@ -284,7 +293,11 @@ class StockCacheSource:
     growth_wait = 0.0  # no daemon to wait at
 
     def grow(
-        self, batch_cache: list[Any], n_slots: int, deadline: float | None = None
+        self,
+        batch_cache: list[Any],
+        n_slots: int,
+        deadline: float | None = None,
+        reclaim: bool = True,
     ) -> list[int]:
         self._batch_layers.update(batch_cache)
         return []  # BatchKVCache grows inside the step

@@ -182,6 +182,16 @@ class PromptCache:
             self._drop_lost()
             return self._match(tokens, len(tokens) - 1)[1]
 
+    def touch(self, tokens: Sequence[int]) -> None:
+        """Make the entry :meth:`reuse` would take for ``tokens`` the most recently used: a
+        preempted request about to resume reserves its memory first, and a refused reservation
+        takes the other entries before the one it is about to reuse."""
+        with self._lock:
+            self._drop_lost()
+            entry, _ = self._match(tokens, len(tokens) - 1)
+            if entry is not None:
+                self._lru.move_to_end(entry.number)
+
     def reuse(self, prompt: Sequence[int], cache: Sequence[Any]) -> int:
         """Copy the longest cached prefix of ``prompt`` into ``cache`` (a fresh per-layer mlx-lm
         cache list, empty, backed for the prompt) and return its length in tokens (0: a miss).

@@ -15,11 +15,19 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   writes cover the slots it writes (the pool's blocks for every row, padding included). When
   the pool cannot grow a row, the started job (in the batch or in its prefill) that the
   preemption policy names gives way (:meth:`PreemptionPolicy.growth_victim
-  <vqpool.worker.sched.preemption.PreemptionPolicy.growth_victim>`: the most recently admitted):
-  it is taken out and reported as preempted (its blocks are back), and growth is tried again; a
-  row the pool cannot grow while its job is the only one started is taken out and reported as
-  evicted. Joining grows both sides first, the same way (the newcomer is usually the one that
-  gives way).
+  <vqpool.worker.sched.preemption.PreemptionPolicy.growth_victim>`: the cheapest to recompute
+  that is not about to finish): ``on_preempt`` sees its row first (the scheduler keeps its
+  prompt's KV for the prompt cache), then it is taken out and reported as preempted (its
+  blocks are back), and growth is tried again; a row the pool cannot grow while its job is the
+  only one started is taken out and reported as evicted. Joining grows both sides first, the
+  same way (the newcomer, with little computed yet, is usually the one that gives way).
+* **Growing ahead** (:meth:`ContinuousBatch.back_ahead`): before the scheduler starts another
+  request beside the batch's rows, it has their next slots backed
+  (:mod:`vqpool.worker.sched.growth_forecast`); a refusal preempts nobody. With ``look_ahead``,
+  a decode step whose next slot crosses the rows' blocks first asks for that many slots ahead
+  from free memory (one pool call per row for several blocks instead of one per block: each
+  is a round trip to the daemon on the generation thread); refused, it grows by one slot as
+  before.
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
   input, and it may make ``max_tokens - len(generated)`` more tokens.
@@ -48,6 +56,7 @@ from mlx_lm.generate import (
     StopSequences,
     greedy_sampler,
 )
+from vqpool.worker.kv.batch_cache import batch_of
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.sched.preemption import PreemptionPolicy
 from vqpool.worker.sched.sampling import Sampler, logits_processors, row_sampler
@@ -112,6 +121,9 @@ class ContinuousBatch:
             batch that share a prefix with them, :meth:`row_kv`).
         preemption: Who gives way when the pool refuses a growth (the scheduler's policy;
             None: one of its own over ``source``).
+        on_preempt: Called with a job about to give way to a refused growth while its row is
+            still in the batch (:meth:`row_kv` is valid).
+        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None: one).
     """
 
     def __init__(
@@ -123,8 +135,12 @@ class ContinuousBatch:
         prefill_step_size: int,
         on_prefill_start: Callable[[Any, list[int]], None] | None = None,
         preemption: PreemptionPolicy | None = None,
+        on_preempt: Callable[[Any], None] | None = None,
+        look_ahead: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
+        self.on_preempt = on_preempt
+        self.look_ahead = look_ahead
         self.preemption = preemption or PreemptionPolicy(source.fits_alone)
         self.on_prefill_start = on_prefill_start
         self.source = source
@@ -173,6 +189,30 @@ class ContinuousBatch:
                 return batch.extract_cache(i), list(batch.tokens[i])
         return None
 
+    def in_batch(self, job: Any) -> bool:
+        """Whether ``job`` has a row in the batch (it is prefilled and decoding)."""
+        return any(other is job for other in self._by_uid.values())
+
+    def used_slots(self) -> int:
+        """Slots the batch's rows use now (padding included; 0 with no row)."""
+        batch = self._generation
+        return batch.prompt_cache[0].size() if len(batch) else 0
+
+    def back_ahead(self, n_slots: int) -> bool:
+        """Have every row of the batch backed for ``n_slots`` slots, from free memory only
+        (without waiting, taking the prompt cache's memory or preempting anyone); False when
+        the pool refused a row (rows that got blocks keep them: they grow into them). True
+        with an empty batch."""
+        batch = self._generation
+        if not len(batch):
+            return True
+        try:
+            failed = self.source.grow(batch.prompt_cache, n_slots, reclaim=False)
+        except Exception as exc:
+            log.warning("backing the batch's next growth failed: %s", exc)
+            return False
+        return not failed
+
     def leave(self, job: Any) -> None:
         """Take ``job`` out of the batch or the prefill queue, if it is there. Before the
         filter, the batch's ``extract_cache`` and ``tokens`` of its row are still valid (for a
@@ -206,6 +246,11 @@ class ContinuousBatch:
         if not len(batch):
             return
         # The step writes the batch's next slot: back it before the forward pass.
+        if self.look_ahead is not None:
+            next_slot = batch.prompt_cache[0].size() + 1
+            pooled = batch_of(batch.prompt_cache)
+            if pooled is not None and pooled.length < next_slot:
+                self.back_ahead(next_slot + self.look_ahead())
         if not self._grow(
             lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome
         ):
@@ -349,6 +394,8 @@ class ContinuousBatch:
                     outcome.evicted.append(rows[i])
                 return False
             if victim is not joining:
+                if self.on_preempt is not None:
+                    self.on_preempt(victim)
                 self.leave(victim)
             outcome.preempted.append(victim)
             if victim is prefilling or victim is joining:

@@ -11,20 +11,28 @@ next input (as mlx-lm continues a sequence), so its next tokens are those it wou
 The decisions are :class:`PreemptionPolicy`'s, which the continuous batch and the scheduler
 ask; they carry them out:
 
-* **The victim** of a refused growth is the most recently admitted started request
-  (:meth:`PreemptionPolicy.growth_victim`; a request keeps its first admission's rank when it
-  resumes, so a resumed request does not become everybody's victim). With no other started
-  request to give way, the one refused is taken out of the batch; it is preempted if it could
-  fit alone (another model or a reclaim took the room) and ends only if it never can
-  (:meth:`PreemptionPolicy.preempts_alone`).
-* **A reclaim ask** preempts the running requests newest first until its bytes are freed
+* **The victim** of a refused growth is the cheapest started request to give way
+  (:meth:`PreemptionPolicy.growth_victim`, :func:`victim_order`): the fewest tokens to
+  recompute on resume (``recompute_cost``: a request still in its prefill loses only what it
+  prefilled, a row in the batch what the prompt cache will not give back), then the furthest
+  from finishing (its ``max_tokens``), then the most recently admitted. A request within
+  :data:`NEAR_FINISH_STEPS` steps of its ``max_tokens`` gives way only when every candidate is,
+  and so does one resumed less than a block of tokens ago (no ping-pong: it paid a recompute
+  already). With no other started request to give way, the one refused is taken out of the
+  batch; it is preempted if it could fit alone (another model or a reclaim took the room) and
+  ends only if it never can (:meth:`PreemptionPolicy.preempts_alone`).
+* **A reclaim ask** preempts running requests in the same order until its bytes are freed
   (:meth:`PreemptionPolicy.reclaim_victim`), after the prompt cache gave what it could.
 * **Where it waits**: the head of the queue (:meth:`PreemptionPolicy.requeue_position`),
   except behind an admission parked at the daemon: the daemon serves a model's allocations in
   order, so that one is granted first anyway, and jumping it would leave its grant unclaimed.
-* **No churn**: after a preemption the scheduler starts nothing until one of its running
-  requests ends or none runs (:meth:`PreemptionPolicy.admits`): a request that just gave way
-  would else be restarted at once, prefilled, and preempted again.
+* **No churn (no ping-pong)**: a preemption (a refused growth or a reclaim ask: the pool, or
+  the model's share of the budget, holds fewer rows than ran) sets a window: the scheduler runs
+  at most as many requests as were left running (:meth:`PreemptionPolicy.admits`; at least
+  one), and the window opens by one each time a request ends with no preemption since it last
+  moved (:meth:`PreemptionPolicy.ended`). Without it the request that just gave way would be
+  restarted as soon as one ended, prefilled, and preempted again: a model above its share
+  whose growth was refused would be refilled at once to be refused again.
 * **Reclaim asks** reach the generation thread through a :class:`ReclaimDesk`: the reclaim
   listener's thread hands the bytes wanted over and waits until the next step boundary has
   preempted enough (or the deadline passed).
@@ -38,33 +46,60 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+NEAR_FINISH_STEPS = 8
+"""A request this few steps from its ``max_tokens`` is not preempted while another can be."""
 
-def most_recently_admitted(jobs: Sequence[Any]) -> Any:
-    """The job with the highest ``admission`` rank (the newest first admission)."""
-    return max(jobs, key=lambda job: job.admission)
+
+def recompute_everything(job: Any) -> int:
+    """The recompute cost of a job with no prompt cache: its prompt and generated tokens."""
+    return len(job.prompt) + len(job.generated)
+
+
+def victim_order(
+    recompute_cost: Callable[[Any], int], block_size: int
+) -> Callable[[Any], tuple[int, int, int, int]]:
+    """The sort key of candidates to give way, the first the cheapest (module docstring).
+    Jobs need ``prompt``, ``generated``, ``max_tokens``, ``admission``, ``preemptions`` and
+    ``resumed_from`` (how many tokens it had generated at its last preemption)."""
+
+    def key(job: Any) -> tuple[int, int, int, int]:
+        steps_left = job.max_tokens - len(job.generated)
+        just_resumed = job.preemptions > 0 and len(job.generated) - job.resumed_from < block_size
+        protected = steps_left <= NEAR_FINISH_STEPS or just_resumed
+        return (int(protected), recompute_cost(job), -steps_left, -job.admission)
+
+    return key
 
 
 class PreemptionPolicy:
-    """Every preemption decision of one scheduler (see the module docstring). Jobs need
-    ``admission`` (their first admission's rank) and, queued, ``parked``. Generation-thread
-    only.
+    """Every preemption decision of one scheduler (see the module docstring). Jobs need what
+    :func:`victim_order` reads and, queued, ``parked``. Generation-thread only.
 
     Args:
         fits_alone: Whether a job of that many token slots could fit the pool (or the
             model's share of the budget) with nothing else of this worker running.
+        recompute_cost: Tokens a job would prefill again if it gave way now.
+        block_size: Token slots per block (a job resumed less than a block ago is spared).
     """
 
-    def __init__(self, fits_alone: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        fits_alone: Callable[[int], bool],
+        recompute_cost: Callable[[Any], int] = recompute_everything,
+        block_size: int = 16,
+    ) -> None:
         self._fits_alone = fits_alone
-        self._hold_below: int | None = None  # no job starts until fewer than this run
+        self._order = victim_order(recompute_cost, block_size)
+        self._window: int | None = None  # most jobs running since the last preemption
+        self._calm = False  # no preemption since the window last moved
 
     def growth_victim(self, started: Sequence[Any]) -> Any:
         """The pool refused to grow a started job: the job of ``started`` that gives way (the
-        most recently admitted), or None when fewer than two are started (the refused job is
-        taken out: no other job could give way)."""
+        first in :func:`victim_order`), or None when fewer than two are started (the refused
+        job is taken out: no other job could give way)."""
         if len(started) < 2:
             return None
-        return most_recently_admitted(started)
+        return min(started, key=self._order)
 
     def preempts_alone(self, n_slots: int) -> bool:
         """A job was taken out because the pool could not grow it while it was the only one
@@ -74,11 +109,11 @@ class PreemptionPolicy:
 
     def reclaim_victim(self, running: Sequence[Any], freed: int, wanted: int) -> Any:
         """For a reclaim ask of ``wanted`` bytes of which ``freed`` are given back so far: the
-        running job to preempt next (the most recently admitted), or None (enough is freed, or
-        none runs)."""
+        running job to preempt next (the first in :func:`victim_order`), or None (enough is
+        freed, or none runs)."""
         if not running or freed >= wanted:
             return None
-        return most_recently_admitted(running)
+        return min(running, key=self._order)
 
     def requeue_position(self, waiting: Sequence[Any]) -> int:
         """Where a preempted job goes in the waiting queue: the head, or just behind a head
@@ -86,18 +121,23 @@ class PreemptionPolicy:
         return 1 if waiting and waiting[0].parked else 0
 
     def preempted(self, running: int) -> None:
-        """A job was preempted; ``running`` jobs run now: hold admissions (:meth:`admits`)."""
-        if self._hold_below is None:
-            self._hold_below = running
-        else:
-            self._hold_below = min(self._hold_below, running)
+        """A job was preempted; ``running`` jobs run now: the window closes to that many."""
+        self._window = running if self._window is None else min(self._window, running)
+        self._calm = False
+
+    def ended(self) -> None:
+        """A running job ended (not preempted): the window opens by one if no preemption
+        came since it last moved."""
+        if self._window is None:
+            return
+        if self._calm:
+            self._window += 1
+        self._calm = True
 
     def admits(self, running: int) -> bool:
-        """Whether a job may start with ``running`` jobs running: after a preemption, only
-        once fewer than ran then run (one ended), or none does."""
-        if self._hold_below is not None and (running == 0 or running < self._hold_below):
-            self._hold_below = None
-        return self._hold_below is None
+        """Whether a job may start with ``running`` jobs running (the window; one may always
+        run)."""
+        return self._window is None or running < max(1, self._window)
 
 
 @dataclass(eq=False)

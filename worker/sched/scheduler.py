@@ -10,17 +10,21 @@ read its token ids from the job's event queue. One generation thread does the re
   (``{owner_prefix}-{n}``) and blocks are reserved before its prefill (``reserve``): with
   "on-demand" for its prompt plus ``headroom_slots`` (a block), with "prompt" for its prompt plus
   one token, with "full" for its prompt plus ``max_tokens``; it grows at block boundaries from there
-  (see Preemption). If the pool has too few free blocks, the head waits (and the jobs behind it too:
-  a long prompt is not starved by short ones); admission is retried every ``retry_interval``
-  seconds, since blocks may be freed by another worker, and at once when one of this worker's jobs
-  ends. With the daemon's pool (``source.waits``) the head instead asks the daemon once with
-  ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds) on the
-  :class:`~vqpool.worker.sched.admission.AdmissionWaiter` thread, so the daemon's fair queue decides
-  between models and workers, not who retries first; the generation thread keeps decoding and picks
-  the granted blocks up between steps. A job that can never fit its model's share of the budget (the
-  daemon's fit answer for prompt + ``max_tokens``) is refused at submit (:class:`NeverFitsError`,
-  HTTP 400). A job still waiting ``queue_timeout`` seconds after it was submitted ends as
-  ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue refuses at once.
+  (see Preemption). With "on-demand", a job starts beside running rows only once those rows are
+  backed for their next growth, a look-ahead sized from measured steps between rows ending
+  (:mod:`vqpool.worker.sched.growth_forecast`): else admissions are held (``held_for_growth``)
+  rather than set up a preemption a few steps later. If the pool has too few free blocks, the head
+  waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
+  retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
+  when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
+  asks the daemon once with ``wait`` (its remaining queue time, at most MAX_ALLOCATE_WAIT seconds)
+  on the :class:`~vqpool.worker.sched.admission.AdmissionWaiter` thread, so the daemon's fair queue
+  decides between models and workers, not who retries first; the generation thread keeps decoding
+  and picks the granted blocks up between steps. A job that can never fit its model's share of the
+  budget (the daemon's fit answer for prompt + ``max_tokens``) is refused at submit
+  (:class:`NeverFitsError`, HTTP 400). A job still waiting ``queue_timeout`` seconds after it was
+  submitted ends as ``rejected`` (the HTTP layer answers 503 with ``Retry-After``). A full queue
+  refuses at once.
 * **Decode, batched (continuous batching).** Every active job decodes in one batched forward
   pass per step (mlx-lm's ``GenerationBatch``: one token per job per step, left-padded rows,
   mlx-lm's pipelining: step n+1 is built before step n's tokens are read). Jobs join and leave
@@ -34,12 +38,14 @@ read its token ids from the job's event queue. One generation thread does the re
   :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
 * **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
-  most recently admitted started job gives way at the step boundary: its blocks go back, its
-  prompt and generated tokens are kept, and it waits at the head of the queue (no queue
-  timeout: it was admitted once); on resume its KV is recomputed by a prefill and it goes on
-  (the client sees one response; greedy tokens are those of a run never preempted). A reclaim
-  ask from the daemon (:meth:`Scheduler.give_back`) preempts the same way, newest first, until
-  the bytes asked are freed. A job the pool cannot grow while it is the only one started is
+  started job cheapest to recompute and not about to finish gives way at the step boundary: its
+  blocks go back, its prompt's KV goes into the prompt cache (taking free memory only, and given
+  back first when a growth is refused again), its prompt and generated tokens are kept, and it
+  waits at the head of the queue (no queue timeout: it was admitted once); on resume the
+  prompt cache gives its prompt back and only the rest is prefilled, and it goes on (the
+  client sees one response; greedy tokens are those of a run never preempted). A reclaim ask
+  from the daemon (:meth:`Scheduler.give_back`) preempts in the same order until the bytes
+  asked are freed. A job the pool cannot grow while it is the only one started is
   preempted too when it could fit alone (another model or a reclaim took the room), and ends
   for lack of blocks only when it never can (:meth:`Scheduler._evict_for_lack_of_blocks`).
 * **Ending.** A job ends on an EOS token (``stop``), at ``max_tokens`` (``length``), when the pool
@@ -92,12 +98,14 @@ from vqpool.shared.errors import (
     DaemonUnavailableError,
     OverBudgetError,
 )
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
+from vqpool.worker.sched.growth_forecast import GrowthForecast
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
@@ -178,8 +186,12 @@ class GenerationJob:
     deadline: float = 0.0
     n_generated: int = 0
     generated: list[int] = field(default_factory=list)
-    admission: int = 0  # rank of its first admission (the highest is preempted first)
+    admission: int = 0  # rank of its first admission (among equals, the newest gives way)
     preemptions: int = 0
+    resumed_from: int = 0  # tokens it had generated when it was last preempted
+    admission_slots: int = 0  # token slots its admission reserves (padding included)
+    kept_row: tuple[list[Any], list[int]] | None = None
+    """A copy of its row's KV and tokens while it gives way, for the prompt cache."""
     waited_for_blocks: bool = False
     retry_at: float = 0.0
     parked: bool = False
@@ -215,6 +227,8 @@ class Scheduler:
         prompt_cache: Reuses the KV of earlier requests (``worker/kv/prompt_cache.py``): looked up
             when a job's prefill starts (the prompts of running jobs sharing a prefix with it
             are stored then), stored when a job ends.
+        block_size: Token slots per pool block: the unit of the look-ahead of on-demand
+            admission (``growth_forecast.py``) and of what the prompt cache keeps.
     """
 
     def __init__(
@@ -233,6 +247,7 @@ class Scheduler:
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache: PromptCache | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
@@ -266,7 +281,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
-        self._preemption = PreemptionPolicy(source.fits_alone)
+        self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
+        self._forecast = GrowthForecast(block_size)
         self._batch = ContinuousBatch(
             model,
             source,
@@ -274,6 +290,8 @@ class Scheduler:
             prefill_step_size=prefill_step_size,
             on_prefill_start=self._reuse_cached_prefix,
             preemption=self._preemption,
+            on_preempt=self._keep_row,
+            look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
         )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
@@ -434,6 +452,8 @@ class Scheduler:
                 return
             if job.retry_at > time.monotonic():
                 return
+            if not self._growth_backed(job):
+                return
             try:
                 started = self._try_start(job)
             except Exception as exc:
@@ -448,6 +468,22 @@ class Scheduler:
                 return
             self._activate(job)
 
+    def _growth_backed(self, job: GenerationJob) -> bool:
+        """With on-demand reserves, whether the running rows are backed for their next growth
+        (:mod:`~vqpool.worker.sched.growth_forecast`) and for ``job``'s tokens, which pad them
+        when it joins, so that ``job`` may start beside them; when not, admissions are
+        held."""
+        if self.reserve != "on-demand":
+            return True
+        if self._forecast.holds(len(self._active)):
+            return False
+        joined = max(self._batch.used_slots(), len(job.prompt) + len(job.generated))
+        if self._batch.back_ahead(joined + self._forecast.look_ahead_slots()):
+            return True
+        self._forecast.hold(len(self._active))
+        self.stats.add(held_for_growth=1)
+        return False
+
     def _park_or_retry(self, job: GenerationJob) -> None:
         """The head cannot start now: wait at the daemon if it can, else retry soon."""
         now = time.monotonic()
@@ -459,7 +495,7 @@ class Scheduler:
         job.parked = True
         job.retry_at = job.deadline
         self._waiter.park(
-            job, job.cache, self._slots_for(job), min(job.deadline - now, MAX_ALLOCATE_WAIT)
+            job, job.cache, job.admission_slots, min(job.deadline - now, MAX_ALLOCATE_WAIT)
         )
 
     def _collect(self, job: GenerationJob) -> bool:
@@ -484,7 +520,7 @@ class Scheduler:
         else:
             assert job.cache is not None
             try:
-                self.source.adopt(job.cache, self._slots_for(job), admission.taken)
+                self.source.adopt(job.cache, job.admission_slots, admission.taken)
                 self._queue_prefill(job)
             except Exception as exc:
                 self._fail_start(job, exc)
@@ -535,14 +571,35 @@ class Scheduler:
             len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
         )
 
+    def _admission_slots(self, job: GenerationJob) -> int:
+        """What ``job``'s admission reserves: :meth:`_slots_for`, and with on-demand reserves
+        at least the batch's length when it will join (the batch's rows used now, one slot per
+        step of its prefill, and its first token: a row is padded to the batch's length), so
+        that its join does not make it, or a running row, give way at once. Not when that
+        could never fit alone (then joining is left to growth, as before)."""
+        slots = self._slots_for(job)
+        if self.reserve != "on-demand":
+            return slots
+        used = self._batch.used_slots()
+        if not used:
+            return slots
+        n_tokens = len(job.prompt) + len(job.generated)
+        joined = used + -(-n_tokens // self.prefill_step_size) + 1
+        if joined <= slots or not self.source.fits_alone(joined):
+            return slots
+        return joined
+
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
             job.cache = self._open_cache(job.owner)
+        if job.preemptions and self.prompt_cache is not None:
+            self.prompt_cache.touch([*job.prompt, *job.generated])
+        job.admission_slots = self._admission_slots(job)
         try:
-            self.source.reserve(job.cache, self._slots_for(job))
+            self.source.reserve(job.cache, job.admission_slots)
         except BlockPoolExhaustedError:
             return False
         self._queue_prefill(job)
@@ -607,6 +664,28 @@ class Scheduler:
             layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in kv]
             self.prompt_cache.store(list(tokens[:n]), layers)
 
+    def _keeps_prompts(self) -> bool:
+        return self.prompt_cache is not None and self.prompt_cache.max_bytes > 0
+
+    def _recompute_cost(self, job: GenerationJob) -> int:
+        """Tokens ``job`` would prefill again if it gave way now: in its prefill, what it
+        prefilled so far; in the batch, its prompt and generated tokens but a prompt of a block
+        or more, which the prompt cache keeps for its resume (:meth:`_keep_row`)."""
+        if not self._batch.in_batch(job):
+            return job.cache[0].size() if job.cache is not None else 0
+        tokens = len(job.prompt) + len(job.generated)
+        if not self._keeps_prompts():
+            return tokens
+        assert self.prompt_cache is not None
+        return tokens - (len(job.prompt) if len(job.prompt) >= self.prompt_cache.block_size else 0)
+
+    def _keep_row(self, job: GenerationJob) -> None:
+        """``job`` gives way to a refused growth: copy its row's KV, so that its prompt goes
+        into the prompt cache once its blocks are back (:meth:`_preempt`) and its resume
+        prefills only what the cache lacks."""
+        if self._keeps_prompts() and not job.prompt_stored:
+            job.kept_row = self._batch.row_kv(job)
+
     def _end_lost_jobs(self) -> None:
         """End the jobs whose owner the pool lost: their blocks are not theirs any more."""
         lost = self.lost_owners() if self.lost_owners is not None else None
@@ -640,6 +719,7 @@ class Scheduler:
         for job, reason, response in outcome.finished:
             self._row_finished(job, reason, response)
         self._n_steps += 1
+        self._forecast.stepped()
         if self._n_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         self._sample_memory()
@@ -700,10 +780,19 @@ class Scheduler:
         generated (module docstring); nothing is sent to its client."""
         self._batch.leave(job)
         self._release(job)
+        if job.kept_row is not None:
+            # Its blocks are back: the entry takes what is free, and goes first when a growth
+            # is refused again (cached memory before requests).
+            kv, _ = job.kept_row
+            job.kept_row = None
+            self._store_in_prompt_cache(job.prompt, kv)
+            job.prompt_stored = True
         if job in self._active:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
+        self._forecast.refused()
         job.preemptions += 1
+        job.resumed_from = len(job.generated)
         job.deadline = math.inf  # admitted once: the queue timeout is not for it
         job.retry_at = 0.0
         job.waited_for_blocks = False
@@ -724,6 +813,7 @@ class Scheduler:
         back entries, least recently used first, then the running jobs the preemption policy
         names (the newest first) are preempted until each ask's bytes are freed."""
         for ask in self._reclaims.take():
+            self._forecast.refused()
             # The prompt cache's blocks are the pool client's too: what it gives back shows in
             # held_bytes already, and is counted once.
             before = self.source.held_bytes()
@@ -736,6 +826,7 @@ class Scheduler:
                 if victim is None:
                     break
                 self._preempt(victim)
+                self.stats.add(reclaim_preemptions=1)
             ask.freed = max(0, before - self.source.held_bytes())
             ask.done.set()
 
@@ -783,6 +874,8 @@ class Scheduler:
         if job in self._active:
             self._active.remove(job)
             self.stats.set_active(len(self._active))
+            self._forecast.row_ended()
+            self._preemption.ended()
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
         job.events.put(

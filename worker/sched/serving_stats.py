@@ -19,6 +19,8 @@ _COUNTERS = (
     "waits",  # requests that had to wait for free blocks before starting
     "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
     "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
+    "reclaim_preemptions",  # of the preemptions, those that answered a reclaim ask
+    "held_for_growth",  # admissions held: the running rows' next growth could not be backed
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
     "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
     "ended_stop",

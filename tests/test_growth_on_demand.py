@@ -1,0 +1,189 @@
+"""Growth on demand through a live vqpoold (issue 30): another request starts beside running rows
+only once their next growth is backed (the look-ahead holds it otherwise, preempting nobody), a
+refused growth preempts the started request cheapest to recompute but never one about to
+finish, a preempted row's prompt comes back from the prompt cache on its resume, and every
+request's greedy tokens and logprobs equal those of a run never preempted nor held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
+from vqpool.worker.sched.growth_forecast import MOST_LOOK_AHEAD_BLOCKS, GrowthForecast
+from vqpool.worker.sched.preemption import NEAR_FINISH_STEPS
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.testing.launch import DaemonProcess
+
+LLAMA = "builtin:llama"
+MODEL = load_model(LLAMA).model
+BLOCK = 16
+SHORT = [1 + (j * 3) % 200 for j in range(5)]
+LONG = [1 + (7 + j * 3) % 200 for j in range(23)]
+
+
+def scheduler_on(
+    source: PooledCacheSource, *, max_concurrent: int, cache_bytes: int = 0, headroom: int = BLOCK
+) -> Scheduler:
+    prompt_cache = (
+        source.attach_prompt_cache(owner_prefix="g", max_bytes=cache_bytes) if cache_bytes else None
+    )
+    return Scheduler(
+        MODEL,
+        source,
+        owner_prefix="g",
+        eos_token_ids=frozenset(),
+        max_concurrent=max_concurrent,
+        max_queue=16,
+        queue_timeout=60.0,
+        reserve="on-demand",
+        headroom_slots=headroom,
+        prompt_cache=prompt_cache,
+        block_size=BLOCK,
+    )
+
+
+def drain(job: GenerationJob) -> tuple[list[ScoredToken], JobEnd]:
+    tokens: list[ScoredToken] = []
+    while not isinstance(event := job.events.get(timeout=60), JobEnd):
+        assert isinstance(event, ScoredToken)
+        tokens.append(event)
+    return tokens, event
+
+
+def run(
+    source: PooledCacheSource,
+    specs: Sequence[tuple[list[int], int]],
+    *,
+    max_concurrent: int,
+    cache_bytes: int = 0,
+) -> tuple[list[tuple[list[ScoredToken], JobEnd]], list[GenerationJob], dict[str, Any]]:
+    """Submit the jobs (prompt, max_tokens) at once, with logprobs, to a started scheduler."""
+    scheduler = scheduler_on(source, max_concurrent=max_concurrent, cache_bytes=cache_bytes)
+    jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+    # Queued before the generation thread starts: it admits them together (none waits for
+    # the look-ahead of a row already decoding).
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        results = [drain(job) for job in jobs]
+    finally:
+        scheduler.stop()
+    return results, jobs, scheduler.stats.snapshot()
+
+
+def alone(
+    pooled: Callable[[int], tuple[PooledCacheSource, DaemonProcess]],
+    specs: Sequence[tuple[list[int], int]],
+) -> list[tuple[list[ScoredToken], JobEnd]]:
+    """The jobs run one at a time in a pool large enough for anything: never preempted."""
+    source, _ = pooled(1024)
+    results, _, stats = run(source, specs, max_concurrent=1)
+    assert stats["preemptions"] == 0 and stats["held_for_growth"] == 0
+    return results
+
+
+def assert_same(
+    got: list[tuple[list[ScoredToken], JobEnd]], reference: list[tuple[list[ScoredToken], JobEnd]]
+) -> None:
+    for (tokens, end), (ref_tokens, ref_end) in zip(got, reference, strict=True):
+        assert (end.finish_reason, end.detail) == (ref_end.finish_reason, None)
+        assert tokens == ref_tokens
+
+
+def test_the_look_ahead_holds_an_admission_that_would_fit_and_preempts_nobody(pooled: Any) -> None:
+    # The scheduler is driven here, one round at a time, instead of by its thread: the premise
+    # (what the pool has free when the second request asks to start) holds exactly.
+    first, second = (LONG, 80), (SHORT[:3], 20)
+    reference = alone(pooled, [first, second])
+    source, daemon = pooled(64)  # 32 blocks per stream
+    scheduler = scheduler_on(source, max_concurrent=2, headroom=1)
+    jobs = [
+        GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in (first, second)
+    ]
+    scheduler.submit(jobs[0])
+    scheduler._admit()
+    while jobs[0].events.empty():  # its prefill, then it joins the batch
+        scheduler._step()
+    with PoolClient(daemon.run_dir, name="hog") as hog:
+        # Two blocks per stream stay free: the second request's prompt + 1 slot needs one. The
+        # first row, with no row ended yet, must be backed for the most look-ahead blocks.
+        for stream in ("k", "v"):
+            hog.allocate(stream, (hog.n_free(stream) - 2) * BLOCK, "hog-request")
+        assert MOST_LOOK_AHEAD_BLOCKS > 2
+        scheduler.submit(jobs[1])
+        scheduler._admit()
+        stats = scheduler.stats.snapshot()
+        assert stats["held_for_growth"] == 1 and stats["waits"] == 0
+        assert stats["preemptions"] == 0 and stats["active"] == 1
+        assert jobs[1].cache is None  # it never asked the pool
+        assert all(hog.n_free(stream) >= 1 for stream in ("k", "v"))
+        hog.free_all("hog-request")
+    # The hold ends when the running row ends or a block's worth of steps passed.
+    while scheduler._active or scheduler._waiting:
+        scheduler._admit()
+        if scheduler._active:
+            scheduler._step()
+    scheduler.stop()
+    assert_same([drain(job) for job in jobs], reference)
+    assert all(job.preemptions == 0 for job in jobs)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_the_victim_is_the_cheapest_to_recompute_unless_it_is_about_to_finish(
+    pooled: Any,
+) -> None:
+    # Together, padded to the longer row, the two outgrow 8 blocks per stream: the short one
+    # (fewer tokens to recompute, as many steps left) gives way. Given a max_tokens that ends it
+    # a few steps after that refusal, it is spared and the long one gives way instead.
+    source, daemon = pooled(16)
+    _, jobs, stats = run(source, [(SHORT, 60), (LONG, 60)], max_concurrent=2)
+    assert stats["preemptions"] == 1 and [job.preemptions for job in jobs] == [1, 0]
+    refused_at = jobs[0].resumed_from  # tokens the short one had made when it gave way
+    specs = [(SHORT, refused_at + NEAR_FINISH_STEPS // 2), (LONG, 60)]
+    reference = alone(pooled, specs)
+    results, jobs, stats = run(source, specs, max_concurrent=2)
+    assert jobs[0].preemptions == 0 and jobs[1].preemptions >= 1
+    assert_same(results, reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_a_preempted_row_resumes_from_its_prompt_in_the_prompt_cache(pooled: Any) -> None:
+    # With a prompt cache, the row that gives way keeps its prompt there (the shorter prompt:
+    # fewer tokens to recompute), and its resume copies it back and prefills only the rest
+    # (the generated tokens). Nothing else shares a prefix: every token reused is the resume's.
+    specs = [([1 + (11 + j * 5) % 200 for j in range(40)], 60), (LONG[:20], 60)]
+    reference = alone(pooled, specs)
+    source, _ = pooled(20)  # 10 blocks per stream
+    results, jobs, stats = run(source, specs, max_concurrent=2, cache_bytes=1 << 20)
+    assert stats["preemptions"] == 1 and [job.preemptions for job in jobs] == [0, 1], stats
+    # Its whole prompt came back (a store keeps a partial last block too).
+    assert stats["prompt_cache"]["tokens_reused"] == len(specs[1][0]), stats["prompt_cache"]
+    assert_same(results, reference)
+    assert source.n_blocks() == 0
+
+
+def test_the_look_ahead_is_measured_and_doubled_after_a_refusal() -> None:
+    forecast = GrowthForecast(BLOCK)
+    assert forecast.look_ahead_slots() == MOST_LOOK_AHEAD_BLOCKS * BLOCK  # nothing measured
+    for gap in (0, 10, 10):
+        for _ in range(gap):
+            forecast.stepped()
+        forecast.row_ended()
+    assert forecast.steps_between_ends == 10
+    assert forecast.look_ahead_slots() == 10
+    forecast.refused()
+    assert forecast.look_ahead_slots() == 20
+    for _ in range(11):
+        forecast.stepped()
+    assert forecast.look_ahead_slots() == 10  # the refusal is older than the horizon
+    forecast.hold(running=2)
+    assert forecast.holds(running=2)
+    assert not forecast.holds(running=1)  # a row ended
+    forecast.hold(running=2)
+    for _ in range(BLOCK):
+        forecast.stepped()
+    assert not forecast.holds(running=2)  # a block's worth of steps passed
