@@ -33,6 +33,8 @@ read its token ids from the job's event queue. One generation thread does the re
   (see Preemption). The batching itself lives in
   :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
+  With a draft model, jobs decode one at a time by speculative decoding instead
+  (:mod:`vqpool.worker.sched.speculative_batch`, as ``mlx_lm.server`` serves them).
 * **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
   most recently admitted started job gives way at the step boundary: its blocks go back, its
   prompt and generated tokens are kept, and it waits at the head of the queue (no queue
@@ -101,6 +103,7 @@ from vqpool.worker.sched.continuous_batch import ContinuousBatch
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
+from vqpool.worker.sched.speculative_batch import SpeculativeBatch
 
 log = logging.getLogger("vqpool.worker")
 
@@ -188,6 +191,8 @@ class GenerationJob:
     """Prompt tokens the prompt cache gave (known once its prefill began)."""
     prompt_stored: bool = False
     """Whether its prompt was stored in the prompt cache for a later job sharing a prefix."""
+    num_draft_tokens: int = 0
+    """Tokens its draft model proposes per round (a worker with ``--draft-model`` only)."""
 
 
 class Scheduler:
@@ -215,6 +220,9 @@ class Scheduler:
         prompt_cache: Reuses the KV of earlier requests (``worker/kv/prompt_cache.py``): looked up
             when a job's prefill starts (the prompts of running jobs sharing a prefix with it
             are stored then), stored when a job ends.
+        draft_model: A draft model: jobs are decoded one at a time by speculative decoding
+            (:mod:`~vqpool.worker.sched.speculative_batch`), each job's cache holding both
+            models' layers; ``max_concurrent`` must be 1.
     """
 
     def __init__(
@@ -233,7 +241,13 @@ class Scheduler:
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache: PromptCache | None = None,
+        draft_model: nn.Module | None = None,
     ) -> None:
+        if draft_model is not None and (max_concurrent != 1 or prompt_cache is not None):
+            raise ValueError(
+                "Scheduler: a draft model decodes one job at a time (max_concurrent 1), with "
+                "no prompt cache"
+            )
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
                 "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
@@ -267,14 +281,25 @@ class Scheduler:
         self._waiting: deque[GenerationJob] = deque()  # guarded by _cond
         self._active: list[GenerationJob] = []  # generation thread only
         self._preemption = PreemptionPolicy(source.fits_alone)
-        self._batch = ContinuousBatch(
-            model,
-            source,
-            eos_token_ids=eos_token_ids,
-            prefill_step_size=prefill_step_size,
-            on_prefill_start=self._reuse_cached_prefix,
-            preemption=self._preemption,
-        )
+        self._batch: ContinuousBatch | SpeculativeBatch
+        if draft_model is None:
+            self._batch = ContinuousBatch(
+                model,
+                source,
+                eos_token_ids=eos_token_ids,
+                prefill_step_size=prefill_step_size,
+                on_prefill_start=self._reuse_cached_prefix,
+                preemption=self._preemption,
+            )
+        else:
+            self._batch = SpeculativeBatch(
+                model,
+                draft_model,
+                source,
+                eos_token_ids=eos_token_ids,
+                prefill_step_size=prefill_step_size,
+                preemption=self._preemption,
+            )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
