@@ -117,6 +117,8 @@ def load_model(
             raise
         raise ValueError(f"--adapter-path {adapter_path}: {exc}") from None
     model, wrapper = loaded[0], loaded[1]
+    if adapter_path is not None:
+        _evaluate(model)
     args = getattr(model, "args", None)
     vocab_size = int(getattr(args, "vocab_size", 0) or len(wrapper))
     return LoadedModel(spec, model, HFTokenizer(wrapper), vocab_size)
@@ -150,4 +152,13 @@ def _with_adapters(model: nn.Module, adapter_path: str) -> nn.Module:
     except ValueError as exc:
         raise ValueError(f"--adapter-path {adapter_path}: {exc}") from None
     model.eval()
+    _evaluate(model)
     return model
+
+
+def _evaluate(model: nn.Module) -> None:
+    """Compute the adapter layers' weights here: mlx-lm leaves them lazy, on this thread's
+    stream, which the generation thread cannot evaluate."""
+    import mlx.core as mx
+
+    mx.eval(model.parameters())

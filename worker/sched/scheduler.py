@@ -669,7 +669,9 @@ class Scheduler:
             mx.clear_cache()
         self._sample_memory()
         self.stats.add(
-            completion_tokens=len(outcome.tokens), busy_seconds=time.perf_counter() - started
+            completion_tokens=len(outcome.tokens),
+            draft_accepted=outcome.drafted,
+            busy_seconds=time.perf_counter() - started,
         )
 
     def _end_failed(self, job: GenerationJob, exc: Exception) -> None:

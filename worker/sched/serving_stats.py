@@ -19,6 +19,7 @@ _COUNTERS = (
     "waits",  # requests that had to wait for free blocks before starting
     "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
     "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
+    "draft_accepted",  # generated tokens a draft model proposed and the model accepted
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
     "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
     "ended_stop",

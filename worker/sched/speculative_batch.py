@@ -200,6 +200,7 @@ class SpeculativeBatch:
             running.made += 1
             token = int(raw)  # a Python int from mlx-lm (its annotation says array)
             outcome.tokens.append((job, token, logprobs))
+            outcome.drafted += from_draft
             reason = (
                 "stop"
                 if token in self.eos_token_ids

@@ -1,0 +1,167 @@
+"""Speculative decoding: ``vqpool-worker --draft-model`` and the request fields
+``draft_model``/``num_draft_tokens``, through real worker processes on a real vqpoold.
+
+At temperature 0 a draft model changes how fast tokens come, never which: a run with a draft
+(one that agrees with the model on every token, and one that almost never does) gives the
+tokens of the same run without one, and of mlx-lm's ``generate_step``. The draft's KV lives in
+the request's pool blocks: the session declares the model's and the draft's bytes per block,
+and every block goes back when the requests end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from serving_harness import ServingStack
+from vqpool.worker.kv.storage import KVLayout
+from vqpool.worker.testing.http_client import request_json, stream_events
+from vqpool.worker.testing.launch import ProcessExitedError, WorkerProcess
+from vqpool.worker.testing.model_dirs import ARCHITECTURES, write_config_dir, write_model_dir
+
+PROMPTS = ["hello how are you", "the quick brown fox jumps over the lazy dog. why share"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The model (llama, 4 layers) and a draft of another architecture and KV layout (qwen3,
+    2 layers); both directories have the same tokenizer."""
+    base = tmp_path_factory.mktemp("draft")
+    model = write_config_dir(base / "model", {**ARCHITECTURES["llama"], "num_hidden_layers": 4}, 1)
+    draft = write_model_dir(base / "draft", "qwen3", seed=2)
+    return {"model": model, "draft": draft}
+
+
+@pytest.fixture(scope="module")
+def stack(dirs: dict[str, Path]) -> Iterator[ServingStack]:
+    serving = ServingStack([str(dirs["model"])]).start()
+    yield serving
+    serving.stop()
+
+
+def _greedy_ids(url: str, prompt: str, **fields: Any) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    reply = request_json(url, "POST", "/v1/completions", {**body, **fields})
+    assert reply.status == 200, reply
+    ids: list[int] = reply.body["choices"][0]["token_ids"]
+    return ids
+
+
+def _reference(model_dir: Path, prompt: str) -> list[int]:
+    model, tokenizer = load(str(model_dir))
+    tokens = mx.array(tokenizer.encode(prompt))
+    return [int(t) for t, _ in generate_step(tokens, model, max_tokens=MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("draft", ["draft", "model"])
+def test_a_draft_model_gives_the_tokens_of_the_model_alone(
+    draft: str, dirs: dict[str, Path], stack: ServingStack
+) -> None:
+    """``draft`` "model": the model is its own draft (every draft token accepted, the draft's
+    catch-up token every round); "draft": another model (drafts rejected, their slots
+    trimmed)."""
+    model_dir = str(dirs["model"])
+    plain_url = stack.url(model_dir)
+    worker = stack.start_worker(
+        model_dir, ["--draft-model", str(dirs[draft])], name=f"with-{draft}"
+    )
+    try:
+        for prompt in PROMPTS:
+            alone = _greedy_ids(plain_url, prompt)
+            assert alone == _reference(dirs["model"], prompt)
+            for n_draft in (None, 0, 1, 5):
+                fields = {} if n_draft is None else {"num_draft_tokens": n_draft}
+                assert _greedy_ids(worker.url, prompt, **fields) == alone, (n_draft, prompt)
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            events = stream_events(
+                worker.url, "/v1/completions", {**body, "stream": True, "return_token_ids": True}
+            )
+            streamed = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+            assert streamed == alone
+        accepted = request_json(worker.url, "GET", "/v1/stats").body["draft_accepted"]
+        if draft == "model":  # its drafts are the model's own tokens (all but a few accepted)
+            assert accepted > len(PROMPTS) * 4 * MAX_TOKENS // 2
+        # The draft's KV is charged with the model's: one session, the pair's bytes per block.
+        model, _ = load(model_dir)
+        draft_model, _ = load(str(dirs[draft]))
+        block_size = request_json(worker.url, "GET", "/v1/stats").body["block_size"]
+        pair = [KVLayout.from_model(m, block_size) for m in (model, draft_model)]
+        sessions = [s for s in stack.daemon.admin("sessions") if s["pid"] == worker.pid]
+        assert len(sessions) == 1
+        assert sessions[0]["bytes_per_block"]["k"] == sum(p.k_block_bytes for p in pair)
+        assert sessions[0]["bytes_per_block"]["v"] == sum(p.v_block_bytes for p in pair)
+    finally:
+        worker.stop()
+    stack.wait_for_no_blocks()
+
+
+def test_num_draft_tokens_out_of_bounds_is_refused_by_name(
+    dirs: dict[str, Path], stack: ServingStack
+) -> None:
+    model_dir = str(dirs["model"])
+    worker = stack.start_worker(model_dir, ["--draft-model", str(dirs["draft"])], name="bounds")
+    try:
+        body = {"prompt": "hello", "max_tokens": 2}
+        before = request_json(worker.url, "GET", "/v1/stats").body["requests"]
+        for bad in (-1, 65, 1.5, "3", True):
+            reply = request_json(
+                worker.url, "POST", "/v1/completions", {**body, "num_draft_tokens": bad}
+            )
+            assert reply.status == 400, reply
+            assert reply.body["error"]["param"] == "num_draft_tokens"
+            assert (
+                "num_draft_tokens must be an integer in [0, 64]" in reply.body["error"]["message"]
+            )
+        other = request_json(
+            worker.url, "POST", "/v1/completions", {**body, "draft_model": "some/draft"}
+        )
+        assert other.status == 400, other
+        assert other.body["error"]["param"] == "draft_model"
+        assert "this worker's draft model is" in other.body["error"]["message"]
+        assert request_json(worker.url, "GET", "/v1/stats").body["requests"] == before
+        for same in (str(dirs["draft"]), None):
+            reply = request_json(
+                worker.url, "POST", "/v1/completions", {**body, "draft_model": same}
+            )
+            assert reply.status == 200, reply
+    finally:
+        worker.stop()
+    # Without a draft model num_draft_tokens is checked and unused (as mlx_lm.server), and a
+    # draft model per request is refused: it would reload the model under running requests.
+    plain_url = stack.url(model_dir)
+    assert (
+        request_json(plain_url, "POST", "/v1/completions", {**body, "num_draft_tokens": 3}).status
+        == 200
+    )
+    bad = request_json(plain_url, "POST", "/v1/completions", {**body, "num_draft_tokens": 65})
+    assert bad.status == 400 and bad.body["error"]["param"] == "num_draft_tokens"
+    no_draft = request_json(
+        plain_url, "POST", "/v1/completions", {**body, "draft_model": str(dirs["draft"])}
+    )
+    assert no_draft.status == 400, no_draft
+    assert "this worker has no draft model" in no_draft.body["error"]["message"]
+    assert "--draft-model" in no_draft.body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--num-draft-tokens", "65"], "--num-draft-tokens must be in 0..64"),
+        (["--draft-model", "/no/such/dir"], "--draft-model /no/such/dir: no such directory"),
+        (["--draft-model", "builtin:llama"], "a draft model needs the model's tokenizer"),
+    ],
+)
+def test_a_draft_model_the_worker_cannot_use_stops_it_with_one_line(
+    args: list[str], says: str, dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    worker = WorkerProcess(str(dirs["model"]), tmp_path / "w.log", no_pool=True, args=args)
+    with pytest.raises(ProcessExitedError) as failed:
+        worker.start()
+    assert failed.value.status == 2
+    assert says in worker.log()
