@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
 from serving_harness import ServingStack
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.testing.http_client import request_json, stream_events
@@ -165,3 +166,36 @@ def test_a_draft_model_the_worker_cannot_use_stops_it_with_one_line(
         worker.start()
     assert failed.value.status == 2
     assert says in worker.log()
+
+
+def test_a_draft_request_the_pool_cannot_hold_ends_with_length_and_gives_every_block_back(
+    dirs: dict[str, Path],
+) -> None:
+    """16 blocks (8 per stream: 128 token slots of both models): a request that needs more
+    ends with what it made ("length", the reason in ``finish_detail``), its tokens those of
+    the model alone, and the pool is whole after."""
+    stack = ServingStack(
+        [str(dirs["model"])],
+        daemon_args=("--n-blocks", "16", "--lease", "1"),
+        worker_args=["--draft-model", str(dirs["draft"]), "--reserve", "prompt"],
+    ).start()
+    try:
+        no_eos = {"0": -100.0}  # EOS (id 0) never comes: the pool ends the request
+        body = {"prompt": PROMPTS[1], "max_tokens": 400, "return_token_ids": True}
+        body["logit_bias"] = no_eos
+        reply = stack.complete(str(dirs["model"]), body)
+        assert reply.status == 200, reply
+        choice = reply.body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert "ran out of blocks" in choice["finish_detail"]
+        made = choice["token_ids"]
+        assert 0 < len(made) < 128
+        model, tokenizer = load(str(dirs["model"]))
+        prompt = mx.array(tokenizer.encode(PROMPTS[1]))
+        processors = make_logits_processors({0: -100.0})
+        steps = generate_step(prompt, model, max_tokens=len(made), logits_processors=processors)
+        alone = [int(t) for t, _ in steps]
+        assert made == alone
+        stack.wait_for_no_blocks()
+    finally:
+        stack.stop()

@@ -103,7 +103,7 @@ from vqpool.worker.sched.continuous_batch import ContinuousBatch
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
-from vqpool.worker.sched.speculative_batch import SpeculativeBatch
+from vqpool.worker.sched.speculative_batch import SpeculativeBatch, round_slots
 
 log = logging.getLogger("vqpool.worker")
 
@@ -554,11 +554,17 @@ class Scheduler:
         # generate_step writes the KV of every token it yields, the last one included: a job
         # needs prompt + max_tokens slots in all.
         if self.reserve == "full":
-            return len(job.prompt) + job.max_tokens
-        headroom = self.headroom_slots if self.reserve == "on-demand" else 1
-        return min(
-            len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
-        )
+            slots = len(job.prompt) + job.max_tokens
+        else:
+            headroom = self.headroom_slots if self.reserve == "on-demand" else 1
+            slots = min(
+                len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
+            )
+        if isinstance(self._batch, SpeculativeBatch):
+            # A round writes its drafts too: admitted (or resumed) with less, it could never
+            # make its next round, and a preemption would bring it back to the same place.
+            slots = max(slots, round_slots(job))
+        return slots
 
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool

@@ -45,6 +45,16 @@ from vqpool.worker.sched.sampling import logits_processors, shared_sampler
 
 log = logging.getLogger("vqpool.worker")
 
+
+def round_slots(job: Any) -> int:
+    """The cache slots a job's next round may fill: its tokens so far (the last one is written
+    in the round), the drafts, and one more (the draft model catching up on the model's token
+    after a round whose drafts were all accepted writes it too)."""
+    known = len(job.prompt) + len(job.generated)
+    left = job.max_tokens - len(job.generated)
+    return known + min(job.num_draft_tokens, left) + 1
+
+
 _Round = Generator[tuple[mx.array, mx.array, bool], None, None]
 
 
@@ -55,10 +65,8 @@ class _Running:
     job: Any
     uid: int
     rounds: _Round
-    n_prompt: int  # the tokens prefilled in its first round (prompt and earlier generated)
     max_tokens: int  # tokens it may make in this run
     made: int = 0
-    prefilled: bool = False
 
 
 class SpeculativeBatch:
@@ -160,18 +168,15 @@ class SpeculativeBatch:
             prefill_step_size=self.prefill_step_size,
         )
         self._next_uid += 1
-        return _Running(job, self._next_uid, rounds, len(tokens), max_tokens)
+        return _Running(job, self._next_uid, rounds, max_tokens)
 
     def _back_round(self, running: _Running, outcome: StepOutcome) -> bool:
-        """Back the slots the next round may write: the tokens cached, the last token, the
-        drafts and the draft model's catch-up token. False when the job gave way."""
+        """Back the slots the next round may write (:func:`round_slots`). False when the job
+        gave way."""
         job = running.job
-        held = job.cache[0].size() if running.prefilled else running.n_prompt
-        left = running.max_tokens - running.made
-        n_slots = held + min(job.num_draft_tokens, left) + 2
         while True:
             try:
-                self.source.reserve(job.cache, n_slots)
+                self.source.reserve(job.cache, round_slots(job))
                 return True
             except BlockPoolExhaustedError:
                 if self._give_way(job, outcome):
@@ -196,7 +201,6 @@ class SpeculativeBatch:
         job = running.job
         while True:
             raw, logprobs, from_draft = next(running.rounds)
-            running.prefilled = True
             running.made += 1
             token = int(raw)  # a Python int from mlx-lm (its annotation says array)
             outcome.tokens.append((job, token, logprobs))
