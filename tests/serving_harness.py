@@ -45,7 +45,9 @@ class ServingStack:
     def start_worker(
         self, model: str, args: Sequence[str] = (), wait: bool = True, name: str | None = None
     ) -> WorkerProcess:
-        log_path = self.base / f"{(name or model).replace(':', '_')}.log"
+        # A model given as a path would make the log path absolute: one log for every stack.
+        label = (name or model).replace(":", "_").replace("/", "_")
+        log_path = self.base / f"{label}.log"
         worker = WorkerProcess(model, log_path, run_dir=self.run_dir, args=args)
         return worker.start(wait=wait)
 
