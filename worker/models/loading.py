@@ -8,6 +8,9 @@
 * anything else: a Hugging Face id or local path, loaded with ``mlx_lm.load`` exactly as
   ``mlx_lm.server`` does (weights downloaded to the Hugging Face cache on first use).
 
+``--adapter-path DIR`` applies adapters with mlx-lm's own loader (``load(spec, adapter_path=DIR)``,
+as ``mlx_lm.server --adapter-path``); ``--draft-model`` is loaded the same way as ``--model``.
+
 A ``--model`` that is not a model (a directory without ``config.json``, a path that does not
 exist, an id the hub or its cache does not have) is a ValueError of one line saying what to pass,
 not mlx-lm's or the hub's own error.
