@@ -257,9 +257,11 @@ def main() -> int:
         shares: list[float] = []
         for round_index in range(args.rounds):
             prompts = make_prompts(model_dir, args.prompts, 32, seed=round_index)
-            with DaemonProcess(base / f"run{round_index}").start() as daemon:
+            logs = base / f"round{round_index}"  # new logs: a worker's ready line is read there
+            logs.mkdir()
+            with DaemonProcess(logs / "run").start() as daemon:
                 servers = start_servers(
-                    model_dir, draft_dir, args.num_draft_tokens, base, daemon.run_dir
+                    model_dir, draft_dir, args.num_draft_tokens, logs, daemon.run_dir
                 )
                 try:
                     for url, _ in servers.values():
