@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from front_harness import FrontDoor
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -156,3 +157,19 @@ def test_an_adapter_directory_mlx_lm_cannot_read_stops_the_worker_with_one_line(
         worker.start()
     assert failed.value.status == 2
     assert f"--adapter-path {broken}: no {missing} there" in failed.value.last_line
+
+
+def test_vqpool_serve_serves_adapters_as_a_model_of_their_own(dirs: dict[str, Path]) -> None:
+    """What the 400 tells a client to do: the adapters as a model entry of the front door
+    (``adapter_path``), beside the model without them, each named per request."""
+    config = (
+        f'[models."base"]\npath = "{dirs["model"]}"\n\n'
+        f'[models."tuned"]\npath = "{dirs["model"]}"\nadapter_path = "{dirs["adapters"]}"\n'
+    )
+    with FrontDoor(config=config) as front:
+        for name, adapters in (("tuned", dirs["adapters"]), ("base", None)):
+            body = {"model": name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
+            reply = front.post("/v1/completions", {**body, "return_token_ids": True})
+            assert reply.status == 200, reply
+            expected = _reference(dirs["model"], PROMPTS[0], adapters)
+            assert reply.body["choices"][0]["token_ids"] == expected
