@@ -17,8 +17,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from serving_harness import ServingStack
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.testing.http_client import request_json, stream_events
@@ -199,3 +199,36 @@ def test_a_draft_request_the_pool_cannot_hold_ends_with_length_and_gives_every_b
         stack.wait_for_no_blocks()
     finally:
         stack.stop()
+
+
+def test_a_seeded_sampled_draft_request_gives_mlx_lm_s_tokens(
+    dirs: dict[str, Path], stack: ServingStack
+) -> None:
+    """At temperature 0.8 with a ``seed``, the tokens of mlx-lm's ``speculative_generate_step``
+    after ``mx.random.seed(seed)`` (what mlx_lm.server runs for such a request), twice."""
+    worker = stack.start_worker(
+        str(dirs["model"]), ["--draft-model", str(dirs["draft"])], name="seeded"
+    )
+    try:
+        body = {"temperature": 0.8, "seed": 1234, "num_draft_tokens": 2}
+        first = _greedy_ids(worker.url, PROMPTS[0], **body)
+        assert _greedy_ids(worker.url, PROMPTS[0], **body) == first
+    finally:
+        worker.stop()
+    model, tokenizer = load(str(dirs["model"]))
+    draft_model, _ = load(str(dirs["draft"]))
+    mx.random.seed(1234)
+    rounds = speculative_generate_step(
+        mx.array(tokenizer.encode(PROMPTS[0])),
+        model,
+        draft_model,
+        num_draft_tokens=2,
+        max_tokens=MAX_TOKENS,
+        sampler=make_sampler(0.8),
+    )
+    expected: list[int] = []
+    for token, _, _ in rounds:
+        expected.append(int(token))
+        if expected[-1] in tokenizer.eos_token_ids:
+            break
+    assert first == expected
