@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,12 +39,12 @@ from bench_vs_mlx_server import (
     MODELS,
     READY_TIMEOUT,
     REQUEST_TIMEOUT,
-    free_port,
+    MlxLmServer,
     make_prompts,
     never_emit_eos,
 )
 from vqpool.worker.testing.http_client import request_json, stream_events
-from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess, stop_process
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
 SERVERS = ("vqpool", "vqpool + draft", "mlx_lm.server", "mlx_lm.server + draft")
@@ -83,47 +82,15 @@ def parse_args() -> argparse.Namespace:
 # -- servers --------------------------------------------------------------------------------------
 
 
-class MlxLmServer:
-    """``python -m mlx_lm.server --model DIR [--draft-model DIR]``, output in a log."""
-
-    def __init__(self, model_dir: Path, draft_dir: Path | None, n_draft: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
-        if draft_dir is not None:
-            argv += ["--draft-model", str(draft_dir), "--num-draft-tokens", str(n_draft)]
-        argv += ["--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        self.log = log
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [*argv, "--log-level", "WARNING"], stdout=out, stderr=out
-            )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited:\n{self.log.read_text()[-4000:]}")
-            try:
-                if request_json(self.url, "GET", "/health", timeout=2.0).status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"mlx_lm.server not ready after {READY_TIMEOUT}s")
-
-    def stop(self) -> None:
-        stop_process(self.process, 15, 10.0)
-
-
 def start_servers(
     model_dir: Path, draft_dir: Path, n_draft: int, base: Path, run_dir: Path
 ) -> dict[str, tuple[str, Callable[[], object]]]:
     """The four servers, started at once, then awaited: name -> (url, stop)."""
-    mlx = {
-        "mlx_lm.server": MlxLmServer(model_dir, None, n_draft, base / "mlx.log"),
-        "mlx_lm.server + draft": MlxLmServer(model_dir, draft_dir, n_draft, base / "mlx-d.log"),
-    }
     draft_args = ["--draft-model", str(draft_dir), "--num-draft-tokens", str(n_draft)]
+    mlx = {
+        "mlx_lm.server": MlxLmServer(model_dir, base / "mlx.log"),
+        "mlx_lm.server + draft": MlxLmServer(model_dir, base / "mlx-d.log", draft_args),
+    }
     workers = {
         "vqpool": WorkerProcess(
             str(model_dir), base / "w.log", run_dir=run_dir, args=["--log-level", "WARNING"]

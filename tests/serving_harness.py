@@ -112,3 +112,13 @@ class ServingStack:
                 worker.stop()
         self.daemon.stop()
         remove_tree(self.base)
+
+
+def greedy_token_ids(url: str, prompt: str, max_tokens: int, **fields: Any) -> list[int]:
+    """The token ids of a temperature-0 completion of ``prompt`` (asserted 200); ``fields`` are
+    added to the body (or replace its own)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    reply = request_json(url, "POST", "/v1/completions", {**body, **fields})
+    assert reply.status == 200, reply
+    ids: list[int] = reply.body["choices"][0]["token_ids"]
+    return ids

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.tuner.utils import linear_to_lora_layers
-from serving_harness import ServingStack
+from serving_harness import ServingStack, greedy_token_ids
 from vqpool.worker.testing.http_client import request_json
 from vqpool.worker.testing.launch import ProcessExitedError, WorkerProcess
 from vqpool.worker.testing.model_dirs import write_model_dir
@@ -78,14 +78,6 @@ def _reference(model_dir: Path, prompt: str, adapter_path: Path | None) -> list[
     return made
 
 
-def _greedy_ids(url: str, prompt: str, **fields: object) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    reply = request_json(url, "POST", "/v1/completions", {**body, **fields})
-    assert reply.status == 200, reply
-    ids: list[int] = reply.body["choices"][0]["token_ids"]
-    return ids
-
-
 def test_adapters_change_the_output_as_mlx_lm_applies_them(
     dirs: dict[str, Path], stack: ServingStack
 ) -> None:
@@ -97,10 +89,13 @@ def test_adapters_change_the_output_as_mlx_lm_applies_them(
             # The premise: the adapters change the tokens, and no EOS cuts the answer short.
             assert with_adapters != _reference(dirs["model"], prompt, None)
             assert len(with_adapters) == MAX_TOKENS
-            assert _greedy_ids(worker.url, prompt) == with_adapters
+            assert greedy_token_ids(worker.url, prompt, MAX_TOKENS) == with_adapters
             # Naming the worker's own adapters is what the worker does anyway.
-            assert _greedy_ids(worker.url, prompt, adapters=str(dirs["adapters"])) == with_adapters
-            assert _greedy_ids(stack.url(model_dir), prompt) == _reference(
+            assert (
+                greedy_token_ids(worker.url, prompt, MAX_TOKENS, adapters=str(dirs["adapters"]))
+                == with_adapters
+            )
+            assert greedy_token_ids(stack.url(model_dir), prompt, MAX_TOKENS) == _reference(
                 dirs["model"], prompt, None
             )
         other = request_json(

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from serving_harness import ServingStack
+from serving_harness import ServingStack, greedy_token_ids
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.testing.http_client import request_json, stream_events
 from vqpool.worker.testing.launch import ProcessExitedError, WorkerProcess
@@ -46,14 +45,6 @@ def stack(dirs: dict[str, Path]) -> Iterator[ServingStack]:
     serving.stop()
 
 
-def _greedy_ids(url: str, prompt: str, **fields: Any) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    reply = request_json(url, "POST", "/v1/completions", {**body, **fields})
-    assert reply.status == 200, reply
-    ids: list[int] = reply.body["choices"][0]["token_ids"]
-    return ids
-
-
 def _reference(model_dir: Path, prompt: str) -> list[int]:
     model, tokenizer = load(str(model_dir))
     tokens = mx.array(tokenizer.encode(prompt))
@@ -74,11 +65,14 @@ def test_a_draft_model_gives_the_tokens_of_the_model_alone(
     )
     try:
         for prompt in PROMPTS:
-            alone = _greedy_ids(plain_url, prompt)
+            alone = greedy_token_ids(plain_url, prompt, MAX_TOKENS)
             assert alone == _reference(dirs["model"], prompt)
             for n_draft in (None, 0, 1, 5):
                 fields = {} if n_draft is None else {"num_draft_tokens": n_draft}
-                assert _greedy_ids(worker.url, prompt, **fields) == alone, (n_draft, prompt)
+                assert greedy_token_ids(worker.url, prompt, MAX_TOKENS, **fields) == alone, (
+                    n_draft,
+                    prompt,
+                )
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
             events = stream_events(
                 worker.url, "/v1/completions", {**body, "stream": True, "return_token_ids": True}
@@ -211,8 +205,8 @@ def test_a_seeded_sampled_draft_request_gives_mlx_lm_s_tokens(
     )
     try:
         body = {"temperature": 0.8, "seed": 1234, "num_draft_tokens": 2}
-        first = _greedy_ids(worker.url, PROMPTS[0], **body)
-        assert _greedy_ids(worker.url, PROMPTS[0], **body) == first
+        first = greedy_token_ids(worker.url, PROMPTS[0], MAX_TOKENS, **body)
+        assert greedy_token_ids(worker.url, PROMPTS[0], MAX_TOKENS, **body) == first
     finally:
         worker.stop()
     model, tokenizer = load(str(dirs["model"]))
