@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
         "--num-draft-tokens", type=int, default=3, help="draft tokens per round (default: 3)"
     )
     parser.add_argument(
+        "--seed", type=int, default=0, help="prompts of round r are drawn with seed + r"
+    )
+    parser.add_argument(
         "--quick", action="store_true",
         help="a smoke run: tiny model, itself as the draft, 1 round of 1 prompt, 8 tokens",
     )  # fmt: skip
@@ -203,6 +206,14 @@ def report(answers: dict[str, list[Answer]], shares: list[float], args: argparse
         len({answers[name][i].text for name in SERVERS}) == 1 for i in range(len(answers["vqpool"]))
     )
     print(f"\nidentical text on all four servers: {same}/{len(answers['vqpool'])} prompts")
+    for i in range(len(answers["vqpool"])):
+        groups: dict[str, list[str]] = {}
+        for name in SERVERS:
+            groups.setdefault(answers[name][i].text, []).append(name)
+        if len(groups) > 1:
+            print(f"request {i + 1}: texts differ: " + " | ".join(map(", ".join, groups.values())))
+            for text, names in groups.items():
+                print(f"  {', '.join(names)}: {text!r}")
     print(
         f"tokens from accepted drafts (vqpool + draft, per round): {[round(s, 3) for s in shares]}"
     )
@@ -223,7 +234,7 @@ def main() -> int:
         answers: dict[str, list[Answer]] = {name: [] for name in SERVERS}
         shares: list[float] = []
         for round_index in range(args.rounds):
-            prompts = make_prompts(model_dir, args.prompts, 32, seed=round_index)
+            prompts = make_prompts(model_dir, args.prompts, 32, seed=args.seed + round_index)
             logs = base / f"round{round_index}"  # new logs: a worker's ready line is read there
             logs.mkdir()
             with DaemonProcess(logs / "run").start() as daemon:
