@@ -237,7 +237,7 @@ def main() -> int:
             prompts = make_prompts(model_dir, args.prompts, 32, seed=args.seed + round_index)
             logs = base / f"round{round_index}"  # new logs: a worker's ready line is read there
             logs.mkdir()
-            with DaemonProcess(logs / "run").start() as daemon:
+            with DaemonProcess(logs / "run") as daemon:  # entering starts it
                 servers = start_servers(
                     model_dir, draft_dir, args.num_draft_tokens, logs, daemon.run_dir
                 )
