@@ -10,7 +10,8 @@ and every block goes back when the requests end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,9 +20,14 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from serving_harness import ServingStack, greedy_token_ids
+from vqpool.worker.kv.cache import make_pooled_cache
 from vqpool.worker.kv.storage import KVLayout
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
+from vqpool.worker.run_worker import open_pool
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 from vqpool.worker.testing.http_client import request_json, stream_events
-from vqpool.worker.testing.launch import ProcessExitedError, WorkerProcess
+from vqpool.worker.testing.launch import DaemonProcess, ProcessExitedError, WorkerProcess
 from vqpool.worker.testing.model_dirs import ARCHITECTURES, write_config_dir, write_model_dir
 
 PROMPTS = ["hello how are you", "the quick brown fox jumps over the lazy dog. why share"]
@@ -226,3 +232,73 @@ def test_a_seeded_sampled_draft_request_gives_mlx_lm_s_tokens(
         if expected[-1] in tokenizer.eos_token_ids:
             break
     assert first == expected
+
+
+def test_a_preempted_draft_request_resumes_with_the_tokens_of_one_never_preempted(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """In-process scheduler with a draft on a live vqpoold of 32 blocks (16 per stream):
+    another session holds all but 2 blocks per stream, so the request is admitted, then its
+    growth is refused while it fits the pool alone: it is preempted and waits. Once the other
+    session frees its blocks it resumes; its tokens and logprobs are those of a run on a big
+    pool that was never preempted."""
+    model, draft = load_model("builtin:llama").model, load_model("builtin:qwen3").model
+    prompt, n = [1 + (j * 5) % 200 for j in range(10)], 100
+
+    pools: list[PoolClient] = []
+
+    def start(daemon: DaemonProcess, name: str) -> tuple[Scheduler, GenerationJob]:
+        pool, source = open_pool(str(daemon.run_dir), name, model, 5.0, draft_model=draft)
+        pools.append(pool)
+        scheduler = Scheduler(
+            model,
+            source,
+            owner_prefix=name,
+            eos_token_ids=frozenset(),
+            max_concurrent=1,
+            max_queue=4,
+            queue_timeout=60.0,
+            reserve="prompt",
+            draft_model=draft,
+        )
+        job = GenerationJob(prompt, n, logprobs=True, top_logprobs=2, num_draft_tokens=3)
+        scheduler.start()
+        scheduler.submit(job)
+        return scheduler, job
+
+    def events(job: GenerationJob) -> tuple[list[ScoredToken], JobEnd]:
+        tokens: list[ScoredToken] = []
+        while not isinstance(event := job.events.get(timeout=120), JobEnd):
+            assert isinstance(event, ScoredToken)
+            tokens.append(event)
+        return tokens, event
+
+    big = start_daemon("--n-blocks", "1024")
+    scheduler, job = start(big, "big")
+    try:
+        reference, _ = events(job)
+    finally:
+        scheduler.stop()
+    assert len(reference) == n
+
+    small = start_daemon("--n-blocks", "32")
+    filler_pool, _ = open_pool(str(small.run_dir), "filler", model, 5.0)
+    filler = make_pooled_cache(model, filler_pool, owner="filler")
+    filler.sequence.reserve_exactly(14)  # 14 of each stream's 16 blocks: 2 left (32 slots)
+    scheduler, job = start(small, "small")
+    try:
+        deadline = time.monotonic() + 60
+        while scheduler.stats.snapshot()["preemptions"] == 0:  # the premise, waited for
+            assert time.monotonic() < deadline, scheduler.stats.snapshot()
+            time.sleep(0.02)
+        filler.release()
+        tokens, end = events(job)
+    finally:
+        scheduler.stop()
+        for pool in [*pools, filler_pool]:
+            pool.close()
+    assert (end.finish_reason, end.detail, end.completion_tokens) == ("length", None, n)
+    assert [t.token for t in tokens] == [t.token for t in reference]
+    assert [t.logprob for t in tokens] == [t.logprob for t in reference]
+    assert [t.top for t in tokens] == [t.top for t in reference]
+    assert small.audit()["blocks_in_use"] == 0
