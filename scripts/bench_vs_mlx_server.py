@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,13 +187,14 @@ def free_port() -> int:
 
 
 class MlxLmServer:
-    """``python -m mlx_lm.server --model DIR --port P`` (stock settings), output in a log."""
+    """``python -m mlx_lm.server --model DIR --port P [ARGS]`` (stock settings but ``args``),
+    output in a log."""
 
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
+        argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), *args]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=log)

@@ -57,7 +57,9 @@ class ServingStack:
     def start_worker(
         self, model: str, args: Sequence[str] = (), wait: bool = True, name: str | None = None
     ) -> WorkerProcess:
-        log_path = self.base / f"{(name or model).replace(':', '_')}.log"
+        # A model given as a path would make the log path absolute: one log for every stack.
+        label = (name or model).replace(":", "_").replace("/", "_")
+        log_path = self.base / f"{label}.log"
         worker = WorkerProcess(model, log_path, run_dir=self.run_dir, args=args)
         return worker.start(wait=wait)
 
@@ -122,3 +124,13 @@ class ServingStack:
                 worker.stop()
         self.daemon.stop()
         remove_tree(self.base)
+
+
+def greedy_token_ids(url: str, prompt: str, max_tokens: int, **fields: Any) -> list[int]:
+    """The token ids of a temperature-0 completion of ``prompt`` (asserted 200); ``fields`` are
+    added to the body (or replace its own)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    reply = request_json(url, "POST", "/v1/completions", {**body, **fields})
+    assert reply.status == 200, reply
+    ids: list[int] = reply.body["choices"][0]["token_ids"]
+    return ids

@@ -56,6 +56,15 @@ QUICK_RUNS = {
             "| 2 | mlx_lm.server |",
         ),
     ),
+    "bench_draft.py": (
+        240,
+        (
+            "| vqpool + draft |",
+            "| mlx_lm.server + draft |",
+            "| vqpool + draft / mlx_lm.server + draft |",
+            "identical text on all four servers: 1/1 prompts",
+        ),
+    ),
     "bench_front_door.py": (
         240,
         (

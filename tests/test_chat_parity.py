@@ -471,7 +471,7 @@ def test_a_thinking_answer_is_reasoning_over_http(stack: ServingStack, tool_chat
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("draft_model", "some/draft"), ("num_draft_tokens", 3), ("adapters", "some/adapter")],
+    [("draft_model", "some/draft"), ("adapters", "some/adapter")],
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_fields_the_worker_cannot_honour_are_refused_by_name(

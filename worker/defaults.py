@@ -36,3 +36,12 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 
 RESERVE_MODES = ("on-demand", "prompt", "full")
 """What a job reserves at admission (see :mod:`vqpool.worker.sched.scheduler`)."""
+
+DEFAULT_NUM_DRAFT_TOKENS = 3
+"""``--num-draft-tokens`` when not given: tokens the draft model proposes per round
+(``mlx_lm.server``'s default)."""
+
+MAX_NUM_DRAFT_TOKENS = 64
+"""The most draft tokens per round a request or ``--num-draft-tokens`` may ask for
+(``mlx_lm.server`` sets no bound): the model verifies them all in one forward pass, and past a
+few the draft's misses make longer rounds only slower."""

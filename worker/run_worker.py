@@ -18,12 +18,14 @@ from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
 from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
+from vqpool.worker.api.openai_api import ServedOptions
 from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
 from vqpool.worker.kv.batch_probe import batching_problem
 from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.kv.draft_kv import DraftCacheSource, PairedLayout, paired_layout
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.kv.storage import KVLayout
-from vqpool.worker.models.loading import load_model
+from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.models.memory import MemoryProbe, apply_cache_limit, weights_bytes
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.sched.scheduler import Scheduler
@@ -50,8 +52,21 @@ def run_worker(args: argparse.Namespace, stop: threading.Event) -> int:
         mx.clear_streams()  # the main thread's too (mlx-lm made its stream here at import)
 
 
-def _bytes_per_block(layout: KVLayout) -> dict[str, int]:
+def _bytes_per_block(layout: KVLayout | PairedLayout) -> dict[str, int]:
     return {s: layout.bytes_per_block(s) for s in ("k", "v", "kv")}
+
+
+def _weights(model: nn.Module, draft_model: nn.Module | None) -> int:
+    """Bytes of the parameters the worker holds: its model's and its draft model's."""
+    return weights_bytes(model) + (0 if draft_model is None else weights_bytes(draft_model))
+
+
+def _layout(
+    model: nn.Module, draft_model: nn.Module | None, block_size: int
+) -> KVLayout | PairedLayout:
+    if draft_model is None:
+        return KVLayout.from_model(model, block_size)
+    return paired_layout(model, draft_model, block_size)
 
 
 def open_pool(
@@ -60,24 +75,27 @@ def open_pool(
     model: nn.Module,
     timeout: float,
     growth_wait: float = DEFAULT_GROWTH_WAIT,
+    draft_model: nn.Module | None = None,
 ) -> tuple[PoolClient, PooledCacheSource]:
-    """A daemon session reporting this model's bytes per block and weights, and its cache
-    source."""
-    weights = weights_bytes(model)
+    """A daemon session reporting this model's bytes per block (with a draft model: the
+    model's and the draft's, which share each block) and weights (both models'), and its
+    cache source."""
+    weights = _weights(model, draft_model)
 
-    def connect(layout: KVLayout) -> PoolClient:
-        per_block = _bytes_per_block(layout)
+    def connect(block_size: int) -> PoolClient:
+        per_block = _bytes_per_block(_layout(model, draft_model, block_size))
         return PoolClient(
             run_dir, name=name, bytes_per_block=per_block, timeout=timeout, weights=weights
         )
 
-    layout = KVLayout.from_model(model)  # ValueError for a model of another shape
-    pool = connect(layout)
-    if pool.config.block_size != layout.block_size:
+    pool = connect(DEFAULT_BLOCK_SIZE)  # ValueError for a model of another shape
+    if pool.config.block_size != DEFAULT_BLOCK_SIZE:
         # Bytes per block depend on the daemon's block size, known only after hello.
         pool.close()
-        pool = connect(KVLayout.from_model(model, block_size=pool.config.block_size))
+        pool = connect(pool.config.block_size)
     try:
+        if draft_model is not None:
+            return pool, DraftCacheSource(model, draft_model, pool, growth_wait)
         return pool, PooledCacheSource(model, pool, growth_wait)
     except BaseException:
         pool.close()
@@ -87,31 +105,42 @@ def open_pool(
 def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Event) -> int:
     """Load the model, open the pool, serve on ``server`` until ``stop``; the exit status."""
     try:
-        loaded = load_model(args.model, seed=args.seed)
+        loaded = load_model(args.model, seed=args.seed, adapter_path=args.adapter_path)
+        draft = _load_draft(args.draft_model, loaded)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    draft_model = None if draft is None else draft.model
     # Loading's transients may have filled MLX's buffer cache: bounded from here on.
     apply_cache_limit(args.mlx_cache_limit)
-    memory = MemoryProbe(weights_bytes(loaded.model))
+    memory = MemoryProbe(_weights(loaded.model, draft_model))
     served_name = args.served_model_name or loaded.name
     max_concurrent = args.max_concurrent
-    batching = batching_problem(loaded.model)
+    batching = None if draft is not None else batching_problem(loaded.model)
     if batching is not None and max_concurrent > 1:
         log.warning("%s: decoding one request at a time (--max-concurrent 1)", batching)
+        max_concurrent = 1
+    if draft is not None:
+        # As mlx_lm.server: a model with a draft model is not batchable.
+        log.info("draft model %s: speculative decoding, one request at a time", draft.name)
         max_concurrent = 1
     pool: PoolClient | None = None
     source: CacheSource
     describe_pool: Callable[[], dict[str, Any]]
     if args.no_pool:
-        source = StockCacheSource(loaded.model)
+        source = StockCacheSource(loaded.model, draft_model)
 
         def describe_pool() -> dict[str, Any]:
             return {"pool": "off"}
     else:
         try:
             pool, source = open_pool(
-                args.run_dir, served_name, loaded.model, args.pool_timeout, args.growth_wait
+                args.run_dir,
+                served_name,
+                loaded.model,
+                args.pool_timeout,
+                args.growth_wait,
+                draft_model,
             )
         except ValueError as exc:
             log.error("%s", exc)
@@ -144,7 +173,13 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
     )
     owner_prefix = f"{served_name[:MAX_OWNER_PREFIX_CHARS]}-{os.getpid()}"
     prompt_cache: PromptCache | None = None
-    if pool is not None and isinstance(source, PooledCacheSource) and args.prompt_cache_bytes:
+    # The prompt cache keeps the model's KV only; a draft's requests would miss the draft's.
+    if (
+        pool is not None
+        and isinstance(source, PooledCacheSource)
+        and draft is None
+        and args.prompt_cache_bytes
+    ):
         pooled, client = source, pool
 
         def report_cache(counters: dict[str, int]) -> None:
@@ -173,6 +208,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         prefill_step_size=args.prefill_step_size,
         prompt_cache=prompt_cache,
         block_size=DEFAULT_BLOCK_SIZE if pool is None else pool.config.block_size,
+        draft_model=draft_model,
     )
     if prompt_cache is not None:
         prompt_cache.report()
@@ -188,6 +224,11 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         describe_pool,
         served_name,
         allowed_origins=args.allowed_origins,
+        options=ServedOptions(
+            draft_names=_names(args.draft_model),
+            num_draft_tokens=args.num_draft_tokens,
+            adapter_names=_names(args.adapter_path),
+        ),
     )
     if pool is not None:
         app.pool_unavailable = pool.daemon_unavailable
@@ -213,3 +254,25 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         if pool is not None:  # its goodbye frees the prompt cache's blocks too
             pool.close()
     return 0
+
+
+def _load_draft(spec: str | None, loaded: LoadedModel) -> LoadedModel | None:
+    """The draft model, checked against the model: mlx_lm.server only warns when the
+    vocabularies differ, but a draft token the model does not have would fail its rounds."""
+    if spec is None:
+        return None
+    draft = load_model(spec, option="--draft-model")
+    if draft.vocab_size != loaded.vocab_size:
+        raise ValueError(
+            f"--draft-model {spec}: its vocabulary has {draft.vocab_size} tokens and the "
+            f"model's {loaded.vocab_size}; a draft model needs the model's tokenizer"
+        )
+    return draft
+
+
+def _names(spec: str | None) -> tuple[str, ...]:
+    """The names a request may give ``spec`` (a path as typed, and resolved); () for none."""
+    if spec is None:
+        return ()
+    resolved = os.path.abspath(os.path.expanduser(spec))
+    return (spec, resolved) if resolved != spec and os.path.exists(resolved) else (spec,)

@@ -47,12 +47,14 @@ from vqpool.shared.tiny_configs import builtin_names
 from vqpool.worker.defaults import (
     DEFAULT_GROWTH_WAIT,
     DEFAULT_MLX_CACHE_LIMIT,
+    DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_PROMPT_CACHE_BYTES,
     MAX_GROWTH_WAIT,
+    MAX_NUM_DRAFT_TOKENS,
     RESERVE_MODES,
 )
-from vqpool.worker.models.loading import model_spec_problem
+from vqpool.worker.models.loading import adapter_dir_problem, model_spec_problem
 
 log = logging.getLogger("vqpool.worker")
 
@@ -66,6 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model", required=True, help="Hugging Face id, local path, or builtin:NAME"
+    )
+    parser.add_argument(
+        "--adapter-path",
+        metavar="DIR",
+        help="LoRA adapters (adapter_config.json and adapters.safetensors, as mlx-lm's "
+        "trainer writes them) applied to the model at load, as mlx_lm.server's",
+    )
+    parser.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="a small model with the same tokenizer for speculative decoding, as "
+        "mlx_lm.server's: requests are then decoded one at a time (--max-concurrent 1), "
+        "and its KV shares each request's pool blocks",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        metavar="N",
+        help="tokens the draft model proposes per round unless a request says (0.."
+        f"{MAX_NUM_DRAFT_TOKENS}; default: %(default)s)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -247,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.queue_timeout <= 0:
         log.error("--queue-timeout must be > 0")
         return 2
+    if not 0 <= args.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        log.error("--num-draft-tokens must be in 0..%d", MAX_NUM_DRAFT_TOKENS)
+        return 2
 
     stop = threading.Event()
 
@@ -269,6 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Everything that can fail in a moment is checked before mlx-lm is imported and the model
     # loads: the model argument, the daemon's socket, then (run_worker) the port.
     problem = model_spec_problem(args.model)
+    if problem is None and args.draft_model is not None:
+        problem = model_spec_problem(args.draft_model, "--draft-model")
+    if problem is None and args.adapter_path is not None:
+        problem = adapter_dir_problem(args.adapter_path)
     if problem is not None:
         log.error("%s", problem)
         return 2

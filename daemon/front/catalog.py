@@ -46,6 +46,9 @@ WORKER_OPTIONS: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "pool_timeout": (int, float),
     "log_level": (str,),
+    "adapter_path": (str,),
+    "draft_model": (str,),
+    "num_draft_tokens": (int,),
 }
 """The ``vqpool-worker`` options a model's table may set (as the flag without dashes; the
 worker's ``--reserve`` is ``reserve_mode`` here, since ``reserve`` is the model's byte reserve).

@@ -48,6 +48,7 @@ from vqpool.worker.api.openai_api import (
     TEXT,
     CompletionRequest,
     ResponseBuilder,
+    ServedOptions,
     parse_completion,
 )
 from vqpool.worker.models.loading import LoadedModel
@@ -110,6 +111,8 @@ class ServingApp:
     (mlx_lm.server gives its server's start time)."""
     allowed_origins: tuple[str, ...] = ("*",)
     """Origins a browser may call from (``--allowed-origins``; ``*``: any)."""
+    options: ServedOptions = field(default_factory=ServedOptions)
+    """The draft model and adapters a request may name (``--draft-model``, ``--adapter-path``)."""
 
     @property
     def model_id(self) -> str:
@@ -292,6 +295,7 @@ class ServingHandler(BaseHTTPRequestHandler):
                 default_max_tokens=app.default_max_tokens,
                 max_tokens_limit=app.max_tokens_limit,
                 served_names=(app.model_id, app.model.name),
+                options=app.options,
             )
             down = app.pool_unavailable()
             if down is not None:
@@ -307,6 +311,7 @@ class ServingHandler(BaseHTTPRequestHandler):
                 request.sampling,
                 logprobs=request.logprobs,
                 top_logprobs=request.top_logprobs,
+                num_draft_tokens=request.num_draft_tokens,
             )
             try:
                 app.scheduler.submit(job)

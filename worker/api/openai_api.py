@@ -8,10 +8,12 @@ alternatives), ``top_logprobs`` (0-20), ``stream``, ``stream_options.include_usa
 ``model`` (if given, one of the names the worker serves under); and mlx_lm.server's sampling
 fields with its limits: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``
 (each with its ``*_context_size``), ``logit_bias``, ``xtc_probability``, ``xtc_threshold`` and
-``seed`` (per request, even inside a batch: see ``worker/sched/sampling.py``). ``n`` > 1 is
-refused with 400 rather than ignored, and so are the fields of mlx_lm.server the worker cannot
-honour yet (:data:`UNSUPPORTED_FIELDS`); other unknown fields are ignored, as OpenAI clients
-send many.
+``seed`` (per request, even inside a batch: see ``worker/sched/sampling.py``), and
+``num_draft_tokens`` (0 to :data:`~vqpool.worker.defaults.MAX_NUM_DRAFT_TOKENS`). ``n`` > 1 is
+refused with 400 rather than ignored, and so are a ``draft_model`` or ``adapters`` other than
+the worker's own (:class:`ServedOptions`): mlx_lm.server reloads its one model for them, which
+would change the model under the other requests of the batch. Other unknown fields are
+ignored, as OpenAI clients send many.
 
 Chat messages reach the model's chat template as ``mlx_lm.server`` gives them: every key of a
 message (``tool_calls``, ``tool_call_id``, ``name``...), ``content: null`` as empty text, a tool
@@ -48,6 +50,7 @@ from typing import Any
 
 from vqpool.shared.api_error import ApiError
 from vqpool.shared.model_names import tail_matches
+from vqpool.worker.defaults import DEFAULT_NUM_DRAFT_TOKENS, MAX_NUM_DRAFT_TOKENS
 from vqpool.worker.models.loading import LoadedModel
 from vqpool.worker.models.tokenizer import ChatPrompt
 from vqpool.worker.sched.sampling import SamplingParams
@@ -72,6 +75,8 @@ class CompletionRequest:
     top_logprobs: int = 0
     tools: list[Any] | None = None
     """The chat's ``tools`` (the tool parser is given them, as in mlx_lm.server)."""
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    """Draft tokens per round (used by a worker with a draft model)."""
 
 
 _SHOWN = reprlib.Repr()
@@ -359,19 +364,60 @@ def _chat_tokens(
         ) from None
 
 
-UNSUPPORTED_FIELDS = {
-    "draft_model": "speculative decoding (a draft model) is not supported",
-    "num_draft_tokens": "speculative decoding (a draft model) is not supported",
-    "adapters": "LoRA adapters are not supported",
-}
-"""Fields mlx_lm.server reads that this worker cannot honour yet: refused by name, never
-ignored (docs/serving.md lists every field of mlx_lm.server's requests)."""
+@dataclass(frozen=True)
+class ServedOptions:
+    """What the worker was started with that a request may name: its draft model and its
+    adapters, under every name a request may give them (as typed, resolved path)."""
+
+    draft_names: tuple[str, ...] = ()
+    """``--draft-model``'s names; empty: no draft model."""
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    adapter_names: tuple[str, ...] = ()
+    """``--adapter-path``'s names; empty: no adapters."""
 
 
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    for name, why in UNSUPPORTED_FIELDS.items():
-        if body.get(name) is not None:
-            raise ApiError(400, f"{name}: {why} by vqpool-worker", param=name)
+def _num_draft_tokens(body: Mapping[str, Any], options: ServedOptions) -> int:
+    """The request's draft tokens per round. ``draft_model`` may name the worker's own draft
+    model: mlx_lm.server loads another one per request (reloading the model with it), which
+    here would swap the model under the requests running with it. Without a draft model
+    ``num_draft_tokens`` is checked and unused, as in mlx_lm.server."""
+    requested = body.get("draft_model")
+    if requested is not None and requested not in options.draft_names:
+        if not options.draft_names:
+            why = "this worker has no draft model"
+            instead = f"start vqpool-worker with --draft-model {_shown(requested)}"
+        else:
+            why = f"this worker's draft model is {options.draft_names[0]!r}"
+            instead = "send that name, or none, or start another worker with --draft-model"
+        raise ApiError(
+            400,
+            f"draft_model: {why}, and a draft model per request would reload the model under "
+            f"the requests running on it; {instead}",
+            param="draft_model",
+        )
+    return _integer(body, "num_draft_tokens", options.num_draft_tokens, 0, MAX_NUM_DRAFT_TOKENS)
+
+
+def _check_adapters(body: Mapping[str, Any], options: ServedOptions) -> None:
+    """A request's ``adapters`` may name the worker's own (``--adapter-path``): mlx_lm.server
+    reloads the model with other adapters per request, which here would change the weights
+    under the requests running with them."""
+    requested = body.get("adapters")
+    if requested is None or requested in options.adapter_names:
+        return
+    why = (
+        "this worker serves its model without adapters"
+        if not options.adapter_names
+        else f"this worker's adapters are {options.adapter_names[0]!r}"
+    )
+    raise ApiError(
+        400,
+        f"adapters: {why}, and switching adapters per request would change the weights under "
+        "the requests running on the same model; start a worker with --adapter-path "
+        f"{_shown(requested)} (with vqpool serve: a model entry with adapter_path) and name "
+        "that model instead",
+        param="adapters",
+    )
 
 
 def _names_this_model(requested: Any, names: Collection[str]) -> bool:
@@ -391,10 +437,12 @@ def parse_completion(
     default_max_tokens: int,
     max_tokens_limit: int,
     served_names: Collection[str] = (),
+    options: ServedOptions = ServedOptions(),
 ) -> CompletionRequest:
     """Validate a request body for ``kind`` (TEXT or CHAT) and tokenize its prompt.
 
-    ``served_names`` are the model ids a request may name (none: only ``model.name``).
+    ``served_names`` are the model ids a request may name (none: only ``model.name``);
+    ``options`` the draft model and adapters a request may name.
 
     Raises:
         ApiError: 400 for a malformed request, 404 for another model's id.
@@ -411,7 +459,8 @@ def parse_completion(
             kind="model_not_found",
             param="model",
         )
-    _refuse_unsupported(body)
+    _check_adapters(body, options)
+    num_draft_tokens = _num_draft_tokens(body, options)
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", param="n")
     stop = _stop_strings(body)
@@ -419,8 +468,10 @@ def parse_completion(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or not isinstance(
+        stream_options.get("include_usage", False), bool
+    ):
         raise ApiError(400, "stream_options must be {include_usage: bool}", param="stream_options")
     return_token_ids = body.get("return_token_ids", False)
     if not isinstance(return_token_ids, bool):
@@ -440,12 +491,13 @@ def parse_completion(
         max_tokens,
         sampling,
         stream,
-        bool(options.get("include_usage", False)),
+        bool(stream_options.get("include_usage", False)),
         return_token_ids,
         stop,
         logprobs,
         top_logprobs,
         tools,
+        num_draft_tokens,
     )
 
 

@@ -47,7 +47,7 @@ from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import AllocationRequest, BlockPool
 from vqpool.worker.kv.kv_probe import unpoolable_reason
-from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage
+from vqpool.worker.kv.storage import BlockStorage, KVLayout, MLXBlockStorage, SlotLayout
 
 # A growing sequence also reserves 1/RESERVE_DIVISOR of the blocks it needs, so its buffers are
 # copied O(1) times per RESERVE_DIVISOR blocks of growth instead of at every block boundary.
@@ -63,7 +63,7 @@ def blocks_to_hold(n_tokens: int, block_size: int) -> int:
 def allocate_kv_blocks(
     pool: BlockPool,
     owner: Owner,
-    layout: KVLayout,
+    layout: SlotLayout,
     n_blocks: int,
     wait: float = 0.0,
     growth: bool = False,
@@ -110,7 +110,7 @@ class PooledSequence:
         storage: Holds the memory; its layout and stream split must match the pool's.
     """
 
-    def __init__(self, pool: BlockPool, owner: Owner, storage: MLXBlockStorage) -> None:
+    def __init__(self, pool: BlockPool, owner: Owner, storage: BlockStorage) -> None:
         config = pool.config
         if storage.layout.block_size != config.block_size:
             raise ValueError(
@@ -327,8 +327,9 @@ class PooledKVCache:
     def __init__(self, sequence: PooledSequence, layer: int) -> None:
         self.sequence = sequence
         self.layer = layer
-        layout = sequence.layout
+        layout = sequence.layout.layer_layout(layer)
         self._head_shape = (layout.n_kv_heads, layout.k_head_dim, layout.v_head_dim)
+        self._dtype = layout.dtype
 
     @property
     def offset(self) -> int:
@@ -361,7 +362,7 @@ class PooledKVCache:
         n_kv_heads, k_dim, v_dim = self._head_shape
         k_shape = keys.shape
         v_shape = values.shape
-        dtype = self.sequence.layout.dtype
+        dtype = self._dtype
         if (
             len(k_shape) != 4
             or k_shape[0] != 1
@@ -384,7 +385,7 @@ class PooledKVCache:
         end = seq.offsets[self.layer]
         if not seq.buffers.keys:
             n_kv_heads, k_dim, v_dim = self._head_shape
-            dtype = seq.layout.dtype
+            dtype = self._dtype
             return (
                 mx.zeros((1, n_kv_heads, 0, k_dim), dtype),
                 mx.zeros((1, n_kv_heads, 0, v_dim), dtype),

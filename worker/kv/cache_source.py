@@ -276,14 +276,19 @@ class StockCacheSource:
 
     pooled = False
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, draft_model: nn.Module | None = None) -> None:
+        """``draft_model``: a request's cache is the model's layer caches, then the draft
+        model's (mlx-lm's convention for speculative decoding)."""
         self.model = model
+        self.draft_model = draft_model
         self._live: dict[int, list[Any]] = {}
         # The layers of the batches in use (a batch's layers die with it).
         self._batch_layers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def open(self, owner: str) -> list[Any]:
         cache: list[Any] = make_prompt_cache(self.model)
+        if self.draft_model is not None:
+            cache += make_prompt_cache(self.draft_model)
         self._live[id(cache)] = cache
         return cache
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,6 +113,11 @@ class KVLayout:
         """Bytes of one V block: its slots of every layer's values."""
         return self.n_layers * self.n_kv_heads * self.block_size * self.v_head_dim * self.dtype.size
 
+    def layer_layout(self, layer: int) -> KVLayout:
+        """The layout of layer ``layer``'s slots: this one for every layer (a model and its
+        draft model in one block have two: ``PairedLayout``)."""
+        return self
+
     def bytes_per_block(self, stream: str) -> int:
         """Bytes one block of ``stream`` ("k", "v", or "kv" for both) stands for."""
         if stream == "k":
@@ -121,6 +127,23 @@ class KVLayout:
         if stream == "kv":
             return self.k_block_bytes + self.v_block_bytes
         raise ValueError(f"KVLayout: stream must be 'k', 'v' or 'kv', got {stream!r}")
+
+
+class SlotLayout(Protocol):
+    """What a pooled sequence needs of a layout: a :class:`KVLayout`, or a model's and its
+    draft model's layouts in one block (``PairedLayout``)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def k_block_bytes(self) -> int: ...
+    @property
+    def v_block_bytes(self) -> int: ...
+    @property
+    def format(self) -> str: ...
+    def layer_layout(self, layer: int) -> KVLayout: ...
 
 
 class SequenceBuffers:
@@ -370,6 +393,24 @@ class MLXBlockStorage:
             f"MLXBlockStorage({self.n_sequences} sequence(s), {self.n_blocks} block(s), "
             f"{self.nbytes} bytes)"
         )
+
+
+class BlockStorage(Protocol):
+    """What a pooled sequence needs of a storage: an :class:`MLXBlockStorage`, or the paired
+    storage of a model and its draft model (``PairedBlockStorage``)."""
+
+    reclaim: Callable[[int], int] | None
+
+    @property
+    def layout(self) -> SlotLayout: ...
+    @property
+    def separate_kv(self) -> bool: ...
+    def open(self, key: Owner) -> SequenceBuffers: ...
+    def extend(
+        self, seq: SequenceBuffers, k_block_ids: Sequence[int], v_block_ids: Sequence[int] = ()
+    ) -> None: ...
+    def truncate(self, seq: SequenceBuffers, n_blocks: int) -> tuple[list[int], list[int]]: ...
+    def close(self, seq: SequenceBuffers) -> None: ...
 
 
 def _grown(buf: mx.array, n_new_slots: int) -> mx.array:

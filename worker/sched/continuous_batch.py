@@ -79,6 +79,8 @@ class StepOutcome:
             ``max_tokens`` with its token above; its row is out of the batch already. The
             seam for a prompt cache: ``response.prompt_cache`` holds the row's KV (stock
             ``KVCache`` copies holding no blocks) and ``response.all_tokens`` its token ids.
+        drafted: Tokens of ``tokens`` a draft model proposed and the model accepted
+            (speculative decoding only).
     """
 
     evicted: list[Any] = field(default_factory=list)
@@ -86,6 +88,7 @@ class StepOutcome:
     failed: list[tuple[Any, Exception]] = field(default_factory=list)
     tokens: list[tuple[Any, int, mx.array]] = field(default_factory=list)
     finished: list[tuple[Any, str, GenerationBatch.Response]] = field(default_factory=list)
+    drafted: int = 0
 
 
 @dataclass(eq=False)

@@ -37,6 +37,8 @@ read its token ids from the job's event queue. One generation thread does the re
   (see Preemption). The batching itself lives in
   :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
+  With a draft model, jobs decode one at a time by speculative decoding instead
+  (:mod:`vqpool.worker.sched.speculative_batch`, as ``mlx_lm.server`` serves them).
 * **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
   started job cheapest to recompute and not about to finish gives way at the step boundary: its
   blocks go back, its prompt's KV goes into the prompt cache (taking free memory only, and given
@@ -109,6 +111,7 @@ from vqpool.worker.sched.growth_forecast import GrowthForecast
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
 from vqpool.worker.sched.serving_stats import ServingStats
+from vqpool.worker.sched.speculative_batch import SpeculativeBatch, round_slots
 
 log = logging.getLogger("vqpool.worker")
 
@@ -200,6 +203,8 @@ class GenerationJob:
     """Prompt tokens the prompt cache gave (known once its prefill began)."""
     prompt_stored: bool = False
     """Whether its prompt was stored in the prompt cache for a later job sharing a prefix."""
+    num_draft_tokens: int = 0
+    """Tokens its draft model proposes per round (a worker with ``--draft-model`` only)."""
 
 
 class Scheduler:
@@ -229,6 +234,9 @@ class Scheduler:
             are stored then), stored when a job ends.
         block_size: Token slots per pool block: the unit of the look-ahead of on-demand
             admission (``growth_forecast.py``) and of what the prompt cache keeps.
+        draft_model: A draft model: jobs are decoded one at a time by speculative decoding
+            (:mod:`~vqpool.worker.sched.speculative_batch`), each job's cache holding both
+            models' layers; ``max_concurrent`` must be 1.
     """
 
     def __init__(
@@ -248,7 +256,13 @@ class Scheduler:
         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache: PromptCache | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        draft_model: nn.Module | None = None,
     ) -> None:
+        if draft_model is not None and (max_concurrent != 1 or prompt_cache is not None):
+            raise ValueError(
+                "Scheduler: a draft model decodes one job at a time (max_concurrent 1), with "
+                "no prompt cache"
+            )
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
                 "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
@@ -283,16 +297,27 @@ class Scheduler:
         self._active: list[GenerationJob] = []  # generation thread only
         self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
         self._forecast = GrowthForecast(block_size)
-        self._batch = ContinuousBatch(
-            model,
-            source,
-            eos_token_ids=eos_token_ids,
-            prefill_step_size=prefill_step_size,
-            on_prefill_start=self._reuse_cached_prefix,
-            preemption=self._preemption,
-            on_preempt=self._keep_row,
-            look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
-        )
+        self._batch: ContinuousBatch | SpeculativeBatch
+        if draft_model is None:
+            self._batch = ContinuousBatch(
+                model,
+                source,
+                eos_token_ids=eos_token_ids,
+                prefill_step_size=prefill_step_size,
+                on_prefill_start=self._reuse_cached_prefix,
+                preemption=self._preemption,
+                on_preempt=self._keep_row,
+                look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
+            )
+        else:
+            self._batch = SpeculativeBatch(
+                model,
+                draft_model,
+                source,
+                eos_token_ids=eos_token_ids,
+                prefill_step_size=prefill_step_size,
+                preemption=self._preemption,
+            )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
@@ -565,11 +590,17 @@ class Scheduler:
         # generate_step writes the KV of every token it yields, the last one included: a job
         # needs prompt + max_tokens slots in all.
         if self.reserve == "full":
-            return len(job.prompt) + job.max_tokens
-        headroom = self.headroom_slots if self.reserve == "on-demand" else 1
-        return min(
-            len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
-        )
+            slots = len(job.prompt) + job.max_tokens
+        else:
+            headroom = self.headroom_slots if self.reserve == "on-demand" else 1
+            slots = min(
+                len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
+            )
+        if isinstance(self._batch, SpeculativeBatch):
+            # A round writes its drafts too: admitted (or resumed) with less, it could never
+            # make its next round, and a preemption would bring it back to the same place.
+            slots = max(slots, round_slots(job))
+        return slots
 
     def _admission_slots(self, job: GenerationJob) -> int:
         """What ``job``'s admission reserves: :meth:`_slots_for`, and with on-demand reserves
@@ -724,7 +755,9 @@ class Scheduler:
             mx.clear_cache()
         self._sample_memory()
         self.stats.add(
-            completion_tokens=len(outcome.tokens), busy_seconds=time.perf_counter() - started
+            completion_tokens=len(outcome.tokens),
+            draft_accepted=outcome.drafted,
+            busy_seconds=time.perf_counter() - started,
         )
 
     def _end_failed(self, job: GenerationJob, exc: Exception) -> None:

@@ -21,6 +21,7 @@ _COUNTERS = (
     "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
     "reclaim_preemptions",  # of the preemptions, those that answered a reclaim ask
     "held_for_growth",  # admissions held: the running rows' next growth could not be backed
+    "draft_accepted",  # generated tokens a draft model proposed and the model accepted
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
     "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
     "ended_stop",
