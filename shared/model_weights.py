@@ -68,6 +68,9 @@ DTYPE_BYTES: dict[str, int] = {
     "F64": 8,
 }
 
+ADAPTER_WEIGHTS = "adapters.safetensors"
+"""The file of LoRA adapters' weights in an adapter directory (mlx-lm's layout)."""
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

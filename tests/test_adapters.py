@@ -168,3 +168,8 @@ def test_vqpool_serve_serves_adapters_as_a_model_of_their_own(dirs: dict[str, Pa
             assert reply.status == 200, reply
             expected = _reference(dirs["model"], PROMPTS[0], adapters)
             assert reply.body["choices"][0]["token_ids"] == expected
+            # Known before the load (the adapters' safetensors header beside the model's),
+            # exactly what the loaded worker charges.
+            charged = {r["model"]: r["weights"] for r in front.admin("model_list")["models"]}
+            assert front.row(name)["weights_bytes"] == charged[name] > 0
+        assert front.row("tuned")["weights_bytes"] > front.row("base")["weights_bytes"]

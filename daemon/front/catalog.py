@@ -106,6 +106,11 @@ class ModelEntry:
     pinned: bool = False
     worker_args: tuple[str, ...] = field(default=())
 
+    def worker_option(self, flag: str) -> str | None:
+        """The value ``worker_args`` gives ``flag`` (e.g. ``"--draft-model"``), or None."""
+        pairs = zip(self.worker_args[::2], self.worker_args[1::2], strict=True)
+        return next((value for name, value in pairs if name == flag), None)
+
 
 def entry_from_table(name: str, table: Mapping[str, Any], keep_alive: float) -> ModelEntry | None:
     """The entry a ``[models."NAME"]`` table describes, or None when it has no ``path`` (budget

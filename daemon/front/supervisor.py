@@ -35,10 +35,11 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vqpool.daemon.front.catalog import Catalog
+from vqpool.daemon.front.catalog import Catalog, ModelEntry
 from vqpool.daemon.front.errors import bad_gateway, bad_request, overloaded
 from vqpool.daemon.front.ledger_calls import LedgerCalls
 from vqpool.daemon.front.metrics import FrontMetrics
@@ -54,7 +55,12 @@ from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import UnknownOpError, VqpoolError
-from vqpool.shared.model_weights import WeightsEstimate, estimate_weights
+from vqpool.shared.model_weights import (
+    ADAPTER_WEIGHTS,
+    WeightsEstimate,
+    estimate_weights,
+    safetensors_tensor_bytes,
+)
 
 log = logging.getLogger("vqpool.serve")
 
@@ -73,11 +79,27 @@ for a live change (bytes also come back where the front door does not see it: an
 model's KV, a budget raised)."""
 
 
-def _weights_or_none(path: str) -> WeightsEstimate | None:
+def _weights_or_none(entry: ModelEntry) -> WeightsEstimate | None:
+    """What ``entry``'s worker will hold in parameters: its model's weights, and its draft
+    model's and LoRA adapters' (which load beside them); None when the files cannot tell."""
     try:
-        return estimate_weights(path)
+        found = estimate_weights(entry.path)
+        if found is None:
+            return None
+        extra = 0
+        draft = entry.worker_option("--draft-model")
+        if draft is not None:
+            draft_weights = estimate_weights(draft)
+            if draft_weights is None:
+                return None
+            extra += draft_weights.nbytes
+        adapters = entry.worker_option("--adapter-path")
+        if adapters is not None:
+            file = Path(adapters).expanduser() / ADAPTER_WEIGHTS
+            extra += sum(safetensors_tensor_bytes(file).values())
+        return replace(found, nbytes=found.nbytes + extra)
     except (ValueError, OSError) as exc:
-        log.warning("%s: weights unknown: %s", path, exc)
+        log.warning("%s: weights unknown: %s", entry.path, exc)
         return None
 
 
@@ -532,7 +554,7 @@ class Supervisor:
         a model whose files cannot tell stays unknown, with a warning saying why), then watch
         the budget for a live change."""
         for slot in self.slots.values():
-            slot.weights = await asyncio.to_thread(_weights_or_none, slot.entry.path)
+            slot.weights = await asyncio.to_thread(_weights_or_none, slot.entry)
         self._start(self._watch_budget())
 
     def views(self) -> list[dict[str, Any]]:
