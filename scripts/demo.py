@@ -55,13 +55,15 @@ from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.model_weights import estimate_weights
 from vqpool.worker.models.loading import model_spec_problem
 from vqpool.worker.testing.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.testing.launch import ServeProcess
 
 # The front door's configuration: vqpoold's settings and each model's budget, what it serves and
-# its worker's options. A built-in model's block holds 4 KiB per stream (K and V apart),
-# so the 320 KiB budget is 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
+# its worker's options. The budget counts both models' weights (known before they load) beside
+# their KV; the KV part is below. A built-in model's block holds 4 KiB per stream (K and V apart),
+# so the 320 KiB of KV are 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
 # the 96 block ids (48 K + 48 V): the budget binds. The demo's requests need ~4-13 blocks per
 # stream each and up to 6 run at once, so the two models contend and some requests wait. Each
 # model keeps a reserve (no other model gets it); the first model weighs twice the second in
@@ -70,7 +72,7 @@ from vqpool.worker.testing.launch import ServeProcess
 SERVE_CONFIG = """\
 # vqpool serve configuration written by scripts/demo
 [vqpoold]
-budget = "{budget}"
+budget = {budget}
 {id_space}block_size = 16
 lease = 5.0
 log_level = "WARNING"
@@ -79,7 +81,7 @@ log_level = "WARNING"
 log_level = "WARNING"
 load_timeout = {load_timeout}
 queue_timeout = {load_timeout}
-
+{load_kv}
 [models.{first}]
 path = {first}
 reserve = "{reserve}"
@@ -91,8 +93,11 @@ reserve = "{reserve}"
 weight = 1
 {worker_options}"""
 BUILTIN_ID_SPACE = "n_blocks = 96\n"
-BUILTIN_BUDGET = ("320KiB", "64KiB")
-REAL_MODEL_BUDGET = ("1GiB", "128MiB")
+BUILTIN_BUDGET = (320 << 10, "64KiB")
+REAL_MODEL_BUDGET = (1 << 30, "128MiB")
+BUILTIN_LOAD_KV = "load_kv_tokens = 128\n"
+"""A load asks room for its reserve's 128 tokens of KV, not the default 2048 (1 MiB of a
+built-in's KV, more than the demo's whole KV budget)."""
 
 BUILTIN_MODELS = ["builtin:llama", "builtin:qwen3"]
 CLIENTS_PER_MODEL = 4
@@ -508,6 +513,13 @@ def front_door_view(serve: ServeProcess) -> str:
     return table(headers, rows)
 
 
+def models_weights(models: list[str]) -> list[int]:
+    """Each model's weights in bytes, from its files before it loads (0 when they cannot tell,
+    e.g. a hub id not downloaded yet: its worker's hello charges them, and the KV gets less)."""
+    estimates = (estimate_weights(model) for model in models)
+    return [0 if found is None else found.nbytes for found in estimates]
+
+
 def run(args: argparse.Namespace, base: Path) -> bool:
     models = args.model or BUILTIN_MODELS
     duration = args.duration or (6.0 if args.short else 25.0)
@@ -516,13 +528,15 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     max_tokens = 96 if args.short else 160
     run_dir = base / "run"
     config = base / "vqpool.toml"
-    budget, reserve = BUILTIN_BUDGET if args.model is None else REAL_MODEL_BUDGET
+    kv_budget, reserve = BUILTIN_BUDGET if args.model is None else REAL_MODEL_BUDGET
+    budget = kv_budget + sum(models_weights(models))
     load_timeout = 60 if args.model is None else 1800  # real models may download
     first, second = (json.dumps(m) for m in models)  # TOML strings
     config.write_text(
         SERVE_CONFIG.format(
             budget=budget,
             id_space=BUILTIN_ID_SPACE if args.model is None else "",
+            load_kv=BUILTIN_LOAD_KV if args.model is None else "",
             reserve=reserve,
             first=first,
             second=second,

@@ -30,10 +30,6 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_DTYPE_BYTES = 2
 """A config that names no dtype: half precision, as almost every published model."""
 
-MIN_LOAD_BLOCKS = 2
-"""Blocks of KV a load asks room for beside its weights when the model has no larger reserve:
-one short request (a prompt block and a block to generate into)."""
-
 
 def kv_token_bytes(spec: str) -> int | None:
     """Bytes of keys and values one token takes across all layers of the model ``spec`` names;

@@ -25,7 +25,7 @@ from front_harness import FrontDoor
 from test_front_door_swaps import Stream, gone, open_stream
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_token_bytes
+from vqpool.shared.kv_size import kv_token_bytes
 from vqpool.shared.model_weights import estimate_weights
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.testing.model_dirs import write_config_dir
@@ -35,6 +35,9 @@ HELD_TOKENS = 20000
 PROMPT_TOKENS = 64
 """More than the held streams' prompt takes in tokens (a byte-level tokenizer: at most one per
 byte)."""
+LOAD_KV_TOKENS = 2 * DEFAULT_BLOCK_SIZE
+"""The KV room each load asks for here (``load_kv_tokens``): two blocks, far below the
+weights, so a budget's arithmetic is the weights'."""
 SLACK = 1 << 20
 """Room in a budget beyond what the test counts (a prompt cache's partial blocks): far less than
 the smallest model's weights, so a budget for two models never holds three."""
@@ -83,7 +86,7 @@ def kv_bytes(path: Path, tokens: int) -> int:
 def load_need(path: Path) -> int:
     """What a load of the model at ``path`` asks the ledger for: its weights and its KV
     minimum (no reserve configured)."""
-    return weights(path) + kv_bytes(path, MIN_LOAD_BLOCKS * DEFAULT_BLOCK_SIZE)
+    return weights(path) + kv_bytes(path, LOAD_KV_TOKENS)
 
 
 def held_stream_kv(path: Path) -> int:
@@ -94,7 +97,10 @@ def config_for(models: dict[str, Path], budget: int, queue_timeout: float = 120)
     """A settings file serving ``models`` under ``budget``; an idle model may be unloaded for
     bytes as soon as it is loaded (no minimum residency)."""
     tables = "".join(f'[models."{name}"]\npath = "{path}"\n\n' for name, path in models.items())
-    serve = f"budget = {budget}\nmin_residency = 0\nqueue_timeout = {queue_timeout}\n"
+    serve = (
+        f"budget = {budget}\nmin_residency = 0\nqueue_timeout = {queue_timeout}\n"
+        f"load_kv_tokens = {LOAD_KV_TOKENS}\n"
+    )
     return f"[serve]\n{serve}\n{tables}"
 
 
@@ -266,6 +272,27 @@ def test_a_lowered_budget_unloads_the_least_recently_used_idle_model(
         assert front.row("medium")["state"] == "loaded"
         totals = front.admin("budget")
         assert totals["total_held"] + totals["total_weights"] <= totals["budget"]
+
+
+def test_a_request_waiting_for_kv_unloads_an_idle_model(models: dict[str, Path]) -> None:
+    """Bytes are freed in the same order for a loaded model's request as for a load: a prompt
+    whose KV the free bytes cannot hold waits at vqpoold, and the idle model goes for it."""
+    small, medium = models["small"], models["medium"]
+    room = kv_bytes(medium, 4 * DEFAULT_BLOCK_SIZE)
+    budget = load_need(small) + load_need(medium) + room
+    with FrontDoor(config=config_for({"small": small, "medium": medium}, budget)) as front:
+        assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200
+        prompt = "a" * 1024  # at most a token per byte: far more KV than the free room
+        reply = front.complete("medium", prompt=prompt, max_tokens=2)
+        assert reply.status == 200, reply.body
+        assert kv_bytes(medium, reply.body["usage"]["prompt_tokens"]) > room + kv_bytes(
+            medium, LOAD_KV_TOKENS
+        )
+        rows = front.models()
+        assert rows["small"]["state"] == "not_loaded"
+        assert rows["small"]["unloads"] == {"memory": 1}
+        assert rows["medium"]["state"] == "loaded" and rows["medium"]["unloads"] == {}
 
 
 def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(

@@ -45,6 +45,7 @@ from vqpool.daemon.front.client_limits import (
 )
 from vqpool.daemon.front.control_api import build_control_app
 from vqpool.daemon.front.daemon_child import DaemonChild, DaemonStartError
+from vqpool.daemon.front.ledger_calls import DEFAULT_LOAD_KV_TOKENS, MAX_LOAD_KV_TOKENS
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.public_api import build_public_app
 from vqpool.daemon.front.supervisor import (
@@ -88,6 +89,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "load_timeout": 600.0,
     "swap_grace": DEFAULT_SWAP_GRACE,
     "min_residency": DEFAULT_MIN_RESIDENCY,
+    "load_kv_tokens": DEFAULT_LOAD_KV_TOKENS,
     "budget": None,
     "log_level": "INFO",
     # Bounds on client connections (client_limits.py says why these values); hidden options.
@@ -108,6 +110,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "load_timeout": (int, float),
     "swap_grace": (int, float),
     "min_residency": (int, float),
+    "load_kv_tokens": (int,),
     "budget": (int, str),
     "log_level": (str,),
     "head_timeout": (int, float),
@@ -176,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a model stays loaded at least before a load short of memory may unload "
         f"it, so two models do not unload each other in turn (default: {DEFAULT_MIN_RESIDENCY:g})",
+    )
+    serve.add_argument(
+        "--load-kv-tokens",
+        type=int,
+        metavar="N",
+        help="tokens of KV a load asks room for beside the model's weights (at most its limit; "
+        "its reserve if larger): a load that leaves less free waits, or unloads an idle model "
+        f"(default: {DEFAULT_LOAD_KV_TOKENS})",
     )
     serve.add_argument(
         "--keep-alive",
@@ -251,6 +262,8 @@ def serve_options(args: argparse.Namespace, file_table: dict[str, Any]) -> dict[
             raise UsageError(f"--{key.replace('_', '-')} must be > 0")
     if not 0 <= options["min_residency"] <= MAX_MIN_RESIDENCY:
         raise UsageError(f"--min-residency must be 0..{MAX_MIN_RESIDENCY:g} seconds")
+    if not 1 <= options["load_kv_tokens"] <= MAX_LOAD_KV_TOKENS:
+        raise UsageError(f"--load-kv-tokens must be 1..{MAX_LOAD_KV_TOKENS}")
     if not 0 <= options["swap_grace"] <= MAX_SWAP_GRACE:
         raise UsageError(f"--swap-grace must be 0..{MAX_SWAP_GRACE:g} seconds")
     if not 0 <= options["port"] <= 65535:
@@ -379,6 +392,7 @@ async def serve(
         load_timeout=options["load_timeout"],
         swap_grace=options["swap_grace"],
         min_residency=options["min_residency"],
+        load_kv_tokens=options["load_kv_tokens"],
         metrics=metrics,
     )
     await supervisor.start()

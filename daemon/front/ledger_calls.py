@@ -16,8 +16,14 @@ from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_block_bytes
+from vqpool.shared.kv_size import kv_block_bytes
 
+DEFAULT_LOAD_KV_TOKENS = 2048
+"""Tokens of KV a load asks room for beside its weights (``--load-kv-tokens``), unless the
+model's reserve is larger: one request of a chat's usual length. Less lets a budget fill with
+weights and leaves the loaded models' requests waiting for blocks (scripts/bench_models.py
+measured it: with room for two blocks, three models' weights took 166 of 167 MiB)."""
+MAX_LOAD_KV_TOKENS = 1 << 20
 CALL_TIMEOUT = 5.0
 """Seconds one admin call may take."""
 MAX_TICKET_TTL = 600.0
@@ -29,7 +35,7 @@ CACHE_RELEASE_WAIT = 2.0
 @dataclass(frozen=True)
 class LoadNeed:
     """What loading a model asks the ledger for: its weights and its KV minimum (the larger of
-    its reserve and :data:`MIN_LOAD_BLOCKS` blocks of its KV)."""
+    its reserve and the KV of ``--load-kv-tokens`` tokens, in whole blocks)."""
 
     weights: int
     kv_min: int
@@ -73,10 +79,11 @@ class LedgerCalls:
 
         return await asyncio.to_thread(run)
 
-    async def need(self, model: str, spec: str, weights: int | None) -> LoadNeed:
+    async def need(self, model: str, spec: str, weights: int | None, kv_tokens: int) -> LoadNeed:
         """What loading ``model`` (``spec`` names its files) asks for: ``weights`` (unknown: 0,
-        its worker's hello charges them) and its KV minimum, from its reserve at the daemon and
-        its config priced at the pool's block size.
+        its worker's hello charges them) and its KV minimum: the KV of ``kv_tokens`` tokens (its
+        config priced at the pool's block size) but no more than its limit at the daemon, or its
+        reserve there if larger.
 
         Raises:
             VqpoolError: The daemon does not answer.
@@ -84,8 +91,11 @@ class LedgerCalls:
         block_size = (await self.call("stats"))["config"]["block_size"]
         block = kv_block_bytes(spec, block_size) or 0
         models = await self.call("model_list")
-        reserve = next((m["reserve"] for m in models["models"] if m["model"] == model), 0)
-        return LoadNeed(weights or 0, max(reserve, MIN_LOAD_BLOCKS * block))
+        row = next((m for m in models["models"] if m["model"] == model), None)
+        room = -(-kv_tokens // block_size) * block
+        if row is None:
+            return LoadNeed(weights or 0, room)
+        return LoadNeed(weights or 0, max(row["reserve"], min(room, row["effective_limit"])))
 
     async def reserve(
         self, model: str, need: LoadNeed, ttl: float

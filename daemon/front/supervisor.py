@@ -18,8 +18,8 @@ can look, and an idle timer that fires finds the model busy again if a request c
   pinned and was loaded at least ``min_residency`` seconds (its exit and its session's end
   verified first); then the load waits for a change. A load that can never fit is refused at
   once: every request waiting for it gets a 400 naming the numbers.
-- When the daemon shows more held than its budget (lowered live), idle models are unloaded in
-  the same order until it does not.
+- When the daemon shows more held than its budget (lowered live), or the loaded models' requests
+  waiting for more KV than is free, idle models are unloaded in the same order until it does not.
 - A failed load answers every request waiting for it with the worker's reason; the next
   request tries again, after a backoff once failures repeat (:class:`ModelSlot`).
 - Idle is no running and no queued request; ``keep_alive`` counts from the last request's end.
@@ -41,7 +41,7 @@ from typing import Any
 
 from vqpool.daemon.front.catalog import Catalog, ModelEntry
 from vqpool.daemon.front.errors import bad_gateway, bad_request, overloaded
-from vqpool.daemon.front.ledger_calls import LedgerCalls
+from vqpool.daemon.front.ledger_calls import DEFAULT_LOAD_KV_TOKENS, LedgerCalls
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.model_slot import (
     LOADED,
@@ -71,7 +71,7 @@ DEFAULT_SWAP_GRACE = 0.5
 """Seconds a model that just served stays safe from being unloaded for another's load."""
 EXIT_REASON_WAIT = 2.0
 """Seconds a failed proxied request waits for its worker's exit, to name the crash."""
-DEFAULT_MIN_RESIDENCY = 30.0
+DEFAULT_MIN_RESIDENCY = 5.0
 """Seconds a model stays loaded at least before a load short of bytes may unload it."""
 MEMORY_RECHECK = 1.0
 """Seconds between two asks of a load waiting for memory, and between two looks at the budget
@@ -103,6 +103,16 @@ def _weights_or_none(entry: ModelEntry) -> WeightsEstimate | None:
         return None
 
 
+def kv_wanted(models: list[dict[str, Any]]) -> int:
+    """KV bytes the models' requests wait for at vqpoold (``model_list`` rows), each model's
+    only up to its own limit: bytes beyond it would not go to it whatever is freed."""
+    return sum(
+        max(0, min(row["waiting_bytes"], row["effective_limit"] - row["held"]))
+        for row in models
+        if row["waiting_bytes"]
+    )
+
+
 class Supervisor:
     """The served models' workers (see the module docstring).
 
@@ -116,6 +126,8 @@ class Supervisor:
             room for another.
         min_residency: Seconds a model stays loaded at least before a load short of bytes may
             unload it.
+        load_kv_tokens: Tokens of KV a load asks room for beside its weights (unless the
+            model's reserve is larger).
         metrics: Where loads, unloads and waits are counted.
     """
 
@@ -129,6 +141,7 @@ class Supervisor:
         load_timeout: float,
         swap_grace: float = DEFAULT_SWAP_GRACE,
         min_residency: float = DEFAULT_MIN_RESIDENCY,
+        load_kv_tokens: int = DEFAULT_LOAD_KV_TOKENS,
         metrics: FrontMetrics,
     ) -> None:
         self.catalog = catalog
@@ -138,6 +151,7 @@ class Supervisor:
         self.load_timeout = load_timeout
         self.swap_grace = swap_grace
         self.min_residency = min_residency
+        self.load_kv_tokens = load_kv_tokens
         self.ledger = LedgerCalls(run_dir)
         self._grace_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
@@ -381,7 +395,7 @@ class Supervisor:
             VqpoolError: vqpoold does not answer.
         """
         weights = None if slot.weights is None else slot.weights.nbytes
-        need = await self.ledger.need(slot.name, slot.entry.path, weights)
+        need = await self.ledger.need(slot.name, slot.entry.path, weights, self.load_kv_tokens)
         while True:
             if self._closing or slot.queued <= slot.answered:
                 return False, None
@@ -428,30 +442,33 @@ class Supervisor:
         return min(victims, key=lambda s: s.last_used or 0.0) if victims else None
 
     async def _watch_budget(self) -> None:
-        """Unload idle models while vqpoold holds more than its budget (lowered live) and its
-        prompt caches cannot cover the excess (the daemon takes those back first)."""
+        """Unload idle models while vqpoold holds more than its budget (lowered live), or the
+        loaded models' requests wait for more KV than is free, and the prompt caches cannot
+        cover it (the daemon takes those back first): a request short of bytes frees them in
+        the same order as a load."""
         while True:
             await asyncio.sleep(MEMORY_RECHECK)
             try:
-                totals = await self.ledger.budget()
+                listing = await self.ledger.call("model_list")
+                totals = listing["budget"]
                 if totals["budget"] is None:
                     continue
                 excess = totals["total_held"] + totals["total_weights"] - totals["budget"]
-                if excess <= 0:
+                short = max(excess, kv_wanted(listing["models"]) - max(0, totals["free"] or 0))
+                if short <= 0:
                     continue
                 sessions = await self.ledger.call("sessions")
             except VqpoolError as exc:
                 log.debug("could not read vqpoold's budget: %s", exc)
                 continue
             cached = sum((s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions)
-            victim = None if cached >= excess else self._memory_victim()
+            victim = None if cached >= short else self._memory_victim()
             if victim is not None:
+                why = "over its budget" if excess > 0 else "short for waiting requests"
                 log.info(
-                    "vqpoold holds %s over its budget: unloading idle %s",
-                    format_bytes(excess),
-                    victim.name,
+                    "vqpoold is %s %s: unloading idle %s", format_bytes(short), why, victim.name
                 )
-                self._start_unload(victim, "budget")
+                self._start_unload(victim, "budget" if excess > 0 else "memory")
 
     async def _watch(self, slot: ModelSlot, worker: WorkerProcess) -> None:
         """A worker that exits while its model counts as loaded crashed: the next request
