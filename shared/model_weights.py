@@ -103,12 +103,18 @@ def estimate_weights(spec: str) -> WeightsEstimate | None:
         shapes = parameter_shapes(TINY_CONFIGS[name]).values()
         nbytes = sum(math.prod(shape) for shape in shapes) * BUILTIN_PARAMETER_BYTES
         return WeightsEstimate(nbytes, len(shapes), BUILTIN_CONFIG)
+    directory = local_model_dir(spec)
+    return None if directory is None else directory_weights(directory)
+
+
+def local_model_dir(spec: str) -> Path | None:
+    """The local directory of the model ``spec`` names: the directory itself, or a hub id's
+    snapshot in the local cache; None for neither (a built-in, an id not cached)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        return directory_weights(path)
+        return path
     if _HUB_ID.fullmatch(spec) and not path.exists():
-        snapshot = cached_snapshot(spec)
-        return None if snapshot is None else directory_weights(snapshot)
+        return cached_snapshot(spec)
     return None
 
 

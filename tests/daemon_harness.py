@@ -168,13 +168,19 @@ class RawClient:
         return self.recv()
 
     def hello(
-        self, pid: int | None = None, model: str = "raw", resumes: int | None = None
+        self,
+        pid: int | None = None,
+        model: str = "raw",
+        resumes: int | None = None,
+        **declared: Any,
     ) -> dict[str, Any]:
         """Open a session (as process ``pid``, this one by default; after a restart, naming
-        the session id it held, ``resumes``)."""
+        the session id it held, ``resumes``; with ``declared``'s hello arguments, e.g.
+        ``weights``, ``bytes_per_block``)."""
         args = {"pid": pid or os.getpid(), "model": model, "nonce": os.urandom(8).hex()}
         if resumes is not None:
             args["resumes"] = resumes
+        args.update(declared)
         reply = self.call("hello", args)
         assert reply["ok"], reply
         self.sid = reply["result"]["sid"]

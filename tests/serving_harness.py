@@ -14,8 +14,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from daemon_harness import remove_tree, short_tmpdir
+from vqpool.worker.models.memory import weights_bytes
+from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.testing.http_client import HttpReply, request_json
 from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
+
+
+def builtin_weights(*models: str) -> int:
+    """Bytes of the weights of the built-in ``models`` (``builtin:llama``...) as their workers
+    load them and charge them to the budget (seed 0): a test's budget sized for KV adds them."""
+    total = 0
+    for model in models:
+        built, _ = build_tiny_model(model.removeprefix("builtin:"), seed=0)
+        total += weights_bytes(built)
+    return total
 
 
 class ServingStack:

@@ -39,14 +39,16 @@ Stream = tuple[dict[str, Any], Generator[dict[str, Any], None, None]]
 """A stream's first event, read, and the rest, to read."""
 
 
-def open_stream(front: FrontDoor, model: str, max_tokens: int) -> Stream:
-    """A stream of ``model`` whose first chunk is read: the request runs at the worker."""
+def open_stream(front: FrontDoor, model: str, max_tokens: int, **fields: Any) -> Stream:
+    """A stream of ``model`` whose first chunk is read: the request runs at the worker.
+    ``fields``: more of the request's body."""
     body = {
         "model": model,
         "prompt": "a long answer, please: ",
         "max_tokens": max_tokens,
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
+        **fields,
     }
     events = stream_events(front.url, "/v1/completions", body)
     assert isinstance(events, Generator)  # closing it closes the connection

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from daemon_harness import wait_until
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
@@ -35,7 +35,12 @@ MAX_TOKENS = 120
 def stack() -> Iterator[ServingStack]:
     serving = ServingStack(
         [],
-        daemon_args=("--budget", f"{BUDGET_BLOCKS * BLOCK_BYTES}B", "--lease", "1"),
+        daemon_args=(
+            "--budget",
+            f"{BUDGET_BLOCKS * BLOCK_BYTES + builtin_weights(LLAMA)}B",
+            "--lease",
+            "1",
+        ),
     ).start()
     serving.daemon.admin("model_set", create=True, model="big", weight=2.0)
     serving.daemon.admin("model_set", create=True, model="small", weight=1.0)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
@@ -279,7 +279,12 @@ def test_growth_goes_ahead_of_a_parked_admission() -> None:
     hog_ids = 16
     stack = ServingStack(
         [LLAMA],
-        daemon_args=("--budget", f"{(32 + hog_ids) * 4096}B", "--lease", "1"),
+        daemon_args=(
+            "--budget",
+            f"{(32 + hog_ids) * 4096 + builtin_weights(LLAMA)}B",
+            "--lease",
+            "1",
+        ),
         worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
     ).start()
     try:

@@ -10,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from vqpool.worker import PoolClient
 
 LLAMA = "builtin:llama"
 BLOCK_BYTES = 4096  # builtin:llama, per stream and block of 16 slots
 BUDGET_BLOCKS = 64  # 32 K + 32 V blocks
+BUDGET = BUDGET_BLOCKS * BLOCK_BYTES + builtin_weights(LLAMA)  # the KV beside llama's weights
 PROMPT = "budget: " + "x" * 32  # 40 bytes; with 20 new tokens 4 blocks per stream
 
 
@@ -23,7 +24,7 @@ PROMPT = "budget: " + "x" * 32  # 40 bytes; with 20 new tokens 4 blocks per stre
 def stack() -> Iterator[ServingStack]:
     serving = ServingStack(
         [LLAMA],
-        daemon_args=("--budget", f"{BUDGET_BLOCKS * BLOCK_BYTES}B", "--lease", "1"),
+        daemon_args=("--budget", f"{BUDGET}B", "--lease", "1"),
         worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
     ).start()
     yield serving

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from ctl_harness import ctl_json, run_ctl
 from daemon_harness import wait_until
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from test_metrics_http import metrics_url, scrape, value
 from vqpool.shared.pool import AllocationRequest
 from vqpool.shared.protocol import session_label
@@ -194,7 +194,13 @@ def test_another_models_waiting_allocation_gets_the_cached_memory() -> None:
     block_bytes = 4096  # builtin:llama, per stream and block
     budget_blocks = 64
     stack = ServingStack(
-        [LLAMA], daemon_args=("--budget", f"{budget_blocks * block_bytes}B", "--lease", "1")
+        [LLAMA],
+        daemon_args=(
+            "--budget",
+            f"{budget_blocks * block_bytes + builtin_weights(LLAMA)}B",
+            "--lease",
+            "1",
+        ),
     ).start()
     try:
         ask(stack, LLAMA, list(range(150)), stream=False)  # 162 tokens: 11 blocks per stream

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serving_harness import ServingStack
+from serving_harness import ServingStack, builtin_weights
 from vqpool.worker import PoolClient
 
 LLAMA = "builtin:llama"
@@ -30,7 +30,7 @@ def stack() -> Iterator[ServingStack]:
         [LLAMA],
         daemon_args=(
             "--budget",
-            f"{BUDGET_BLOCKS * BLOCK_BYTES}B",
+            f"{BUDGET_BLOCKS * BLOCK_BYTES + builtin_weights(LLAMA)}B",
             "--lend-reserves",
             "--lease",
             "1",

@@ -60,15 +60,27 @@ def open_pool(
     timeout: float,
     growth_wait: float = DEFAULT_GROWTH_WAIT,
 ) -> tuple[PoolClient, PooledCacheSource]:
-    """A daemon session reporting this model's bytes per block, and its cache source."""
+    """A daemon session reporting this model's bytes per block and weights, and its cache
+    source."""
     layout = KVLayout.from_model(model)  # ValueError for a model of another shape
-    pool = PoolClient(run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout)
+    weights = weights_bytes(model)
+    pool = PoolClient(
+        run_dir,
+        name=name,
+        bytes_per_block=_bytes_per_block(layout),
+        timeout=timeout,
+        weights=weights,
+    )
     if pool.config.block_size != layout.block_size:
         # Bytes per block depend on the daemon's block size, known only after hello.
         pool.close()
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         pool = PoolClient(
-            run_dir, name=name, bytes_per_block=_bytes_per_block(layout), timeout=timeout
+            run_dir,
+            name=name,
+            bytes_per_block=_bytes_per_block(layout),
+            timeout=timeout,
+            weights=weights,
         )
     try:
         return pool, PooledCacheSource(model, pool, growth_wait)

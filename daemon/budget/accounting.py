@@ -18,11 +18,12 @@ from typing import Any
 from vqpool.daemon.budget.holdings import Holdings, Items
 from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
 from vqpool.daemon.budget.live_settings import LiveSettings
+from vqpool.daemon.budget.load_reservations import LoadReservations, reservation_key
 from vqpool.daemon.budget.measured import DriftWatch, model_memory
 from vqpool.daemon.budget.parking import ParkedRequest, Parking
 from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
-from vqpool.daemon.budget.types import ModelSettings, Outcome
+from vqpool.daemon.budget.types import LoadOutcome, ModelSettings, Outcome
 from vqpool.daemon.budget.views import (
     budget_view,
     fit_to_wire,
@@ -44,6 +45,11 @@ one layer of one KV head of 8 dims at 2 bytes (fp16). No model holds less (the b
 models hold 256 bytes a slot, real ones kilobytes); at the default 16 slots a block, 256 bytes.
 Below it a session would take blocks the ledger barely counts: with 0 bytes every block, with 1
 byte a million ids for a megabyte of the budget."""
+
+
+def session_key(session: Session) -> tuple[str, int]:
+    """The ledger's holder key of a session's weights."""
+    return ("session", session.sid)
 
 
 class BudgetAccounting:
@@ -82,6 +88,7 @@ class BudgetAccounting:
         self.parking = Parking(self.holdings, coord.replies, coord.boot_id)
         self.reclaim = ReclaimService(coord, self.holdings, self.parking, reclaim_deadline)
         self.drift = DriftWatch()
+        self.loads = LoadReservations()
 
     @property
     def limited(self) -> bool:
@@ -116,6 +123,96 @@ class BudgetAccounting:
                     f"a block of {block_size} slots; a real model's block is kilobytes); got "
                     f"{small}"
                 )
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def charge_weights(self, session: Session, n_bytes: int) -> None:
+        """Charge ``n_bytes`` of weights to ``session`` (its hello, its heartbeat's measurement:
+        the charge follows the latest). The first charge of a session takes over the oldest
+        pending load reservation of its model in the same step: no double count, no gap."""
+        ledger = self.ledger
+        key = session_key(session)
+        if n_bytes and not ledger.weights_of(session.model, key):
+            taken = self.loads.pop_oldest(session.model)
+            if taken is not None:
+                ledger.set_weights(session.model, reservation_key(taken.ticket), 0)
+                log.info(
+                    "load reservation %s of model %r (%s) taken over by session %x",
+                    taken.ticket,
+                    taken.model,
+                    format_bytes(taken.weights),
+                    session.sid,
+                )
+        ledger.set_weights(session.model, key, n_bytes)
+        self.parking.hand_out()
+
+    def reserve_load(
+        self, model: str, weights: int, kv_min: int, ttl: float, now: float
+    ) -> dict[str, Any]:
+        """The ``load_reserve`` admin op's answer (see its declaration): the weights charged
+        under a new ticket, or how many bytes are short (with the prompt caches asked back).
+
+        Raises:
+            ValueError: It can never fit (the message names the numbers), or too many
+                reservations are pending.
+        """
+        self.loads.check_room()
+        ticket = self.loads.new_ticket()
+        verdict = self.ledger.reserve_load(model, reservation_key(ticket), weights, kv_min)
+        if verdict.outcome is LoadOutcome.NEVER:
+            raise ValueError(f"load_reserve: {verdict.message()}")
+        if verdict.outcome is LoadOutcome.GRANT:
+            self.loads.add(ticket, model, weights, kv_min, now + ttl)
+            log.info("load reservation %s: %s (for %gs)", ticket, verdict.message(), ttl)
+            return {"granted": True, "ticket": ticket, "free": verdict.free - weights}
+        return {
+            "granted": False,
+            "short": verdict.short,
+            "free": verdict.free,
+            "weights": weights,
+            "kv_min": kv_min,
+            "cached": self.ask_caches(verdict.short),
+        }
+
+    def release_load(self, ticket: str) -> bool:
+        """Give back a pending load reservation; whether it was pending."""
+        found = self.loads.pop(ticket)
+        if found is None:
+            return False
+        self.ledger.set_weights(found.model, reservation_key(ticket), 0)
+        self.ledger.forget_model(found.model)
+        self.parking.hand_out()
+        log.info("load reservation %s of model %r released", ticket, found.model)
+        return True
+
+    def expire_loads(self, now: float) -> None:
+        """Give back the load reservations whose time to live passed with no hello."""
+        for found in self.loads.expire(now):
+            self.ledger.set_weights(found.model, reservation_key(found.ticket), 0)
+            self.ledger.forget_model(found.model)
+            log.warning(
+                "load reservation %s of model %r (%s) expired: no worker of it said hello",
+                found.ticket,
+                found.model,
+                format_bytes(found.weights),
+            )
+            self.parking.hand_out()
+
+    def ask_caches(self, n_bytes: int) -> int:
+        """Ask workers' prompt caches for up to ``n_bytes``, least recently used first across
+        models (each told in the answer to its next heartbeat); the bytes asked."""
+        asked = 0
+        cached = [s for s in self._coord.sessions if s.prompt_cache and s.prompt_cache["bytes"]]
+        cached.sort(key=lambda s: s.cache_used_at)
+        for session in cached:
+            if asked >= n_bytes:
+                break
+            assert session.prompt_cache is not None
+            ask = min(session.prompt_cache["bytes"] - session.release_cache, n_bytes - asked)
+            if ask > 0:
+                session.release_cache += ask
+                asked += ask
+        return asked
 
     # -- allocations ---------------------------------------------------------------------------
 
@@ -182,6 +279,7 @@ class BudgetAccounting:
         Returns (owners released, blocks freed).
         """
         ended = self.holdings.end_session(session)
+        self.ledger.set_weights(session.model, session_key(session), 0)
         self.reclaim.session_ended(session)
         self.parking.session_ended(session)
         if not any(s.model == session.model for s in self._coord.sessions):
@@ -293,6 +391,8 @@ class BudgetAccounting:
         memory now drifts from what is declared for it (O(sessions): once per heartbeat)."""
         session.memory = report
         model = session.model
+        if report["weights"] != self.ledger.weights_of(model, session_key(session)):
+            self.charge_weights(session, report["weights"])
         memory = model_memory(self._coord.sessions, model, self.ledger.held(model))
         self.drift.check(model, memory, now)
 

@@ -44,6 +44,8 @@ from vqpool.daemon.budget.types import (
     BudgetSnapshot,
     FitAnswer,
     FitVerdict,
+    LoadOutcome,
+    LoadVerdict,
     ModelBudgetView,
     ModelSettings,
     Outcome,
@@ -64,6 +66,8 @@ __all__ = [
     "BudgetSnapshot",
     "FitAnswer",
     "FitVerdict",
+    "LoadOutcome",
+    "LoadVerdict",
     "ModelBudgetView",
     "ModelSettings",
     "Outcome",
@@ -127,10 +131,14 @@ class BudgetLedger:
     A request of ``n`` bytes by model ``m`` fits when all three hold (the book of holdings,
     :class:`~vqpool.daemon.budget.model_book.ModelBook`, keeps them):
 
-    - ``total_held + n <= budget``;
+    - ``total_held + total_weights + n <= budget``;
     - ``held(m) + n <= limit(m)`` (its limit, or the budget if smaller);
-    - ``n <= budget - total_held - protected(others)``, where ``protected(others)`` is the sum
-      of ``max(0, reserve - held)`` over the other models: their unused reserves are theirs.
+    - ``n <= budget - total_weights - total_held - protected(others)``, where
+      ``protected(others)`` is the sum of ``max(0, reserve - held)`` over the other models:
+      their unused reserves are theirs.
+
+    Loaded models' weights (:meth:`set_weights`, :meth:`reserve_load`) are charged beside the
+    KV: reserves and limits bound KV only, and the KV's room is the budget less the weights.
 
     It is granted at once when it fits and no waiting request comes before it in the policy
     order (see :meth:`grants`); otherwise it waits (:meth:`request`) or is refused (NEVER when
@@ -190,6 +198,11 @@ class BudgetLedger:
         return self._book.total_held
 
     @property
+    def total_weights(self) -> int:
+        """Bytes of weights charged in all (beside :attr:`total_held`, which is KV)."""
+        return self._book.total_weights
+
+    @property
     def lend_reserves(self) -> bool:
         return self._book.lend_reserves
 
@@ -207,6 +220,16 @@ class BudgetLedger:
     def held(self, model: str) -> int:
         """Bytes ``model`` holds (0 for a model never seen)."""
         return self._book.held(model)
+
+    def weights(self, model: str) -> int:
+        """Bytes of weights charged to ``model`` (0 for a model never seen)."""
+        found = self._models.get(model)
+        return 0 if found is None else found.weights
+
+    def weights_of(self, model: str, key: Hashable) -> int:
+        """Bytes of weights charged to ``model`` under holder ``key`` (0: none)."""
+        found = self._models.get(model)
+        return 0 if found is None else found.weight_keys.get(key, 0)
 
     def settings_of(self, model: str) -> ModelSettings:
         """The settings in effect for ``model`` (the defaults for an unconfigured one); change one
@@ -250,6 +273,62 @@ class BudgetLedger:
         """Holdings of ``model`` += ``n_bytes`` (either sign): waiting requests may go now."""
         self._book.add(model, n_bytes)
         self._settled = False
+
+    def set_weights(self, model: str, key: Hashable, n_bytes: int) -> None:
+        """Charge ``n_bytes`` of weights to ``model`` under holder ``key`` (a worker session, a
+        load reservation), replacing what the key held; 0 removes the key. Unconditional, as
+        :meth:`charge`: a measurement may take the total over the budget, and then nothing is
+        granted until under (:meth:`reclaim_need` counts the excess). Call :meth:`grants`
+        afterwards when :attr:`n_waiting` is not 0.
+
+        Raises:
+            ValueError: ``n_bytes`` is not an int in [0, MAX_BYTES].
+        """
+        _check_amount(n_bytes)
+        found = self._models.get(model)
+        if found is None:
+            if not n_bytes:
+                return
+            found = self._book.record(model)
+        if self._book.set_weights(found, key, n_bytes):
+            self._settled = False
+
+    def reserve_load(self, model: str, key: Hashable, weights: int, kv_min: int) -> LoadVerdict:
+        """Charge ``weights`` to ``model`` under ``key`` if the model could be loaded now with
+        ``kv_min`` bytes of KV free for it (GRANT); else say how many bytes are short (SHORT:
+        nothing charged), or that it could never fit (NEVER: over its limit, or ``weights +
+        max(kv_min, reserve)`` over the budget less the other models' reserves).
+
+        Raises:
+            ValueError: ``weights`` or ``kv_min`` is not an int in [0, MAX_BYTES], or ``key``
+                already holds weights of ``model``.
+        """
+        _check_amount(weights)
+        _check_amount(kv_min)
+        book = self._book
+        found = self._models.get(model)
+        if found is not None and key in found.weight_keys:
+            raise ValueError(f"{key!r} already holds weights of model {model!r}")
+        rec = found if found is not None else book.record(model)
+        try:
+            others_reserved = book.reserved - rec.reserve
+            free = max(0, book.kv_budget - book.total_held - book.protected_from(rec))
+            need = weights + kv_min
+            if kv_min > rec.limit or weights + max(kv_min, rec.reserve) > (
+                book.budget - others_reserved
+            ):
+                outcome, short = LoadOutcome.NEVER, max(0, need - free)
+            elif need <= free:
+                outcome, short = LoadOutcome.GRANT, 0
+                self.set_weights(model, key, weights)
+            else:
+                outcome, short = LoadOutcome.SHORT, need - free
+        finally:
+            if found is None and not (rec.held or rec.queue or rec.weights):
+                del self._models[model]
+        return LoadVerdict(
+            outcome, model, weights, kv_min, free, short, book.budget, others_reserved, rec.limit
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -440,6 +519,7 @@ class BudgetLedger:
             self._book.budget,
             self._book.total_held,
             self._book.protected_from(rec),
+            self._book.total_weights,
         )
 
     # -- the queue ------------------------------------------------------------------------
@@ -538,7 +618,7 @@ class BudgetLedger:
         rec = waiter.model
         self._queue.remove(waiter)
         self._add(rec, waiter.n_bytes)
-        assert rec.held <= rec.limit and self._book.total_held <= self._book.budget, (
+        assert rec.held <= rec.limit and self._book.total_held <= self._book.kv_budget, (
             f"granted {waiter.n_bytes} to {rec.name!r} beyond its limit or the budget"
         )
         if waiter.ticket is not CANDIDATE:
@@ -568,7 +648,7 @@ class BudgetLedger:
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
         book = self._book
-        over = max(0, book.total_held - book.budget)
+        over = max(0, book.total_held - book.kv_budget)
         if not self._waiters and not over:
             return ReclaimNeed(0, {}, [])
         # One water-filling per state of the ledger: the full shares are read off it.
@@ -596,7 +676,7 @@ class BudgetLedger:
         if wanted:
             # The wanting models may take free bytes and their own unused reserves.
             protected_others = 0 if book.lend_reserves else book.protected - unused_of_wanting
-            usable = book.budget - book.total_held - protected_others
+            usable = book.kv_budget - book.total_held - protected_others
             short = max(0, sum(wanted.values()) - usable)
         else:
             short = over

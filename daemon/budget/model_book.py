@@ -29,15 +29,20 @@ class ModelBook:
 
     A request of ``n`` bytes by model ``m`` fits (:meth:`fits`) when all three hold:
 
-    - ``total_held + n <= budget``;
+    - ``total_held + total_weights + n <= budget``;
     - ``held(m) + n <= limit(m)`` (its limit, or the budget if smaller);
-    - ``n <= budget - total_held - protected(others)``, where ``protected(others)`` is the sum
-      of ``max(0, reserve - held)`` over the other models: their unused reserves are theirs
-      (dropped when reserves are lent).
+    - ``n <= budget - total_weights - total_held - protected(others)``, where
+      ``protected(others)`` is the sum of ``max(0, reserve - held)`` over the other models: their
+      unused reserves are theirs (dropped when reserves are lent).
+
+    Weights (:meth:`set_weights`) are charged beside KV, per holder key; they are not KV:
+    reserves and limits bound KV only, and the room for KV is ``kv_budget = budget -
+    total_weights`` (the fair shares are shares of it).
 
     Attributes (read freely; changed only by the methods):
         budget: Bytes all models may hold together.
-        total_held: Bytes held in all.
+        total_held: Bytes of KV held in all.
+        total_weights: Bytes of weights charged in all.
         reserved: The sum of the reserves.
         protected: The unused reserves: sum of ``max(0, reserve - held)`` over the models.
         lend_reserves: Whether grants may take unused reserves.
@@ -65,6 +70,7 @@ class ModelBook:
         self.budget = budget
         self.models: dict[str, ModelRecord] = {}
         self.total_held = 0
+        self.total_weights = 0
         self.reserved = reserved
         self.protected = reserved  # nothing is held yet: every reserve is unused
         self.lend_reserves = bool(lend_reserves)
@@ -75,6 +81,12 @@ class ModelBook:
             model.configured = True
 
     # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def kv_budget(self) -> int:
+        """The room for KV: the budget less the weights charged (negative when weights alone
+        are over the budget: then nothing is granted)."""
+        return self.budget - self.total_weights
 
     def held(self, model: str) -> int:
         """Bytes ``model`` holds (0 for a model never seen)."""
@@ -117,7 +129,7 @@ class ModelBook:
             reserve = rec.reserve
             unused_own = reserve - held if held < reserve else 0
             protected = 0 if self.lend_reserves else self.protected - unused_own
-            if n_bytes <= self.budget - self.total_held - protected:
+            if n_bytes <= self.budget - self.total_weights - self.total_held - protected:
                 held += n_bytes
                 rec.held = held
                 self.total_held += n_bytes
@@ -126,13 +138,29 @@ class ModelBook:
                 return True
         return False
 
+    def set_weights(self, rec: ModelRecord, key: object, n_bytes: int) -> int:
+        """Charge ``n_bytes`` of weights to ``rec`` under holder ``key`` (0 removes the key),
+        unconditionally (a measurement may take the total over the budget: then nothing is
+        granted until under). Returns the change in bytes."""
+        before = rec.weight_keys.get(key, 0)
+        if n_bytes:
+            rec.weight_keys[key] = n_bytes
+        else:
+            rec.weight_keys.pop(key, None)
+        change = n_bytes - before
+        rec.weights += change
+        self.total_weights += change
+        if change:
+            self.version += 1
+        return change
+
     # -- the rules -----------------------------------------------------------------------------
 
     def fits(self, rec: ModelRecord, n_bytes: int) -> bool:
         """The three rules (budget, own limit, others' unused reserves), queue aside."""
         return (
             rec.held + n_bytes <= rec.limit
-            and n_bytes <= self.budget - self.total_held - self.protected_from(rec)
+            and n_bytes <= self.kv_budget - self.total_held - self.protected_from(rec)
         )
 
     def protected_from(self, rec: ModelRecord) -> int:
@@ -144,18 +172,21 @@ class ModelBook:
         return self.protected - (reserve - held if held < reserve else 0)
 
     def ceiling(self, rec: ModelRecord) -> int:
-        """The most ``rec`` could ever hold: min(limit, budget - other models' reserves), or
-        its limit when reserves are lent (what it holds beyond the first may be taken back)."""
+        """The most KV ``rec`` could ever hold: min(limit, budget - its own weights - other
+        models' reserves), or its limit less what its weights take of the budget when reserves
+        are lent (what it holds beyond the first may be taken back). Other models' weights do
+        not lower it: they go when those models are unloaded."""
+        own_room = self.budget - rec.weights
         if self.lend_reserves:
-            return rec.limit
-        return max(0, min(rec.limit, self.budget - (self.reserved - rec.reserve)))
+            return max(0, min(rec.limit, own_room))
+        return max(0, min(rec.limit, own_room - (self.reserved - rec.reserve)))
 
     def shortage(self, rec: ModelRecord, n_bytes: int) -> Reason:
         """Why ``n_bytes`` does not go to ``rec`` now (BEHIND_WAITERS if it would fit)."""
         held = rec.held
         if held + n_bytes > rec.limit:
             return Reason.OWN_LIMIT
-        free = self.budget - self.total_held
+        free = self.kv_budget - self.total_held
         if n_bytes > free:
             return Reason.BUDGET_FULL
         if n_bytes > free - self.protected_from(rec):
@@ -164,11 +195,13 @@ class ModelBook:
 
     def entitlements(self, wanting_all: ModelRecord | None = None) -> dict[ModelRecord, float]:
         """Each model's fair share now (see :func:`~vqpool.daemon.budget.shares.entitlements`)."""
-        return entitlements(self.models.values(), self.budget, self.lend_reserves, wanting_all)
+        return entitlements(
+            self.models.values(), max(0, self.kv_budget), self.lend_reserves, wanting_all
+        )
 
     def share_table(self) -> ShareTable:
         """The fair shares now, with each model's full share (see :class:`ShareTable`)."""
-        return ShareTable(self.models.values(), self.budget, self.lend_reserves)
+        return ShareTable(self.models.values(), max(0, self.kv_budget), self.lend_reserves)
 
     # -- settings ------------------------------------------------------------------------------
 
@@ -218,7 +251,7 @@ class ModelBook:
         """Drop ``model`` if unconfigured, holding nothing and waiting for nothing (see
         :meth:`BudgetLedger.forget_model`); whether it was dropped."""
         found = self.models.get(model)
-        if found is None or found.configured or found.held or found.queue:
+        if found is None or found.configured or found.held or found.queue or found.weights:
             return False
         del self.models[model]
         self.version += 1
@@ -239,13 +272,14 @@ class ModelBook:
 
         def grantable(held_now: int) -> int:
             total = self.total_held - held + held_now
-            return max(0, min(rec.limit - held_now, self.budget - total - others_protected))
+            return max(0, min(rec.limit - held_now, self.kv_budget - total - others_protected))
 
         without_cache = grantable(held)
         available_now = grantable(held - cache) if cache else without_cache
         others_reserves = self.reserved - rec.reserve
         kept = held - cache  # what it holds once its cache is given back
-        after_return = max(0, min(rec.limit - kept, self.budget - kept - others_reserves))
+        own_room = self.budget - rec.weights
+        after_return = max(0, min(rec.limit - kept, own_room - kept - others_reserves))
         most_ever = self.ceiling(rec)
         verdict: FitVerdict
         if need <= available_now:
@@ -274,7 +308,7 @@ class ModelBook:
         """See :meth:`BudgetLedger.snapshot`; ``waiting``: the requests waiting in all."""
         entitlement = self.entitlements()
         protected = self.protected
-        lent = min(protected, max(0, self.total_held + protected - self.budget))
+        lent = min(protected, max(0, self.total_held + protected - self.kv_budget))
         models = {}
         for name, rec in self.models.items():
             oldest = None
@@ -282,6 +316,7 @@ class ModelBook:
                 oldest = max(0.0, now - rec.head().enqueued_at)
             models[name] = ModelBudgetView(
                 held=rec.held,
+                weights=rec.weights,
                 reserve=rec.reserve,
                 limit=rec.settings.limit,
                 effective_limit=rec.limit,
@@ -297,8 +332,9 @@ class ModelBook:
         return BudgetSnapshot(
             budget=self.budget,
             total_held=self.total_held,
-            free=max(0, self.budget - self.total_held),
-            over_budget=max(0, self.total_held - self.budget),
+            total_weights=self.total_weights,
+            free=max(0, self.kv_budget - self.total_held),
+            over_budget=max(0, self.total_held - self.kv_budget),
             reserved=self.reserved,
             protected=self.protected,
             waiting=waiting,
@@ -316,6 +352,8 @@ class ModelBook:
         recs = list(self.models.values())
         total = sum(r.held for r in recs)
         assert self.total_held == total, f"total_held {self.total_held} != sum of held {total}"
+        weights = sum(r.weights for r in recs)
+        assert self.total_weights == weights, f"total_weights {self.total_weights} != {weights}"
         reserved = sum(r.reserve for r in recs)
         assert self.reserved == reserved, f"reserved {self.reserved} != sum of reserves {reserved}"
         assert reserved <= self.budget, f"reserves {reserved} over the budget {self.budget}"
@@ -329,6 +367,8 @@ class ModelBook:
             AssertionError: With what disagrees.
         """
         assert rec.held >= 0, f"model {rec.name!r} holds {rec.held} bytes"
+        assert rec.weights == sum(rec.weight_keys.values()), f"{rec.name!r}: weights recount"
+        assert all(n > 0 for n in rec.weight_keys.values()), f"{rec.name!r}: a weight <= 0"
         s = rec.settings
         assert (rec.reserve, rec.weight) == (s.reserve, float(s.weight)), rec.name
         want_limit = self.budget if s.limit is None else min(s.limit, self.budget)

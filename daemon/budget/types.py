@@ -136,6 +136,7 @@ class Verdict:
         budget: The budget.
         total_held: Bytes held by all models.
         protected: Bytes of other models' unused reserves (off limits to this model).
+        total_weights: Bytes of weights charged to all models (beside ``total_held``).
     """
 
     outcome: Outcome
@@ -149,19 +150,23 @@ class Verdict:
     budget: int = 0
     total_held: int = 0
     protected: int = 0
+    total_weights: int = 0
 
     def message(self) -> str:
         """One sentence for a log line or an error reply."""
         fb = format_bytes
         need = f"{fb(self.n_bytes)} for model {self.model!r}"
-        free = max(0, self.budget - self.total_held)
+        free = max(0, self.budget - self.total_held - self.total_weights)
+        held = fb(self.total_held)
+        if self.total_weights:
+            held = f"{held} of KV and {fb(self.total_weights)} of weights"
         reason = self.reason
         if self.outcome is Outcome.GRANT:
             return f"granted {need}"
         if reason is Reason.BUDGET_FULL:
             return (
                 f"{need}: the budget ({fb(self.budget)}) has {fb(free)} free "
-                f"({fb(self.total_held)} held); waiting for bytes to be freed"
+                f"({held} held); waiting for bytes to be freed"
             )
         if reason is Reason.OWN_LIMIT:
             return (
@@ -180,7 +185,8 @@ class Verdict:
         if reason is Reason.OVER_CEILING:
             return (
                 f"{need} is more than the model can ever get ({fb(self.ceiling)}: the budget "
-                f"{fb(self.budget)} minus other models' reserves): it can never be granted"
+                f"{fb(self.budget)} minus its weights and other models' reserves): it can never "
+                "be granted"
             )
         if reason is Reason.MODEL_QUEUE_FULL:
             return f"{need}: too many of this model's requests already wait for memory; retry later"
@@ -253,7 +259,8 @@ class ModelBudgetView:
     """One model's line in :meth:`BudgetLedger.snapshot` (bytes throughout).
 
     Attributes:
-        held: Bytes its blocks take.
+        held: Bytes its blocks take (KV).
+        weights: Bytes of its loaded weights (beside ``held``; not bound by reserve or limit).
         reserve, limit, weight: Its settings (``limit`` None: no limit of its own).
         effective_limit: The limit in effect: min(limit, budget).
         borrowed: Bytes held above its reserve: max(0, held - reserve).
@@ -284,6 +291,7 @@ class ModelBudgetView:
     oldest_wait_s: float | None
     configured: bool
     lent: int = 0
+    weights: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,9 +300,11 @@ class BudgetSnapshot:
 
     Attributes:
         budget: The budget.
-        total_held: Bytes held by all models.
-        free: Bytes not held: max(0, budget - total_held).
-        over_budget: Bytes held beyond the budget after it was lowered: max(0, held - budget).
+        total_held: Bytes of KV held by all models.
+        total_weights: Bytes of weights charged to all models.
+        free: Bytes not held: max(0, budget - total_weights - total_held).
+        over_budget: Bytes held beyond the budget after it was lowered (or weights measured
+            larger): max(0, total_held + total_weights - budget).
         reserved: Sum of all reserves.
         protected: Unused reserves: sum of max(0, reserve - held).
         waiting: Requests waiting in all.
@@ -314,6 +324,7 @@ class BudgetSnapshot:
     models: dict[str, ModelBudgetView]
     lend_reserves: bool = False
     lent: int = 0
+    total_weights: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,3 +344,58 @@ class ReclaimNeed:
     short: int
     wanted: dict[str, int]
     excess: list[tuple[str, int]]
+
+
+class LoadOutcome(enum.Enum):
+    """What :meth:`BudgetLedger.reserve_load` answers for a model about to be loaded."""
+
+    GRANT = "grant"
+    """Its weights are charged under the reservation's key: start the worker."""
+    SHORT = "short"
+    """Not now: ``short`` bytes must be freed first (caches, idle models), or waited for."""
+    NEVER = "never"
+    """It could not fit even with every other model unloaded and its KV given back."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadVerdict:
+    """The answer to a load reservation, with the numbers behind it (bytes).
+
+    Attributes:
+        outcome: What happened.
+        model: The model to load.
+        weights: Its weights' bytes.
+        kv_min: The KV it needs at least (one request at its smallest, or its reserve).
+        free: Bytes free for it now: budget - weights - KV held - other models' unused reserves.
+        short: Bytes missing now (0 when granted): weights + kv_min - free.
+        budget: The budget.
+        others_reserved: The reserves of the other models.
+        limit: The model's limit in effect (kv_min over it can never fit).
+    """
+
+    outcome: LoadOutcome
+    model: str
+    weights: int
+    kv_min: int
+    free: int
+    short: int
+    budget: int
+    others_reserved: int
+    limit: int
+
+    def message(self) -> str:
+        """One sentence for a log line or an error reply."""
+        fb = format_bytes
+        need = (
+            f"loading {self.model} needs {fb(self.weights)} of weights and {fb(self.kv_min)} of KV"
+        )
+        if self.outcome is LoadOutcome.GRANT:
+            return f"{need}: granted"
+        if self.outcome is LoadOutcome.SHORT:
+            return f"{need}; {fb(self.free)} free now, {fb(self.short)} short"
+        if self.kv_min > self.limit:
+            return f"{need}; its limit is {fb(self.limit)}: it can never fit"
+        return (
+            f"{need}; the budget is {fb(self.budget)} and other models reserve "
+            f"{fb(self.others_reserved)}: it can never fit"
+        )

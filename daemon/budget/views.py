@@ -41,6 +41,7 @@ def budget_view(ledger: BudgetLedger, now: float, refused: int = 0) -> dict[str,
     return {
         "budget": snap.budget if limited else None,
         "total_held": snap.total_held,
+        "total_weights": snap.total_weights,
         "free": snap.free if limited else None,
         "over_budget": snap.over_budget > 0,
         "reserved": snap.reserved,
@@ -81,6 +82,7 @@ def model_views(
             limit = settings.limit
             row = {
                 "held": 0,
+                "weights": 0,
                 "reserve": settings.reserve,
                 "limit": limit,
                 "effective_limit": ledger.budget if limit is None else min(limit, ledger.budget),
@@ -96,6 +98,7 @@ def model_views(
         else:
             row = {
                 "held": view.held,
+                "weights": view.weights,
                 "reserve": view.reserve,
                 "limit": view.limit,
                 "effective_limit": view.effective_limit,

@@ -58,6 +58,8 @@ class ModelRecord:
         "settings",
         "waiting_bytes",
         "weight",
+        "weight_keys",
+        "weights",
     )
 
     def __init__(self, name: str, settings: ModelSettings, budget: int) -> None:
@@ -68,6 +70,10 @@ class ModelRecord:
         self.limit = budget if settings.limit is None else min(settings.limit, budget)
         self.weight = float(settings.weight)
         self.held = 0
+        self.weights = 0
+        """Bytes of its loaded weights: the sum of ``weight_keys`` (not KV: outside its limit)."""
+        self.weight_keys: dict[Hashable, int] = {}
+        """Weights charged per holder (a worker session, or a pending load reservation)."""
         self.queue: OrderedDict[Ticket, Waiter] = OrderedDict()
         """Growths first (in arrival order), then the other requests (in arrival order)."""
         self.n_growth = 0  # growths at the front of the queue

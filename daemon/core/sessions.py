@@ -64,6 +64,10 @@ class Session:
             (weights, mlx_active, mlx_cache, mlx_peak, rss; None: never).
         drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
             answer to its next ping, then cleared.
+        release_cache: Bytes of its prompt cache a load asked back (``load_reserve``): said in
+            the answer to its next ping, then cleared.
+        cache_used_at: Monotonic time its prompt cache was last looked up (its reported
+            lookups grew; 0: never): the order caches are asked back in.
         resumes: The session id this client held under the previous daemon lifetime, named in
             its hello after a restart (the claim period waits for every such session).
         on_roll: Whether the roll of workers (``daemon/core/claims.py``) lists this session yet.
@@ -88,6 +92,8 @@ class Session:
     prompt_cache: dict[str, int] | None = None
     memory: dict[str, int] | None = None
     drop_cache: bool = False
+    release_cache: int = 0
+    cache_used_at: float = 0.0
     resumes: int | None = None
     on_roll: bool = False
     reclaimable: bool = False

@@ -9,9 +9,11 @@ from urllib.parse import urlsplit
 
 from vqpool.daemon.ctl.budgets import labelled_lines
 from vqpool.daemon.ctl.context import Ctl
+from vqpool.daemon.ctl.exits import CtlError
 from vqpool.daemon.ctl.labels import model_labels
 from vqpool.daemon.ctl.options import add_json, positive_float
-from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, human_bytes, table
+from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, human_bytes, percent, table
+from vqpool.shared.errors import VqpoolError
 from vqpool.shared.front_client import FrontDoorNotRunning
 
 LABEL_WIDTH = 40
@@ -81,6 +83,57 @@ def weights(row: dict[str, Any]) -> str:
     """The model's weights in bytes as known before it loads; "?" when unknown."""
     n = row.get("weights_bytes")
     return "?" if n is None else human_bytes(n)
+
+
+def ledger_memory(ctl: Ctl, answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What vqpoold counts for each served model, by name: ``weights`` (its workers' charge when
+    loaded, else the estimate before loading), ``kv_held`` (KV bytes its sessions hold, its
+    prompt cache's among them), ``cached`` (its prompt cache's bytes), ``measured`` (its
+    processes' memory as their heartbeats report it, None before any report) and ``share``
+    (weights and KV held over the budget, None without a budget). Empty when vqpoold does not
+    answer."""
+    try:
+        listed = ctl.call("model_list")
+        sessions = ctl.call("sessions")
+    except (CtlError, VqpoolError):
+        return {}
+    budget = listed["budget"]["budget"]
+    rows = {m["model"]: m for m in listed["models"]}
+    memory = {}
+    for row in answer["models"]:
+        name = row["name"]
+        daemon_row = rows.get(name, {})
+        weights = daemon_row.get("weights") if daemon_row.get("sessions") else None
+        if weights is None:
+            weights = row.get("weights_bytes") or 0
+        held = daemon_row.get("held", 0)
+        measured = (daemon_row.get("memory") or {}).get("measured")
+        cached = sum(
+            (s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions if s["model"] == name
+        )
+        loaded = row["state"] != "not_loaded" or held > 0
+        charged = (weights if loaded else 0) + held
+        memory[name] = {
+            "weights": weights,
+            "kv_held": held,
+            "cached": cached,
+            "measured": measured,
+            "share": None if not budget else charged / budget,
+        }
+    return memory
+
+
+def memory_cells(memory: dict[str, Any] | None) -> list[str]:
+    """KV HELD, CACHED, MEASURED and SHARE of a model's :func:`ledger_memory` ("-" unknown)."""
+    if memory is None:
+        return ["-"] * 4
+    measured, share = memory["measured"], memory["share"]
+    return [
+        human_bytes(memory["kv_held"]),
+        human_bytes(memory["cached"]),
+        "-" if measured is None else human_bytes(measured),
+        "-" if share is None else percent(share),
+    ]
 
 
 def idle(row: dict[str, Any]) -> str:

@@ -47,7 +47,11 @@ from vqpool.daemon.front.control_api import build_control_app
 from vqpool.daemon.front.daemon_child import DaemonChild, DaemonStartError
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.public_api import build_public_app
-from vqpool.daemon.front.supervisor import DEFAULT_SWAP_GRACE, Supervisor
+from vqpool.daemon.front.supervisor import (
+    DEFAULT_MIN_RESIDENCY,
+    DEFAULT_SWAP_GRACE,
+    Supervisor,
+)
 from vqpool.daemon.server.exit_status import ExitStatus, StartupError
 from vqpool.daemon.server.machine_memory import DefaultBudget, machine_default_budget
 from vqpool.daemon.server.run_dir import open_lock_file, prepare_run_dir
@@ -68,6 +72,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SHUTDOWN_GRACE = 5.0
 """Seconds the server waits for its handlers once the workers have stopped."""
 MAX_SWAP_GRACE = 60.0
+MAX_MIN_RESIDENCY = 3600.0
 MAX_OPEN_FILES = 65536
 """File descriptors asked for: thousands of idle client connections must not starve it."""
 
@@ -82,6 +87,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_queue": 128,
     "load_timeout": 600.0,
     "swap_grace": DEFAULT_SWAP_GRACE,
+    "min_residency": DEFAULT_MIN_RESIDENCY,
     "budget": None,
     "log_level": "INFO",
     # Bounds on client connections (client_limits.py says why these values); hidden options.
@@ -101,6 +107,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "max_queue": (int,),
     "load_timeout": (int, float),
     "swap_grace": (int, float),
+    "min_residency": (int, float),
     "budget": (int, str),
     "log_level": (str,),
     "head_timeout": (int, float),
@@ -160,8 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loaded",
         type=int,
         metavar="N",
-        help="the most models loaded at once: a load beyond it waits for the least recently "
-        "used idle model to unload (default: no cap)",
+        help="the most models loaded at once, a cap beside the budget's bytes: a load beyond "
+        "it waits for the least recently used idle model to unload (default: no cap)",
+    )
+    serve.add_argument(
+        "--min-residency",
+        type=float,
+        metavar="S",
+        help="seconds a model stays loaded at least before a load short of memory may unload "
+        f"it, so two models do not unload each other in turn (default: {DEFAULT_MIN_RESIDENCY:g})",
     )
     serve.add_argument(
         "--keep-alive",
@@ -235,6 +249,8 @@ def serve_options(args: argparse.Namespace, file_table: dict[str, Any]) -> dict[
     for key in ("queue_timeout", "load_timeout", "head_timeout", "body_timeout", "write_timeout"):
         if not options[key] > 0:
             raise UsageError(f"--{key.replace('_', '-')} must be > 0")
+    if not 0 <= options["min_residency"] <= MAX_MIN_RESIDENCY:
+        raise UsageError(f"--min-residency must be 0..{MAX_MIN_RESIDENCY:g} seconds")
     if not 0 <= options["swap_grace"] <= MAX_SWAP_GRACE:
         raise UsageError(f"--swap-grace must be 0..{MAX_SWAP_GRACE:g} seconds")
     if not 0 <= options["port"] <= 65535:
@@ -337,6 +353,8 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     daemon = DaemonChild(run_dir)
     budget, default = options["budget"], None
+    if budget is not None:
+        budget = str(budget)  # [serve] may give bytes as an int; vqpoold takes an argument
     if budget is None and not file_budget:
         default = await asyncio.to_thread(machine_default_budget)
         budget = str(default.nbytes)
@@ -360,9 +378,10 @@ async def serve(
         max_queue=options["max_queue"],
         load_timeout=options["load_timeout"],
         swap_grace=options["swap_grace"],
+        min_residency=options["min_residency"],
         metrics=metrics,
     )
-    await supervisor.estimate_weights()
+    await supervisor.start()
     public = web.AppRunner(
         build_public_app(
             supervisor,

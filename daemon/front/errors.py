@@ -16,3 +16,9 @@ def bad_gateway(message: str, retry_after: float | None = None) -> ApiError:
     """A 502: the model's worker failed to load or exited."""
     headers = {} if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
     return ApiError(502, message, kind="bad_gateway", headers=headers)
+
+
+def bad_request(message: str) -> ApiError:
+    """A 400: what was asked can never be done as things are configured (a model too large for
+    the budget)."""
+    return ApiError(400, message)

@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from vqpool.daemon.front.model_slot import ModelSlot
 
-STATES = ("not_loaded", "loading", "loaded", "unloading")
+STATES = ("not_loaded", "waiting_for_memory", "loading", "loaded", "unloading")
 _WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _LOAD_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 

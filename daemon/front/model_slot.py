@@ -1,8 +1,10 @@
 """One served model's state in the front door: loaded or not, its worker, its requests, its
 history of loads, unloads and failures.
 
-States: ``not_loaded`` -> ``loading`` -> ``loaded`` -> ``unloading`` -> ``not_loaded``; a load
-that fails or a worker that exits on its own goes straight back to ``not_loaded``. Only the
+States: ``not_loaded`` -> ``waiting_for_memory`` -> ``loading`` -> ``loaded`` -> ``unloading`` ->
+``not_loaded``; in ``waiting_for_memory`` the load asks vqpoold's ledger for its bytes (and frees
+them) before any worker starts. A load that fails or is refused, a wait given up, or a worker
+that exits on its own goes straight back to ``not_loaded``. Only the
 supervisor changes a slot, on the event loop's one thread, so a check and the change it leads
 to never interleave with another request's.
 """
@@ -20,6 +22,7 @@ from vqpool.daemon.front.worker_process import WorkerProcess
 from vqpool.shared.model_weights import WeightsEstimate
 
 NOT_LOADED = "not_loaded"
+WAITING_FOR_MEMORY = "waiting_for_memory"
 LOADING = "loading"
 LOADED = "loaded"
 UNLOADING = "unloading"
@@ -64,6 +67,10 @@ class ModelSlot:
     """Unloads by reason: idle, room, operator, shutdown."""
     load_failures: int = 0
     crashes: int = 0
+    refusals: int = 0
+    """Loads the ledger refused because they can never fit."""
+    memory_wait: str = ""
+    """While it waits for memory: what its load needs and what is free (the ledger's numbers)."""
     last_load_seconds: float | None = None
     last_error: str = ""
     failure_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
@@ -71,7 +78,7 @@ class ModelSlot:
     """Monotonic time before which no load starts (a crash loop backs off)."""
     weights: WeightsEstimate | None = None
     """What its weights cost, known before it loads (None: unknown, e.g. a hub id not in the
-    local cache); set once at start by :meth:`Supervisor.estimate_weights`."""
+    local cache); set once at start by :meth:`Supervisor.start`."""
 
     def __post_init__(self) -> None:
         self.keep_alive = self.entry.keep_alive
@@ -95,10 +102,27 @@ class ModelSlot:
         """Whether a load of another model may unload it to make room."""
         return self.idle and not self.entry.pinned
 
+    def evictable_for_memory(self, now: float, min_residency: float) -> bool:
+        """Whether a load short of bytes may unload it: evictable and loaded at least
+        ``min_residency`` seconds (so two models do not unload each other in turn)."""
+        loaded_at = self.loaded_at or 0.0
+        return self.evictable and now - loaded_at >= min_residency
+
     @property
     def failures(self) -> int:
-        """Total failures (failed loads and crashes): waiters compare it to see a new one."""
+        """Total failures (failed loads and crashes): what backs off the next load."""
         return self.load_failures + self.crashes
+
+    @property
+    def answers(self) -> int:
+        """Failures and refusals: waiters compare it to see a new one, which answers them."""
+        return self.failures + self.refusals
+
+    def refuse(self, reason: str) -> None:
+        """The load can never fit: every waiting request is answered with ``reason``."""
+        self.refusals += 1
+        self.last_error = reason
+        self.answered = self.queued
 
     def record_failure(self, reason: str, now: float) -> None:
         """A load failed or the worker exited on its own: back off when it keeps happening."""
@@ -140,6 +164,8 @@ class ModelSlot:
             "unloads": dict(self.unloads),
             "load_failures": self.load_failures,
             "crashes": self.crashes,
+            "refusals": self.refusals,
+            "memory_wait": self.memory_wait or None,
             "last_load_s": self.last_load_seconds,
             "last_error": self.last_error or None,
             "retry_in_s": max(0.0, self.retry_at - now) if self.retry_at > now else None,

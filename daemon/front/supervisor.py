@@ -7,9 +7,19 @@ can look, and an idle timer that fires finds the model busy again if a request c
 
 - A request for a model that is not loaded queues on it (at most ``max_queue``, at most
   ``timeout`` seconds) and the first one starts its load; the others wait for the same load.
-- A load needs room under ``max_loaded``: the least recently used idle model that is not pinned
-  is unloaded for it, one at a time; while none is idle, the load waits (it never preempts).
-  Loads waiting for room start in the order their first request came.
+- A load needs room under ``max_loaded`` (an extra cap; none by default): the least recently
+  used idle model that is not pinned is unloaded for it, one at a time; while none is idle, the
+  load waits (it never preempts). Loads waiting for room start in the order their first request
+  came.
+- A load is an allocation: before its worker starts it asks vqpoold's ledger for the model's
+  weights plus its KV minimum (``load_reserve``; the worker's hello takes the reservation over).
+  When bytes are short they are freed in one order, re-asking after each step: the prompt
+  caches the daemon asked to release, then the least recently used idle model that is not
+  pinned and was loaded at least ``min_residency`` seconds (its exit and its session's end
+  verified first); then the load waits for a change. A load that can never fit is refused at
+  once: every request waiting for it gets a 400 naming the numbers.
+- When the daemon shows more held than its budget (lowered live), idle models are unloaded in
+  the same order until it does not.
 - A failed load answers every request waiting for it with the worker's reason; the next
   request tries again, after a backoff once failures repeat (:class:`ModelSlot`).
 - Idle is no running and no queued request; ``keep_alive`` counts from the last request's end.
@@ -29,18 +39,21 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.daemon.front.catalog import Catalog
-from vqpool.daemon.front.errors import bad_gateway, overloaded
+from vqpool.daemon.front.errors import bad_gateway, bad_request, overloaded
+from vqpool.daemon.front.ledger_calls import LedgerCalls
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.model_slot import (
     LOADED,
     LOADING,
     NOT_LOADED,
     UNLOADING,
+    WAITING_FOR_MEMORY,
     ModelSlot,
 )
 from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
 from vqpool.shared.admin_client import AdminClient
-from vqpool.shared.errors import VqpoolError
+from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.errors import UnknownOpError, VqpoolError
 from vqpool.shared.model_weights import WeightsEstimate, estimate_weights
 
 log = logging.getLogger("vqpool.serve")
@@ -52,6 +65,12 @@ DEFAULT_SWAP_GRACE = 0.5
 """Seconds a model that just served stays safe from being unloaded for another's load."""
 EXIT_REASON_WAIT = 2.0
 """Seconds a failed proxied request waits for its worker's exit, to name the crash."""
+DEFAULT_MIN_RESIDENCY = 30.0
+"""Seconds a model stays loaded at least before a load short of bytes may unload it."""
+MEMORY_RECHECK = 1.0
+"""Seconds between two asks of a load waiting for memory, and between two looks at the budget
+for a live change (bytes also come back where the front door does not see it: another
+model's KV, a budget raised)."""
 
 
 def _weights_or_none(path: str) -> WeightsEstimate | None:
@@ -73,6 +92,8 @@ class Supervisor:
         load_timeout: Seconds a worker may take to serve once started.
         swap_grace: Seconds after its last request before a model may be unloaded to make
             room for another.
+        min_residency: Seconds a model stays loaded at least before a load short of bytes may
+            unload it.
         metrics: Where loads, unloads and waits are counted.
     """
 
@@ -85,6 +106,7 @@ class Supervisor:
         max_queue: int,
         load_timeout: float,
         swap_grace: float = DEFAULT_SWAP_GRACE,
+        min_residency: float = DEFAULT_MIN_RESIDENCY,
         metrics: FrontMetrics,
     ) -> None:
         self.catalog = catalog
@@ -93,6 +115,8 @@ class Supervisor:
         self.max_queue = max_queue
         self.load_timeout = load_timeout
         self.swap_grace = swap_grace
+        self.min_residency = min_residency
+        self.ledger = LedgerCalls(run_dir)
         self._grace_timer: asyncio.TimerHandle | None = None
         self.metrics = metrics
         self.slots = {name: ModelSlot(entry) for name, entry in catalog.entries.items()}
@@ -133,7 +157,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout
-        failures_seen = slot.failures
+        answers_seen = slot.answers
+        refusals_seen = slot.refusals
         if slot.queued == 0:
             slot.waiting_since = started
         slot.queued += 1
@@ -144,7 +169,9 @@ class Supervisor:
                     raise overloaded("the server is shutting down")
                 if slot.state == LOADED and slot.worker is not None:
                     break
-                if slot.failures != failures_seen:
+                if slot.refusals != refusals_seen:
+                    raise bad_request(slot.last_error)
+                if slot.answers != answers_seen:
                     raise bad_gateway(slot.last_error)
                 now = loop.time()
                 if slot.state == NOT_LOADED and slot.retry_at > now:
@@ -166,7 +193,7 @@ class Supervisor:
             return slot.worker
         finally:
             slot.queued -= 1
-            if slot.failures != failures_seen and slot.answered > 0:
+            if slot.answers != answers_seen and slot.answered > 0:
                 slot.answered -= 1
             self._touch(slot)
             self._settle(slot)
@@ -175,6 +202,8 @@ class Supervisor:
     def _why_waiting(self, slot: ModelSlot) -> str:
         if slot.state == NOT_LOADED:
             return f"waiting for room to load (at most {self.max_loaded} models loaded at once)"
+        if slot.state == WAITING_FOR_MEMORY and slot.memory_wait:
+            return f"waiting for memory ({slot.memory_wait})"
         return slot.state
 
     def _release(self, slot: ModelSlot, keep_alive: float | None) -> None:
@@ -237,7 +266,7 @@ class Supervisor:
             if not self._has_room():
                 self._free_room()
                 return
-            slot.state = LOADING
+            slot.state = WAITING_FOR_MEMORY
             self._start(self._load(slot))
 
     def _free_room(self) -> None:
@@ -267,6 +296,17 @@ class Supervisor:
 
     async def _load(self, slot: ModelSlot) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            go, ticket = await self._reserve(slot)
+        except VqpoolError as exc:
+            self._load_failed(slot, f"vqpoold did not reserve memory for {slot.name}: {exc}")
+            return
+        slot.memory_wait = ""
+        if not go:
+            slot.state = NOT_LOADED
+            self._notify()
+            return
+        slot.state = LOADING
         worker = WorkerProcess(slot.entry, self.run_dir)
         slot.worker = worker
         started = loop.time()
@@ -274,15 +314,13 @@ class Supervisor:
         try:
             await worker.start(self.load_timeout)
         except WorkerStartError as exc:
-            slot.state = NOT_LOADED
             slot.worker = None
-            slot.load_failures += 1
-            slot.record_failure(str(exc), loop.time())
-            self.metrics.load_failed(slot.name)
-            log.warning("loading %s failed: %s", slot.name, exc)
-            self._notify()
+            if ticket is not None:  # its worker never said hello: the bytes go back now
+                with contextlib.suppress(VqpoolError):
+                    await self.ledger.release(ticket)
+            self._load_failed(slot, str(exc))
             return
-        except asyncio.CancelledError:  # shutting down mid-load
+        except asyncio.CancelledError:  # shutting down mid-load (the ticket's ttl frees it)
             await worker.stop()
             raise
         slot.state = LOADED
@@ -302,6 +340,93 @@ class Supervisor:
         self._start(self._watch(slot, worker))
         self._settle(slot)
         self._notify()
+
+    def _load_failed(self, slot: ModelSlot, reason: str) -> None:
+        slot.state = NOT_LOADED
+        slot.load_failures += 1
+        slot.record_failure(reason, asyncio.get_running_loop().time())
+        self.metrics.load_failed(slot.name)
+        log.warning("loading %s failed: %s", slot.name, reason)
+        self._notify()
+
+    async def _reserve(self, slot: ModelSlot) -> tuple[bool, str | None]:
+        """Reserve the load's bytes at the ledger, freeing them in order while short (see the
+        module docstring): whether to start the worker, and the ticket its hello takes over
+        (None from a vqpoold without load reservations). Not to start: nobody waits for it any
+        more, or it can never fit (its waiters are answered).
+
+        Raises:
+            VqpoolError: vqpoold does not answer.
+        """
+        weights = None if slot.weights is None else slot.weights.nbytes
+        need = await self.ledger.need(slot.name, slot.entry.path, weights)
+        while True:
+            if self._closing or slot.queued <= slot.answered:
+                return False, None
+            try:
+                ticket, short = await self.ledger.reserve(slot.name, need, self.load_timeout)
+            except UnknownOpError:
+                log.warning("vqpoold does not reserve memory for loads (an older one): loading")
+                return True, None
+            except ValueError as exc:  # it can never fit: no wait helps
+                reason = str(exc).removeprefix("load_reserve: ")
+                slot.refuse(reason)
+                log.warning("not loading %s: %s", slot.name, reason)
+                return False, None
+            if short is None:
+                return True, ticket
+            slot.memory_wait = short.message(slot.name)
+            if short.cached > 0:  # caches first; asked again, they answer what is still held
+                await self.ledger.cache_released()
+                continue
+            victim = self._memory_victim()
+            if victim is not None:
+                log.info(
+                    "unloading idle %s to load %s (%s)", victim.name, slot.name, slot.memory_wait
+                )
+                self._start_unload(victim, "memory")
+                while victim.state == UNLOADING:
+                    await self._wait_for_change(MEMORY_RECHECK)
+                continue
+            await self._wait_for_change(MEMORY_RECHECK)
+
+    def _memory_victim(self) -> ModelSlot | None:
+        """The model to unload for bytes: the least recently used idle one, not pinned, loaded
+        at least ``min_residency`` seconds; None while another unload is under way (one at a
+        time, each verified before the next)."""
+        if any(s.state == UNLOADING for s in self.slots.values()):
+            return None
+        now = asyncio.get_running_loop().time()
+        victims = [
+            s for s in self.slots.values() if s.evictable_for_memory(now, self.min_residency)
+        ]
+        return min(victims, key=lambda s: s.last_used or 0.0) if victims else None
+
+    async def _watch_budget(self) -> None:
+        """Unload idle models while vqpoold holds more than its budget (lowered live) and its
+        prompt caches cannot cover the excess (the daemon takes those back first)."""
+        while True:
+            await asyncio.sleep(MEMORY_RECHECK)
+            try:
+                totals = await self.ledger.budget()
+                if totals["budget"] is None:
+                    continue
+                excess = totals["total_held"] + totals["total_weights"] - totals["budget"]
+                if excess <= 0:
+                    continue
+                sessions = await self.ledger.call("sessions")
+            except VqpoolError as exc:
+                log.debug("could not read vqpoold's budget: %s", exc)
+                continue
+            cached = sum((s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions)
+            victim = None if cached >= excess else self._memory_victim()
+            if victim is not None:
+                log.info(
+                    "vqpoold holds %s over its budget: unloading idle %s",
+                    format_bytes(excess),
+                    victim.name,
+                )
+                self._start_unload(victim, "budget")
 
     async def _watch(self, slot: ModelSlot, worker: WorkerProcess) -> None:
         """A worker that exits while its model counts as loaded crashed: the next request
@@ -399,11 +524,13 @@ class Supervisor:
             return f"the worker of {worker.entry.name} failed the request: {error}"
         return worker.exit_reason(status)
 
-    async def estimate_weights(self) -> None:
-        """Learn each model's weight bytes before any loads (headers only, off the event loop);
-        a model whose files cannot tell stays unknown, with a warning saying why."""
+    async def start(self) -> None:
+        """Learn each model's weight bytes before any loads (headers only, off the event loop;
+        a model whose files cannot tell stays unknown, with a warning saying why), then watch
+        the budget for a live change."""
         for slot in self.slots.values():
             slot.weights = await asyncio.to_thread(_weights_or_none, slot.entry.path)
+        self._start(self._watch_budget())
 
     def views(self) -> list[dict[str, Any]]:
         now = asyncio.get_running_loop().time()

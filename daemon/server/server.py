@@ -409,6 +409,7 @@ class Server:
             now = time.monotonic()
             if now >= next_check:
                 budget.reap_dead_sessions(now)
+                budget.expire_loads(now)
                 guard.check()
                 coord.check_claim_period(now)
                 coord.write_roll_if_changed()

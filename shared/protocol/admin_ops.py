@@ -30,6 +30,14 @@ MODEL_SET = "model_set"
 MODEL_LIST = "model_list"
 MODEL_UNSET = "model_unset"
 CACHE_DROP = "cache_drop"
+LOAD_RESERVE = "load_reserve"
+LOAD_RELEASE = "load_release"
+
+MAX_LOAD_TTL = 600.0
+"""Seconds a load reservation may stay unclaimed (no worker's hello took it over) at most."""
+
+MAX_LOAD_RESERVATIONS = 64
+"""Load reservations pending at once, in all: a front door loads a few models at a time."""
 
 NO_MODEL_LIMIT = -1
 """``model_set``'s ``limit`` for "no limit of its own"."""
@@ -199,8 +207,65 @@ ADMIN_OP_SPECS = op_table(
         "Would CONCURRENCY sequences of CONTEXT tokens of MODEL fit? Verdict ``now``, "
         "``within_reserve``, ``after_others_return`` or ``never``, with the numbers behind it "
         "and the largest concurrency that fits now and ever. Priced with the bytes per block a "
-        "live worker of that model declared.",
-        (MODEL_FIELD, *FIT_ARGS),
+        "live worker of that model declared, or for a model with no worker connected with "
+        "BYTES_PER_TOKEN or BYTES_PER_BLOCK and its WEIGHTS. The answer adds weights, free and, "
+        "per loaded model, {weights, held, cached, idle}: what unloading it would free.",
+        (
+            MODEL_FIELD,
+            *FIT_ARGS,
+            Field(
+                "weights",
+                int_in(0, MAX_BYTES),
+                required=False,
+                help="bytes of the model's weights, for a model with no worker connected",
+            ),
+            Field(
+                "bytes_per_token",
+                int_in(1, MAX_BYTES),
+                required=False,
+                help="bytes of KV one token takes (all layers, k and v), for a model with no "
+                "worker connected",
+            ),
+            Field(
+                "bytes_per_block",
+                int_in(1, MAX_BYTES),
+                required=False,
+                help="bytes of KV one block takes (all streams), for a model with no worker "
+                "connected",
+            ),
+        ),
+    ),
+    OpSpec(
+        LOAD_RESERVE,
+        "Before loading MODEL: charge its WEIGHTS to it now if they and KV_MIN bytes of KV fit "
+        "({granted: true, ticket, free}); the first hello of a worker of MODEL takes the "
+        "reservation over (its weights become the session's), or it expires after TTL "
+        "seconds, or load_release gives it back. Not now: {granted: false, short, free, "
+        "weights, kv_min, cached}, where cached is the prompt-cache bytes the daemon just "
+        "asked workers to give back (least recently used first, across models, up to short). "
+        "Refused (bad request, naming the numbers) when it could never fit, or when "
+        f"{MAX_LOAD_RESERVATIONS} reservations are pending.",
+        (
+            Field("model", check_str, help="the model's full name, as its worker will give it"),
+            Field("weights", int_in(0, MAX_BYTES), help="bytes of its weights"),
+            Field(
+                "kv_min",
+                int_in(0, MAX_BYTES),
+                help="bytes of KV it needs at least (one request at its smallest, or its reserve)",
+            ),
+            Field(
+                "ttl",
+                number_in(1e-3, MAX_LOAD_TTL),
+                help=f"seconds the reservation waits for the worker's hello (at most "
+                f"{MAX_LOAD_TTL:g})",
+            ),
+        ),
+    ),
+    OpSpec(
+        LOAD_RELEASE,
+        "Give back a pending load reservation (the load failed or was cancelled): "
+        "{released: bool} (false: no such ticket pending, taken over by a hello or expired).",
+        (Field("ticket", check_str, help="the ticket load_reserve granted"),),
     ),
     OpSpec(
         CACHE_DROP,

@@ -5,6 +5,7 @@ docs/protocol.md, "Worker ops", has their results and errors.
 
 from __future__ import annotations
 
+from vqpool.shared.byte_sizes import MAX_BYTES
 from vqpool.shared.protocol.checks import (
     check_allocations,
     check_block_ids,
@@ -111,6 +112,13 @@ WORKER_OP_SPECS = op_table(
                 help="bytes one block of each stream holds in this worker",
             ),
             Field("client_version", check_str, required=False, default=""),
+            Field(
+                "weights",
+                int_in(0, MAX_BYTES),
+                required=False,
+                help="bytes of the model's weights as loaded: charged to the session in the "
+                "budget (taking over a pending load reservation of the model)",
+            ),
             Field(
                 "resumes",
                 int_in(0),

@@ -85,6 +85,8 @@ class PoolClient:
         name: Model name this worker serves (shown by the admin ``sessions`` op).
         bytes_per_block: Bytes one block holds in this worker, for all streams (int) or per
             stream (map); lets the admin report memory held. None reports 0.
+        weights: Bytes of the model's weights as loaded, charged to this session in the
+            daemon's budget (None: not declared).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
@@ -104,6 +106,7 @@ class PoolClient:
         timeout: float = DEFAULT_TIMEOUT,
         first_retry: float = FIRST_RETRY_SECONDS,
         on_reclaim: ReclaimHandler | None = None,
+        weights: int | None = None,
     ) -> None:
         self._session = DaemonSession(
             resolve_run_dir(run_dir),
@@ -111,6 +114,7 @@ class PoolClient:
             bytes_per_block=bytes_per_block,
             timeout=timeout,
             first_retry=first_retry,
+            weights=weights,
         )
         self._lock = self._session.lock
         self._connection = self._session.connection  # the caller's socket (its resend count)

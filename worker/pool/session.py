@@ -55,6 +55,8 @@ class DaemonSession:
         run_dir: The daemon's run directory (resolved).
         name: Model name the session is opened for.
         bytes_per_block: Bytes one block holds in this worker, declared at hello (None: 0).
+        weights: Bytes of the model's weights as loaded, declared at hello (the daemon charges
+            them to the session; None: not declared).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend.
 
@@ -70,8 +72,10 @@ class DaemonSession:
         bytes_per_block: int | Mapping[str, int] | None,
         timeout: float,
         first_retry: float,
+        weights: int | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.weights = weights
         self.endpoint = endpoint(run_dir, WORKER_SOCKET_NAME)
         self.name = name
         self.bytes_per_block = bytes_per_block
@@ -129,6 +133,8 @@ class DaemonSession:
             args["bytes_per_block"] = (
                 bytes_per_block if isinstance(bytes_per_block, int) else dict(bytes_per_block)
             )
+        if self.weights is not None:
+            args["weights"] = self.weights
         if resumes is not None:
             args["resumes"] = resumes
         rid = self.next_id()

@@ -16,8 +16,15 @@ Prints the bytes needed and per sequence, what the model holds, the bytes it cou
 (its own idle prompt cache counted: its workers give that back before a request waits; how
 much of "now" it is, if any), once others return, and at most; and the largest concurrency
 that fits now and ever. --json prints the daemon's answer (the exit status is the verdict's
-all the same). Exits 4 when no worker of the model is connected (its bytes per block are
-unknown).
+all the same).
+
+A model with no worker connected (not loaded) is priced from its files: its weights from its
+safetensors headers (a built-in's config), its KV per token from its config.json, where the
+front door (`vqpool serve`) serves it under that name, else MODEL as a directory, a cached hub id
+or builtin:NAME. Its weights count beside the KV, and a last line says what a load would take:
+"loading M needs 1.8 GiB of weights and 0.9 GiB of KV; 1.2 GiB free now; unloading idle X
+(1.6 GiB) makes it fit" (idle models least recently used first, pinned ones never). Exits 4
+when neither a worker nor its files tell its bytes per token.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json, op_help, positive_int
 from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.front_client import FrontDoorNotRunning
+from vqpool.shared.kv_size import kv_token_bytes
+from vqpool.shared.model_names import resolve_model
+from vqpool.shared.model_weights import estimate_weights
 from vqpool.shared.protocol import FIT
 
 VERDICTS: dict[str, tuple[str, Exit]] = {
@@ -78,8 +89,101 @@ def _never_reason(answer: dict[str, Any]) -> str:
     )
 
 
+def _served_rows(ctl: Ctl) -> list[dict[str, Any]]:
+    """The front door's rows of its models, by its order (none when it does not run)."""
+    try:
+        rows: list[dict[str, Any]] = ctl.front_door().models()["models"]
+    except FrontDoorNotRunning:
+        return []
+    return rows
+
+
+def _served_row(rows: list[dict[str, Any]], given: str) -> dict[str, Any] | None:
+    """The front door's row of the model ``given`` names (name, alias or label)."""
+    by_name = {row["name"]: row for row in rows}
+    for row in rows:
+        if given in row["aliases"]:
+            return row
+    try:
+        name = resolve_model(given, by_name)
+    except ValueError:
+        return None
+    return None if name is None else by_name[name]
+
+
+def _unpriced_fit(
+    ctl: Ctl, args: argparse.Namespace, rows: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The ``fit`` answer for a model no connected worker prices, from its files; None when
+    its files do not tell its KV per token either."""
+    row = _served_row(rows, args.model)
+    model, spec = (args.model, args.model) if row is None else (row["name"], row["path"])
+    try:
+        weights = estimate_weights(spec)
+    except (ValueError, OSError):
+        weights = None
+    per_token = kv_token_bytes(spec)
+    if per_token is None:
+        return None
+    answer: dict[str, Any] = ctl.call(
+        "fit",
+        model=model,
+        context=args.context,
+        concurrency=args.concurrency,
+        weights=0 if weights is None else weights.nbytes,
+        bytes_per_token=per_token,
+    )
+    return answer
+
+
+def load_line(answer: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What loading a model that is not loaded takes: its weights and KV, what is free, and
+    which idle models' unloads (least recently used first, never a pinned one) make it fit."""
+    fb = format_bytes
+    weights, kv, free = answer["weights"], answer["need"], max(0, answer["free"])
+    text = f"loading {answer['model']} needs {fb(weights)} of weights and {fb(kv)} of KV; "
+    text += f"{fb(free)} free now"
+    if weights + kv <= free:
+        return text + ": it fits"
+    served = {row["name"]: row for row in rows}
+    candidates = [
+        (name, model)
+        for name, model in answer["models"].items()
+        if model["idle"] and name != answer["model"] and not served.get(name, {}).get("pinned")
+    ]
+    candidates.sort(key=lambda item: served.get(item[0], {}).get("last_used") or 0.0)
+    chosen, freed = [], 0
+    for name, model in candidates:
+        if free + freed >= weights + kv:
+            break
+        size_of = model["weights"] + model["held"]
+        chosen.append(f"{name} ({fb(size_of)})")
+        freed += size_of
+    if chosen and free + freed >= weights + kv:
+        return text + f"; unloading idle {' and '.join(chosen)} makes it fit"
+    if chosen:
+        return text + (
+            f"; unloading every idle model ({fb(freed)}) is not enough: it waits for running "
+            "requests to end"
+        )
+    return text + "; no idle model to unload: it waits for running requests to end"
+
+
 def run(ctl: Ctl, args: argparse.Namespace) -> int:
-    answer = ctl.call("fit", model=args.model, context=args.context, concurrency=args.concurrency)
+    rows = _served_rows(ctl)
+    row = _served_row(rows, args.model)
+    answer = None
+    if row is not None and row["state"] != "loaded":
+        answer = _unpriced_fit(ctl, args, rows)
+    if answer is None:
+        try:
+            answer = ctl.call(
+                "fit", model=args.model, context=args.context, concurrency=args.concurrency
+            )
+        except ValueError:  # no worker connected: priced from its files, if they tell
+            answer = _unpriced_fit(ctl, args, rows)
+            if answer is None:
+                raise
     words, status = VERDICTS[answer["verdict"]]
     if ctl.as_json:
         ctl.print_json(answer)
@@ -107,4 +211,6 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         f"largest concurrency of {args.context} tokens: {answer['max_concurrency_now']} now, "
         f"{answer['max_concurrency_ever']} ever"
     )
+    if answer.get("models") is not None and answer["model"] not in answer["models"]:
+        ctl.print(load_line(answer, rows))
     return status

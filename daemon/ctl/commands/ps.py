@@ -3,12 +3,18 @@
 Above the table, the front door's URL, pid and how many models may be loaded at once (--max-loaded).
 One row per model: its name (without the prefix it does not need, as in `watch`), its state
 (not_loaded, loading, loaded, unloading), its worker's pid and port, requests running and queued
-(waiting for it to load), its weights' bytes as known before it loads (from its safetensors headers
-or a built-in's config; "?" when unknown, e.g. a hub id not downloaded yet), how long it has been
-idle, how long it stays loaded if it stays idle ("pinned" or "forever" where no keep-alive applies),
-how many times it was loaded and unloaded, and its crashes and failed loads; below the table, each
-model's last error. --json prints the control socket's answer (full names, unloads by reason: idle,
-room, operator, shutdown). Exits 3 when no `vqpool serve` runs on the run directory.
+(waiting for it to load), then its memory as vqpoold counts it: WEIGHTS (what its workers report
+once loaded; before, as known from its safetensors headers or a built-in's config; "?" when
+unknown, e.g. a hub id not downloaded yet), KV HELD (KV bytes its sessions hold, its prompt cache's
+among them), CACHED (its prompt cache's), MEASURED (its processes' memory as their heartbeats
+report it: weights, KV buffers, MLX's buffer cache) and SHARE (its weights and KV held over the
+budget); then how long it has been idle, how long it stays loaded if it stays idle ("pinned" or
+"forever" where no keep-alive applies), how many times it was loaded and unloaded, and its crashes
+and failed loads; below the table, each model's last error and what a load waiting for memory
+needs. --json prints the control socket's answer (full names, unloads by reason: idle, room,
+memory, budget, operator, shutdown), each row with ``memory`` (the figures above in bytes, share as
+a fraction; null when vqpoold does not answer). Exits 3 when no `vqpool serve` runs on the run
+directory.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from vqpool.daemon.ctl.front_door import (
     idle,
     keep_alive_left,
     labels_of,
+    ledger_memory,
+    memory_cells,
     port,
     weights,
 )
@@ -36,6 +44,10 @@ HEADERS = [
     "RUNNING",
     "QUEUED",
     "WEIGHTS",
+    "KV HELD",
+    "CACHED",
+    "MEASURED",
+    "SHARE",
     "IDLE",
     "KEEP-ALIVE LEFT",
     "LOADS",
@@ -51,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ctl: Ctl, args: argparse.Namespace) -> int:
     answer = ctl.front_door().models()
+    memory = ledger_memory(ctl, answer)
+    for row in answer["models"]:
+        row["memory"] = memory.get(row["name"])
+        if row["memory"] is not None:
+            row["weights_bytes"] = row["memory"]["weights"]
     if ctl.as_json:
         ctl.print_json(answer)
         return Exit.OK
@@ -64,6 +81,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
             row["running"],
             row["queued"],
             weights(row),
+            *memory_cells(row["memory"]),
             idle(row),
             keep_alive_left(row),
             row["loads"],
@@ -75,10 +93,16 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     ]
     ctl.print(header(answer))
     ctl.print()
-    ctl.print(table(HEADERS, rows, right={"PID", "PORT", "WEIGHTS", "IDLE", "KEEP-ALIVE LEFT"}))
-    errors = [row for row in answer["models"] if row["last_error"]]
-    if errors:
+    right = {"PID", "PORT", "WEIGHTS", "KV HELD", "CACHED", "MEASURED", "SHARE", "IDLE"}
+    ctl.print(table(HEADERS, rows, right=right | {"KEEP-ALIVE LEFT"}))
+    notes = [
+        f"{labels[row['name']]}: {what}: {text}"
+        for row in answer["models"]
+        for what, text in (("last error", row["last_error"]), ("waiting", row.get("memory_wait")))
+        if text
+    ]
+    if notes:
         ctl.print()
-        for row in errors:
-            ctl.print(f"{labels[row['name']]}: last error: {row['last_error']}")
+        for note in notes:
+            ctl.print(note)
     return Exit.OK

@@ -17,6 +17,8 @@ from vqpool.daemon.ops.admin import (
     evict_session,
     fit,
     history,
+    load_release,
+    load_reserve,
     metrics,
     model_list,
     model_set,
@@ -48,6 +50,8 @@ COMMANDS: dict[str, ModuleType] = {
         model_list,
         fit,
         cache_drop,
+        load_reserve,
+        load_release,
     )
 }
 

@@ -57,6 +57,8 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
         )
     elif session.pid != args["pid"]:
         raise BadRequestError("hello: this nonce belongs to another process's session")
+    if args["weights"] is not None:  # a repeated hello charges again: the same bytes
+        state.budget.charge_weights(session, args["weights"])
     session.last_heard = now
     lease = coord.lease
     return {
@@ -91,8 +93,12 @@ def ping(
     if args["queued"] is not None:
         session.queued = args["queued"]
     state.budget.reclaim.note_load(session, args["preemptions"])
-    if args["prompt_cache"] is not None:
-        session.prompt_cache = args["prompt_cache"]
+    cache = args["prompt_cache"]
+    if cache is not None:
+        before = session.prompt_cache
+        if before is None or cache["lookups"] != before["lookups"]:
+            session.cache_used_at = now
+        session.prompt_cache = cache
     if args["memory"] is not None:
         state.budget.note_memory(session, args["memory"], now)
     return cache_advice(state, session, now)
@@ -103,16 +109,20 @@ def cache_advice(state: DaemonState, session: Session, now: float) -> dict[str, 
     ``drop_cache`` once after ``cache_drop``; else ``release_bytes`` from a worker that reports
     cached bytes, when giving them back would let allocations of other sessions that wait for
     memory be granted (:func:`bytes_cache_would_serve`) or that were refused for lack of ids
-    (:func:`bytes_freeing_ids`)."""
+    (:func:`bytes_freeing_ids`), or a load asked for them (``load_reserve``)."""
     if session.drop_cache:
         session.drop_cache = False
         return {"drop_cache": True}
     if not session.prompt_cache or not session.prompt_cache["bytes"]:
+        session.release_cache = 0
         return None
+    asked, session.release_cache = session.release_cache, 0
     # NOTE: the byte ledger parks byte waits only: an allocation refused because the pool's ids
     # ran out (a fixed --n-blocks under a budget that does not bind) waits at its worker, so
     # without the second term a prompt cache elsewhere would keep those ids forever.
-    wanted = max(bytes_cache_would_serve(state, session), bytes_freeing_ids(state, session, now))
+    wanted = max(
+        asked, bytes_cache_would_serve(state, session), bytes_freeing_ids(state, session, now)
+    )
     return {"release_bytes": wanted} if wanted else None
 
 

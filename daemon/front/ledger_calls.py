@@ -1,0 +1,131 @@
+"""The front door's calls on vqpoold's ledger around a load: what a load asks for (its weights and
+its KV minimum), the reservation (``load_reserve``) and its release, and the budget's totals.
+
+Each call opens its own admin connection in a thread (``asyncio.to_thread``), so the event loop
+never blocks on the daemon; the supervisor makes every decision from the answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_block_bytes
+
+CALL_TIMEOUT = 5.0
+"""Seconds one admin call may take."""
+MAX_TICKET_TTL = 600.0
+"""The longest a reservation may wait for its worker's hello (the daemon's bound)."""
+CACHE_RELEASE_WAIT = 2.0
+"""Seconds a load waits for the prompt-cache bytes the daemon asked workers to release."""
+
+
+@dataclass(frozen=True)
+class LoadNeed:
+    """What loading a model asks the ledger for: its weights and its KV minimum (the larger of
+    its reserve and :data:`MIN_LOAD_BLOCKS` blocks of its KV)."""
+
+    weights: int
+    kv_min: int
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A reservation the ledger could not grant now (``load_reserve``'s answer)."""
+
+    short: int
+    free: int
+    weights: int
+    kv_min: int
+    cached: int
+    """Prompt-cache bytes the daemon just asked workers to release for it."""
+
+    def message(self, model: str) -> str:
+        fb = format_bytes
+        return (
+            f"loading {model} needs {fb(self.weights)} of weights and {fb(self.kv_min)} of KV; "
+            f"{fb(max(0, self.free))} free now, {fb(self.short)} short"
+        )
+
+
+class LedgerCalls:
+    """The ledger calls of the front door on ``run_dir``'s vqpoold."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    async def call(self, op: str, **args: Any) -> Any:
+        """Run admin op ``op`` off the event loop.
+
+        Raises:
+            VqpoolError: The daemon refused it or does not answer.
+        """
+
+        def run() -> Any:
+            with AdminClient(self.run_dir, timeout=CALL_TIMEOUT) as admin:
+                return admin.call(op, **args)
+
+        return await asyncio.to_thread(run)
+
+    async def need(self, model: str, spec: str, weights: int | None) -> LoadNeed:
+        """What loading ``model`` (``spec`` names its files) asks for: ``weights`` (unknown: 0,
+        its worker's hello charges them) and its KV minimum, from its reserve at the daemon and
+        its config priced at the pool's block size.
+
+        Raises:
+            VqpoolError: The daemon does not answer.
+        """
+        block_size = (await self.call("stats"))["config"]["block_size"]
+        block = kv_block_bytes(spec, block_size) or 0
+        models = await self.call("model_list")
+        reserve = next((m["reserve"] for m in models["models"] if m["model"] == model), 0)
+        return LoadNeed(weights or 0, max(reserve, MIN_LOAD_BLOCKS * block))
+
+    async def reserve(
+        self, model: str, need: LoadNeed, ttl: float
+    ) -> tuple[str | None, Shortfall | None]:
+        """Ask the ledger for ``need``: the ticket when granted, else what is short.
+
+        Raises:
+            ValueError: The load can never fit (the message names the numbers), or the daemon
+                has as many loads pending as it takes.
+            VqpoolError: The daemon does not answer.
+        """
+        answer = await self.call(
+            "load_reserve",
+            model=model,
+            weights=need.weights,
+            kv_min=need.kv_min,
+            ttl=min(MAX_TICKET_TTL, math.ceil(ttl)),
+        )
+        if answer["granted"]:
+            return str(answer["ticket"]), None
+        fields = ("short", "free", "weights", "kv_min", "cached")
+        return None, Shortfall(**{name: int(answer[name]) for name in fields})
+
+    async def release(self, ticket: str) -> None:
+        """Give a reservation back (its load failed or was given up)."""
+        await self.call("load_release", ticket=ticket)
+
+    async def budget(self) -> dict[str, Any]:
+        """The ``budget`` op's answer (``budget``, ``total_held``, ``total_weights``, ``free``,
+        ...)."""
+        answer: dict[str, Any] = await self.call("budget")
+        return answer
+
+    async def cache_released(self) -> None:
+        """Wait (at most :data:`CACHE_RELEASE_WAIT` seconds) until the ledger's free bytes
+        grow: the prompt caches the daemon just asked give their bytes back with their next
+        heartbeat."""
+        deadline = time.monotonic() + CACHE_RELEASE_WAIT
+        free_before = (await self.budget())["free"]
+        while time.monotonic() < deadline and free_before is not None:
+            await asyncio.sleep(0.05)
+            if (await self.budget())["free"] > free_before:
+                return

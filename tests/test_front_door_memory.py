@@ -1,0 +1,252 @@
+"""vqpool serve loading models by bytes (issue 25), through real processes: three test-written
+models of different sizes, a budget computed from their real weights (their safetensors headers)
+and KV (their configs), never guessed.
+
+A running request is held open deterministically: a stream of far more tokens than the test
+waits for, its first chunk read (so it runs at its worker), read further or closed by the test.
+Its KV is bounded all the same (prompt plus max_tokens), and the budgets leave room for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from daemon_harness import remove_tree, short_tmpdir, wait_until
+from front_harness import FrontDoor
+from test_front_door_swaps import Stream, gone, open_stream
+from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_token_bytes
+from vqpool.shared.model_weights import estimate_weights
+from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
+from vqpool.worker.testing.model_dirs import write_config_dir
+
+HELD_TOKENS = 20000
+"""max_tokens of a stream the test holds open: it never ends by itself within a test."""
+PROMPT_TOKENS = 64
+"""More than the held streams' prompt takes in tokens (a byte-level tokenizer: at most one per
+byte)."""
+SLACK = 1 << 20
+"""Room in a budget beyond what the test counts (a prompt cache's partial blocks): far less than
+the smallest model's weights, so a budget for two models never holds three."""
+
+_ARGS = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+SIZES = {"small": 2048, "medium": 3072, "large": 4096}
+"""Each model's MLP width: weights of about 14, 20 and 26 MiB in fp16, with the same small KV
+per token (one KV head of 16 in two layers), so a held stream's KV is far below any weights."""
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[dict[str, Path]]:
+    base = short_tmpdir("vqw")
+    yield {
+        name: write_config_dir(
+            base / name, {**_ARGS, "intermediate_size": width}, seed=i, dtype=mx.float16
+        )
+        for i, (name, width) in enumerate(SIZES.items())
+    }
+    remove_tree(base)
+
+
+def weights(path: Path) -> int:
+    estimate = estimate_weights(str(path))
+    assert estimate is not None
+    return estimate.nbytes
+
+
+def kv_bytes(path: Path, tokens: int) -> int:
+    """The KV of ``tokens`` tokens of the model at ``path``, in whole blocks."""
+    per_token = kv_token_bytes(str(path))
+    assert per_token is not None
+    return math.ceil(tokens / DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE * per_token
+
+
+def load_need(path: Path) -> int:
+    """What a load of the model at ``path`` asks the ledger for: its weights and its KV
+    minimum (no reserve configured)."""
+    return weights(path) + kv_bytes(path, MIN_LOAD_BLOCKS * DEFAULT_BLOCK_SIZE)
+
+
+def held_stream_kv(path: Path) -> int:
+    return kv_bytes(path, PROMPT_TOKENS + HELD_TOKENS + DEFAULT_BLOCK_SIZE)
+
+
+def config_for(models: dict[str, Path], budget: int, min_residency: float = 0) -> str:
+    tables = "".join(f'[models."{name}"]\npath = "{path}"\n\n' for name, path in models.items())
+    return f"[serve]\nbudget = {budget}\nmin_residency = {min_residency}\n\n{tables}"
+
+
+def hold(front: FrontDoor, model: str) -> Stream:
+    """A stream that runs until the test closes it: the model may not end it with its EOS."""
+    eos = json.loads((Path(front.row(model)["path"]) / "config.json").read_text())["eos_token_id"]
+    return open_stream(front, model, HELD_TOKENS, logit_bias={str(eos): -100})
+
+
+def read_on(stream: Stream, chunks: int) -> None:
+    """Read ``chunks`` more chunks of a held stream: it still generates, with no error."""
+    _, events = stream
+    for _ in range(chunks):
+        event = next(events)
+        assert "error" not in event and event["choices"][0]["finish_reason"] is None, event
+
+
+def close(stream: Stream) -> None:
+    stream[1].close()
+
+
+class Sampler:
+    """Samples, in a thread, the rows, the daemon's sessions and its budget's totals until
+    stopped: what must hold at every moment is checked on every sample."""
+
+    def __init__(self, front: FrontDoor) -> None:
+        self.front = front
+        self.samples: list[dict[str, Any]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            rows = self.front.models()
+            sessions = [s["model"] for s in self.front.admin("sessions")]
+            totals = self.front.admin("budget")
+            self.samples.append({"rows": rows, "sessions": sessions, "totals": totals})
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        self._thread.join()
+        assert len(self.samples) > 3
+        for sample in self.samples:
+            totals = sample["totals"]
+            assert totals["total_held"] + totals["total_weights"] <= totals["budget"], totals
+            sessions = sample["sessions"]
+            assert len(sessions) == len(set(sessions)), sessions  # never loaded twice
+
+
+def test_a_load_that_can_never_fit_is_refused_at_once_with_the_numbers(
+    models: dict[str, Path],
+) -> None:
+    budget = load_need(models["medium"]) + SLACK
+    assert load_need(models["large"]) > budget
+    with FrontDoor(config=config_for(models, budget)) as front:
+        assert front.complete("medium").status == 200
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda _: front.complete("large"), range(3)))
+        for reply in replies:
+            assert reply.status == 400, reply.body
+            message = reply.body["error"]["message"]
+            assert message.startswith("loading large needs") and "never fit" in message
+        rows = front.models()
+        assert rows["large"]["state"] == "not_loaded" and rows["large"]["loads"] == 0
+        assert rows["large"]["load_failures"] == 0 and rows["large"]["refusals"] >= 1
+        # Nothing was freed for it: the medium model stays loaded, no large worker started.
+        assert rows["medium"]["state"] == "loaded" and rows["medium"]["unloads"] == {}
+        assert [s["model"] for s in front.admin("sessions")] == ["medium"]
+
+
+def test_a_load_short_of_bytes_unloads_the_idle_model_never_the_running_one(
+    models: dict[str, Path],
+) -> None:
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = load_need(large) + held_stream_kv(large) + load_need(medium) + SLACK
+    assert budget < load_need(large) + weights(medium) + load_need(small)
+    with FrontDoor(config=config_for(models, budget)) as front:
+        stream = hold(front, "large")
+        large_pid = front.row("large")["pid"]
+        assert front.complete("medium").status == 200
+        medium_pid = front.row("medium")["pid"]
+        with Sampler(front) as sampler:
+            reply = front.complete("small")
+        assert reply.status == 200, reply.body
+        read_on(stream, 20)  # the running stream kept going
+        rows = front.models()
+        assert rows["large"]["state"] == "loaded"
+        assert rows["large"]["pid"] == large_pid
+        assert rows["large"]["running"] == 1 and rows["large"]["unloads"] == {}
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["state"] == "loaded" and rows["small"]["loads"] == 1
+        # The unload counted only once its process had exited and its session had left.
+        for sample in sampler.samples:
+            if sample["rows"]["small"]["state"] in ("loading", "loaded"):
+                assert "medium" not in sample["sessions"], sample
+        assert gone(medium_pid)
+        close(stream)
+
+
+def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
+    models: dict[str, Path],
+) -> None:
+    names = list(models)
+    largest_two = sorted(load_need(p) + held_stream_kv(p) for p in models.values())[1:]
+    budget = sum(largest_two) + SLACK
+    assert budget < sum(load_need(p) for p in models.values())
+    with FrontDoor(config=config_for(models, budget)) as front, Sampler(front) as sampler:
+        with ThreadPoolExecutor(len(names)) as pool:
+            opening: dict[str, Future[Stream]] = {n: pool.submit(hold, front, n) for n in names}
+
+            def two_running_one_waiting() -> bool:
+                rows = front.models()
+                running = [n for n in names if rows[n]["state"] == "loaded" and rows[n]["running"]]
+                waiting = [n for n in names if rows[n]["state"] == "waiting_for_memory"]
+                return len(running) == 2 and len(waiting) == 1 and rows[waiting[0]]["queued"] == 1
+
+            wait_until(two_running_one_waiting, timeout=60)
+            rows = front.models()
+            waiting = next(n for n in names if rows[n]["state"] == "waiting_for_memory")
+            first, second = (n for n in names if n != waiting)
+            assert rows[waiting]["memory_wait"].startswith(f"loading {waiting} needs")
+            assert sorted(front.sessions_of(n)[0]["model"] for n in (first, second)) == sorted(
+                [first, second]
+            )
+            assert not opening[waiting].done()
+            ended = opening[first].result(timeout=5)
+            close(ended)  # its model goes idle: the waiting load unloads it, not the other
+            held = opening[waiting].result(timeout=60)
+            kept = opening[second].result(timeout=5)
+        read_on(kept, 20)
+        read_on(held, 5)
+        rows = front.models()
+        assert rows[first]["state"] == "not_loaded" and rows[first]["unloads"] == {"memory": 1}
+        assert rows[second]["unloads"] == {} and rows[second]["running"] == 1
+        assert rows[waiting]["state"] == "loaded"
+        assert [rows[n]["loads"] for n in names] == [1, 1, 1]  # none loaded twice
+        close(kept)
+        close(held)
+    for sample in sampler.samples:
+        loaded = [n for n, r in sample["rows"].items() if r["state"] in ("loading", "loaded")]
+        assert len(loaded) <= 2, sample["rows"]
+
+
+def test_a_lowered_budget_unloads_the_least_recently_used_idle_model(
+    models: dict[str, Path],
+) -> None:
+    small, medium = models["small"], models["medium"]
+    with FrontDoor(config=config_for({"small": small, "medium": medium}, 1 << 30)) as front:
+        assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200
+        front.admin("budget", bytes=load_need(medium) + SLACK)
+        row = front.wait_state("small", "not_loaded", timeout=30)
+        assert row["unloads"] == {"budget": 1}
+        assert front.row("medium")["state"] == "loaded"
+        totals = front.admin("budget")
+        assert totals["total_held"] + totals["total_weights"] <= totals["budget"]
