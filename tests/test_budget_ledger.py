@@ -18,6 +18,7 @@ from vqpool.daemon.budget.ledger import (
     DEFAULT_SETTINGS,
     GRANTED,
     BudgetLedger,
+    LoadOutcome,
     ModelSettings,
     Outcome,
     Reason,
@@ -679,6 +680,57 @@ def test_water_fill_properties(raw: list[tuple[int, int, float]], capacity: int)
                 assert x / w >= top - 1e-6 or x <= f + 1e-6
 
 
+# -- weights beside KV ---------------------------------------------------------------------
+
+
+def test_weights_take_the_room_of_kv_and_keep_reserves_and_limits_for_kv() -> None:
+    ledger = BudgetLedger(100, {"a": ModelSettings(reserve=20, limit=30)})
+    ledger.set_weights("a", "worker-1", 40)
+    ledger.set_weights("b", "worker-2", 30)
+    assert (ledger.total_weights, ledger.weights("a"), ledger.weights("b")) == (70, 40, 30)
+    # KV room: 100 - 70 = 30; a's limit (30) and reserve (20) are KV only.
+    assert ledger.try_grant("b", 11).outcome is Outcome.WAIT  # a's unused reserve is a's
+    assert ledger.try_grant("a", 30).outcome is Outcome.GRANT
+    snap = ledger.snapshot()
+    assert (snap.total_held, snap.total_weights, snap.free) == (30, 70, 0)
+    assert snap.models["a"].weights == 40 and snap.models["a"].held == 30
+    # A measurement may raise weights past the budget: nothing more is granted, and reclaim
+    # counts the excess.
+    ledger.set_weights("b", "worker-2", 40)
+    assert ledger.snapshot().over_budget == 10
+    assert ledger.reclaim_need().short == 10
+    assert ledger.try_grant("b", 1).outcome is Outcome.WAIT
+    ledger.credit("a", 30)
+    ledger.set_weights("b", "worker-2", 0)  # its session ended
+    assert ledger.total_weights == 40 and ledger.try_grant("a", 30).outcome is Outcome.GRANT
+    assert ledger.forget_model("b")  # holds nothing, weights gone
+    ledger.check_invariants()
+
+
+def test_a_load_reservation_is_granted_short_or_never_with_the_numbers() -> None:
+    ledger = BudgetLedger(10 * 2**20, {"other": ModelSettings(reserve=2 * 2**20)})
+    MiB = 2**20
+    granted = ledger.reserve_load("m", "load-1", 4 * MiB, 2 * MiB)
+    assert granted.outcome is LoadOutcome.GRANT and ledger.weights("m") == 4 * MiB
+    # Free for n: 10 - 4 (m's weights) - 2 (other's unused reserve) = 4 MiB.
+    short = ledger.reserve_load("n", "load-2", 3 * MiB, 2 * MiB)
+    assert short.outcome is LoadOutcome.SHORT
+    assert (short.free, short.short) == (4 * MiB, MiB)
+    assert short.message() == (
+        "loading n needs 3 MiB of weights and 2 MiB of KV; 4 MiB free now, 1 MiB short"
+    )
+    assert ledger.weights("n") == 0 and "n" not in ledger.snapshot().models
+    never = ledger.reserve_load("big", "load-3", 7 * MiB, 2 * MiB)
+    assert never.outcome is LoadOutcome.NEVER
+    assert never.message() == (
+        "loading big needs 7 MiB of weights and 2 MiB of KV; the budget is 10 MiB and other "
+        "models reserve 2 MiB: it can never fit"
+    )
+    with pytest.raises(ValueError, match="already holds weights"):
+        ledger.reserve_load("m", "load-1", MiB, 0)
+    ledger.check_invariants()
+
+
 # -- weighted shares converge -------------------------------------------------------------
 
 
@@ -732,11 +784,13 @@ MODELS = ["a", "b", "c"]
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random requests, credits, charges, cancels, deadlines and setting changes, with the
-    integrator's discipline: grants() after every change. Checked after every step: the ledger's
-    own recount; holdings within the budget and limits (unless an operator lowered them below
-    what was held, and then nothing more was granted); FIFO within a model; and no model below
-    its reserve left waiting with a head that fits."""
+    """Random requests, credits, charges, cancels, deadlines, setting changes and weights
+    (loads reserved, measured, released), with the integrator's discipline: grants() after
+    every change. Checked after every step: the ledger's own recount; KV plus weights within
+    the budget and KV within limits (unless an operator lowered them below what was held, or a
+    measurement raised weights, and then nothing more was granted); FIFO within a model; weights
+    per holder as charged, never negative; and no model below its reserve left waiting with a
+    head that fits."""
 
     @initialize(
         budget=st.integers(1, 300),
@@ -768,6 +822,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.queued: dict[str, deque[Hashable]] = defaultdict(deque)  # per model, arrival order
         self.over_limit_ok: set[str] = set()  # operator lowered a limit, or a forced charge
         self.over_budget_ok = False
+        self.weights: dict[tuple[str, Hashable], int] = {}  # (model, holder) -> bytes charged
+        self.next_load = 0
 
     # -- helpers --
 
@@ -783,7 +839,7 @@ class LedgerMachine(RuleBasedStateMachine):
             self.queued[model].popleft()
             assert ledger.held(model) <= ledger.snapshot().models[model].effective_limit
         if granted:
-            assert ledger.total_held <= ledger.budget
+            assert ledger.total_held + ledger.total_weights <= ledger.budget
 
     def _forget(self, ticket: Hashable) -> None:
         model = self.model_of.pop(ticket)
@@ -823,7 +879,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if v.outcome is Outcome.GRANT:
             assert ledger.held(model) == held_before + n
             if n:
-                assert ledger.total_held <= ledger.budget
+                assert ledger.total_held + ledger.total_weights <= ledger.budget
                 assert ledger.held(model) <= ledger.snapshot().models[model].effective_limit
                 assert not self.queued[model], "overtook its own model's waiters"
         elif v.queued:
@@ -849,7 +905,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if v.outcome is Outcome.GRANT:
             assert ledger.held(model) == held_before + n
             if n:
-                assert ledger.total_held <= ledger.budget
+                assert ledger.total_held + ledger.total_weights <= ledger.budget
                 assert ledger.held(model) <= ledger.snapshot().models[model].effective_limit
                 assert not self.queued[model], "overtook its own model's waiters"
         else:
@@ -868,7 +924,7 @@ class LedgerMachine(RuleBasedStateMachine):
         held = ledger.held(model)
         amounts = st.integers(1, held)
         if for_a_head:  # often just what a waiting head lacks
-            free = ledger.budget - ledger.total_held
+            free = ledger.budget - ledger.total_held - ledger.total_weights
             lacks = [self.bytes_of[q[0]] - free for q in self.queued.values() if q]
             amounts |= st.sampled_from([min(held, max(1, n)) for n in lacks])
         n = data.draw(amounts)
@@ -886,7 +942,7 @@ class LedgerMachine(RuleBasedStateMachine):
         bytes are short): the request the free is for."""
         if not self.model_of:
             model = data.draw(st.sampled_from(MODELS))
-            free = max(0, self.ledger.budget - self.ledger.total_held)
+            free = max(0, self.ledger.budget - self.ledger.total_held - self.ledger.total_weights)
             self._request(model, data.draw(st.integers(free + 1, free + 60)), 20)
             if not self.model_of:
                 return
@@ -899,7 +955,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return (False, 0.0) if view is None else (view.held >= view.reserve, -view.weight)
 
         model = data.draw(st.sampled_from(idle) | st.just(min(idle, key=order)))
-        free = max(0, snap.budget - snap.total_held)
+        free = max(0, snap.budget - snap.total_held - snap.total_weights)
         n = data.draw(st.integers(0, 120) | st.integers(1, 60).map(lambda e: free + e))
         if wait is None:
             self._try_grant(model, n)
@@ -938,7 +994,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for name, view in ledger.snapshot().models.items():
             if view.held > view.effective_limit:
                 self.over_limit_ok.add(name)
-        if ledger.total_held > budget:
+        if ledger.total_held + ledger.total_weights > budget:
             self.over_budget_ok = True
         self._settle()
 
@@ -971,7 +1027,62 @@ class LedgerMachine(RuleBasedStateMachine):
             self.over_limit_ok.add(model)
         self._settle()
 
+    @rule(model=st.sampled_from(MODELS), weights=st.integers(0, 150), kv_min=st.integers(0, 100))
+    def reserve_load(self, model: str, weights: int, kv_min: int) -> None:
+        ledger = self.ledger
+        key = ("load", self.next_load)
+        self.next_load += 1
+        before = state_of(ledger)
+        snap = before[0]
+        view = snap.models.get(model)
+        reserve = 0 if view is None else view.reserve
+        limit = ledger.budget if view is None else view.effective_limit
+        v = ledger.reserve_load(model, key, weights, kv_min)
+        assert (v.weights, v.kv_min) == (weights, kv_min)
+        if v.outcome is LoadOutcome.GRANT:
+            if weights:  # 0 bytes charge nothing (no holder key is kept)
+                self.weights[(model, key)] = weights
+            assert ledger.weights_of(model, key) == weights
+            assert ledger.total_held + ledger.total_weights + kv_min <= ledger.budget
+            assert v.short == 0
+        else:
+            assert state_of(ledger) == before  # nothing charged
+            never = kv_min > limit or weights + max(kv_min, reserve) > (
+                ledger.budget - (snap.reserved - reserve)
+            )
+            assert (v.outcome is LoadOutcome.NEVER) == never, v
+            if not never:
+                assert v.short == weights + kv_min - v.free > 0
+        self._settle()
+
+    @precondition(lambda self: self.weights)
+    @rule(data=st.data(), n=st.integers(0, 150))
+    def measure_weights(self, data: st.DataObject, n: int) -> None:
+        """A heartbeat's measurement (or the holder's end, with 0): unconditional."""
+        model, key = data.draw(st.sampled_from(sorted(self.weights, key=repr)))
+        self.ledger.set_weights(model, key, n)
+        if n:
+            self.weights[(model, key)] = n
+        else:
+            del self.weights[(model, key)]
+        if self.ledger.total_held + self.ledger.total_weights > self.ledger.budget:
+            self.over_budget_ok = True
+        self._refresh_over_flags()
+        self._settle()
+
     # -- invariants --
+
+    @invariant()
+    def weights_as_charged(self) -> None:
+        if not hasattr(self, "ledger"):
+            return
+        ledger = self.ledger
+        assert ledger.total_weights == sum(self.weights.values())
+        for (model, key), n in self.weights.items():
+            assert ledger.weights_of(model, key) == n > 0
+        for model in MODELS:
+            charged = sum(n for (m, _), n in self.weights.items() if m == model)
+            assert ledger.weights(model) == charged >= 0
 
     @invariant()
     def consistent(self) -> None:
@@ -980,7 +1091,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ledger = self.ledger
         ledger.check_invariants()
         snap = ledger.snapshot()
-        assert snap.total_held <= snap.budget or self.over_budget_ok
+        assert snap.total_held + snap.total_weights <= snap.budget or self.over_budget_ok
         for name, view in snap.models.items():
             assert view.held <= view.effective_limit or name in self.over_limit_ok, name
             assert view.waiting == len(self.queued[name])
@@ -994,7 +1105,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         ledger = self.ledger
         snap = ledger.snapshot()
-        free = snap.budget - snap.total_held
+        free = snap.budget - snap.total_held - snap.total_weights
         heads_blocked_by_bytes = False
         fitting = []
         for name, queue in self.queued.items():
@@ -1024,7 +1135,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         ledger = self.ledger
         snap = ledger.snapshot()
-        free = snap.budget - snap.total_held
+        free = snap.budget - snap.total_held - snap.total_weights
 
         def fits(view: Any, n: int) -> bool:
             unused_own = max(0, view.reserve - view.held)
@@ -1088,10 +1199,15 @@ class LendingLedgerMachine(LedgerMachine):
             ledger.credit(name, take)
             owed += take
         self._refresh_over_flags()
-        if need.short:
+        # KV given back covers any shortage while the weights and the reserves fit the budget
+        # together (past that, a model is never asked below its reserve: an idle model's
+        # weights are the front door's to unload).
+        if need.short and ledger.total_weights + snap.reserved <= ledger.budget:
             assert owed == need.short, "the models above their share could not cover it"
             # The bytes owed now exist: free bytes cover the demand the ledger was short for.
-            assert ledger.total_held + sum(need.wanted.values()) <= ledger.budget
+            assert ledger.total_held + ledger.total_weights + sum(need.wanted.values()) <= (
+                ledger.budget
+            )
         self._settle()
 
     @invariant()
@@ -1100,7 +1216,7 @@ class LendingLedgerMachine(LedgerMachine):
             return
         snap = self.ledger.snapshot()
         assert snap.lend_reserves
-        free = snap.budget - snap.total_held
+        free = snap.budget - snap.total_held - snap.total_weights
         assert snap.lent == min(snap.protected, max(0, snap.protected - free))
         assert sum(v.lent for v in snap.models.values()) <= snap.lent
         for view in snap.models.values():

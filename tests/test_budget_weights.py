@@ -7,11 +7,15 @@ refused with the numbers. Real daemon, real workers or raw clients speaking the 
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
+from ctl_harness import run_ctl
 from daemon_harness import RawClient, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 from serving_harness import ServingStack
 from vqpool.shared.errors import VqpoolError
 from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
@@ -173,3 +177,111 @@ def test_a_hello_with_bad_weights_is_refused(daemon: DaemonProcess, raw: RawClie
     reply = raw.call("hello", args)
     assert not reply["ok"] and "weights must be an integer" in reply["error"]["message"]
     assert total_weights(daemon) == 0
+
+
+def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_idle_ones(
+    start_daemon: Any,
+) -> None:
+    daemon = start_daemon("--n-blocks", "64", "--lease", "30", "--budget", "4MiB")
+    client = RawClient(daemon.run_dir)
+    try:
+        client.hello(model="loaded", weights=2 * MIB, bytes_per_block=4096)
+        # 16 tokens: one block of 64 KiB (all streams) a sequence; 1.5 MiB of weights.
+        ask = {"model": "new", "context": 16, "weights": 3 * MIB // 2, "bytes_per_block": 64 * KIB}
+        fits = daemon.admin("fit", concurrency=8, **ask)
+        assert fits["verdict"] == "now"
+        assert fits["need"] == 512 * KIB and fits["available_now"] == 512 * KIB
+        assert fits["weights"] == 3 * MIB // 2 and fits["free"] == 2 * MIB
+        assert fits["models"] == {
+            "loaded": {"weights": 2 * MIB, "held": 0, "cached": 0, "idle": True}
+        }
+        more = daemon.admin("fit", concurrency=9, **ask)
+        assert more["verdict"] == "after_others_return"
+        assert more["most_ever"] == 4 * MIB - 3 * MIB // 2
+        by_token = daemon.admin(
+            "fit",
+            model="new",
+            context=16,
+            concurrency=8,
+            weights=3 * MIB // 2,
+            bytes_per_token=4 * KIB,
+        )
+        assert by_token["need"] == fits["need"] and by_token["verdict"] == "now"
+        with pytest.raises(REFUSED, match="give bytes_per_token or bytes_per_block"):
+            daemon.admin("fit", model="new", context=16, weights=MIB)
+        # A loaded model's fit is priced by its worker, its weights already charged.
+        loaded = daemon.admin("fit", model="loaded", context=16)
+        assert loaded["weights"] == 2 * MIB and loaded["available_now"] == 2 * MIB
+    finally:
+        client.close()
+
+
+def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any) -> None:
+    daemon = start_daemon(
+        "--n-blocks", "64", "--lease", "30", "--budget", "4MiB", "--metrics-port", "0"
+    )
+    client = RawClient(daemon.run_dir)
+    try:
+        client.hello(model="loaded", weights=2 * MIB, bytes_per_block=4096)
+        daemon.admin("load_reserve", model="coming", weights=MIB, kv_min=0, ttl=60)
+        status = run_ctl(daemon.run_dir, "status")
+        assert status.returncode == 0, status.stderr
+        assert "held 0 B KV + 3 MiB weights, free 1 MiB" in status.stdout, status.stdout
+        listing = run_ctl(daemon.run_dir, "model", "list")
+        rows = {line.split()[0]: line.split() for line in listing.stdout.splitlines() if line}
+        assert rows["loaded"][1:4] == ["0", "B", "2"], listing.stdout  # HELD 0 B, WEIGHTS 2 MiB
+        assert rows["coming"][3:5] == ["1", "MiB"], listing.stdout
+        match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
+        assert match, daemon.log()
+        with urllib.request.urlopen(match.group(1), timeout=5) as response:
+            text = response.read().decode()
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        assert samples[("vqpool_budget_weights_bytes", ())] == 3 * MIB
+        assert samples[("vqpool_budget_free_bytes", ())] == MIB
+        assert samples[("vqpool_model_weights_bytes", (("model", "loaded"),))] == 2 * MIB
+        assert samples[("vqpool_model_weights_bytes", (("model", "coming"),))] == MIB
+    finally:
+        client.close()
+
+
+def test_a_short_load_asks_the_least_recently_used_prompt_caches_and_they_give_back() -> None:
+    block_bytes = 4096  # builtin:llama, per stream and block
+    kv = 64 * block_bytes
+    stack = ServingStack(
+        ["builtin:llama"],
+        daemon_args=("--n-blocks", "256", "--lease", "1", "--budget", f"{kv + llama_weights()}B"),
+    ).start()
+    try:
+        # Two prompts of 150 tokens + 4 generated: two cache entries of 10 blocks a stream
+        # (80 KiB each), the first the least recently used.
+        for first in (0, 100):
+            body = {"prompt": [first + i for i in range(150)], "max_tokens": 4}
+            assert stack.complete("builtin:llama", body).status == 200
+
+        def cached() -> int:
+            (session,) = stack.daemon.admin("sessions")
+            return int((session["prompt_cache"] or {}).get("bytes", 0))
+
+        wait_until(lambda: cached() == 160 * KIB, timeout=10)
+        in_cache = cached()
+        free = stack.daemon.admin("budget")["free"]
+        assert free == kv - in_cache
+        # Short by 16 KiB: the cache is asked for exactly that much, and gives it back.
+        ask = {"model": "next", "weights": free + 16 * KIB, "kv_min": 0, "ttl": 60}
+        short = stack.daemon.admin("load_reserve", **ask)
+        assert short["granted"] is False
+        assert short["short"] == 16 * KIB and short["cached"] == 16 * KIB
+        wait_until(lambda: stack.daemon.admin("budget")["free"] >= free + 16 * KIB, timeout=10)
+        wait_until(lambda: cached() < in_cache, timeout=10)
+        assert cached() == 80 * KIB  # the least recently used entry, not the whole cache
+        granted = stack.daemon.admin("load_reserve", **ask)
+        assert granted["granted"]
+        assert total_weights(stack.daemon) == llama_weights() + ask["weights"]
+        assert stack.daemon.admin("load_release", ticket=granted["ticket"]) == {"released": True}
+        stack.daemon.audit()
+    finally:
+        stack.stop()

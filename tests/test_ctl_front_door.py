@@ -53,11 +53,13 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     assert before.stdout.splitlines()[0] == (
         f"vqpool serve on {front.url}, pid {front.pid}, at most 2 models loaded"
     )
-    # state, pid, port, running, queued, weights, idle, keep-alive left, loads, unloads,
-    # crashes, failed loads
+    # state, pid, port, running, queued, weights, kv held, cached, measured, share, idle,
+    # keep-alive left, loads, unloads, crashes, failed loads
+    memory_not_loaded = ["0 B", "0 B", "-", "0.0%"]
+    never_loaded = [*memory_not_loaded, "-", "-", "0", "0", "0", "0"]
     assert _ps_rows(before.stdout) == {
-        "llama": ["not_loaded", "-", "-", "0", "0", "417.2 KiB", "-", "-", "0", "0", "0", "0"],
-        "qwen": ["not_loaded", "-", "-", "0", "0", "481.8 KiB", "-", "-", "0", "0", "0", "0"],
+        "llama": ["not_loaded", "-", "-", "0", "0", "417.2 KiB", *never_loaded],
+        "qwen": ["not_loaded", "-", "-", "0", "0", "481.8 KiB", *never_loaded],
     }
 
     loaded = run_ctl(front.run_dir, "load", "llama", "--wait", "120", timeout=150)
@@ -67,8 +69,20 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     assert loaded.stdout == f"tiny/llama: loaded, pid {row['pid']}, port {port}\n"
 
     after = _ps_rows(run_ctl(front.run_dir, "ps").stdout)
-    state, pid, shown_port, running, queued, _, idle, left, loads, unloads, *_ = after["llama"]
+    state, pid, shown_port, running, queued, weights, *memory, idle, left, loads, unloads = after[
+        "llama"
+    ][:14]
     assert (state, pid, shown_port) == ("loaded", str(row["pid"]), str(port))
+    # The weights its worker reports (exactly its parameters' bytes) count in its share.
+    kv_held, cached, measured, share = memory
+    assert weights == "417.2 KiB" and measured.endswith("iB") and share.endswith("%")
+    assert (kv_held, cached) == ("0 B", "0 B")
+    llama_json = next(
+        r for r in ctl_json(front.run_dir, "ps")["models"] if r["name"] == "tiny/llama"
+    )
+    budget = ctl_json(front.run_dir, "budget")["budget"]
+    assert llama_json["memory"]["weights"] == llama_json["weights_bytes"]
+    assert llama_json["memory"]["share"] == llama_json["memory"]["weights"] / budget
     assert (running, queued, loads, unloads) == ("0", "0", "1", "0")
     assert idle.endswith("s") and left.startswith(("4m", "5m00s"))  # keep_alive = "5m"
     assert after["qwen"][0] == "not_loaded"
@@ -76,7 +90,7 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     pinned = run_ctl(front.run_dir, "load", "qwen", "--json", "--wait", "120", timeout=150)
     assert pinned.returncode == 0, pinned.stderr
     assert json.loads(pinned.stdout)["state"] == "loaded"
-    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["qwen"][7] == "pinned"
+    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["qwen"][11] == "pinned"
 
     unloaded = run_ctl(front.run_dir, "unload", "tiny/llama")
     assert unloaded.returncode == 0, unloaded.stderr
@@ -90,8 +104,8 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     llama = next(r for r in answer["models"] if r["name"] == "tiny/llama")
     assert llama["state"] == "not_loaded"
     assert (llama["loads"], llama["unloads"]) == (1, {"operator": 1})
-    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["llama"][:10] == [
-        "not_loaded", "-", "-", "0", "0", "417.2 KiB", "-", "-", "1", "1"
+    assert _ps_rows(run_ctl(front.run_dir, "ps").stdout)["llama"][:14] == [
+        "not_loaded", "-", "-", "0", "0", "417.2 KiB", *memory_not_loaded, "-", "-", "1", "1"
     ]  # fmt: skip
 
 

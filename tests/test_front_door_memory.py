@@ -12,16 +12,19 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from ctl_harness import run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_front_door_swaps import Stream, gone, open_stream
+from vqpool.daemon.ctl.exits import Exit
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import MIN_LOAD_BLOCKS, kv_token_bytes
 from vqpool.shared.model_weights import estimate_weights
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
@@ -111,21 +114,29 @@ def close(stream: Stream) -> None:
 
 
 class Sampler:
-    """Samples, in a thread, the rows, the daemon's sessions and its budget's totals until
-    stopped: what must hold at every moment is checked on every sample."""
+    """Samples, in a thread, the rows, the daemon's sessions, its budget's totals and
+    ``probe()`` (read last) until stopped: what must hold at every moment is checked on every
+    sample."""
 
-    def __init__(self, front: FrontDoor) -> None:
+    def __init__(self, front: FrontDoor, probe: Callable[[], Any] = lambda: None) -> None:
         self.front = front
+        self.probe = probe
         self.samples: list[dict[str, Any]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run)
 
     def _run(self) -> None:
         while not self._done.is_set():
-            rows = self.front.models()
-            sessions = [s["model"] for s in self.front.admin("sessions")]
-            totals = self.front.admin("budget")
-            self.samples.append({"rows": rows, "sessions": sessions, "totals": totals})
+            self._sample()
+        self._sample()  # one once stopped: after all the test waited for
+
+    def _sample(self) -> None:
+        rows = self.front.models()
+        sessions = [s["model"] for s in self.front.admin("sessions")]
+        totals = self.front.admin("budget")
+        self.samples.append(
+            {"rows": rows, "sessions": sessions, "totals": totals, "probe": self.probe()}
+        )
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -134,7 +145,6 @@ class Sampler:
     def __exit__(self, *exc_info: object) -> None:
         self._done.set()
         self._thread.join()
-        assert len(self.samples) > 3
         for sample in self.samples:
             totals = sample["totals"]
             assert totals["total_held"] + totals["total_weights"] <= totals["budget"], totals
@@ -174,7 +184,7 @@ def test_a_load_short_of_bytes_unloads_the_idle_model_never_the_running_one(
         large_pid = front.row("large")["pid"]
         assert front.complete("medium").status == 200
         medium_pid = front.row("medium")["pid"]
-        with Sampler(front) as sampler:
+        with Sampler(front, probe=lambda: gone(medium_pid)) as sampler:
             reply = front.complete("small")
         assert reply.status == 200, reply.body
         read_on(stream, 20)  # the running stream kept going
@@ -185,11 +195,16 @@ def test_a_load_short_of_bytes_unloads_the_idle_model_never_the_running_one(
         assert rows["medium"]["state"] == "not_loaded"
         assert rows["medium"]["unloads"] == {"memory": 1}
         assert rows["small"]["state"] == "loaded" and rows["small"]["loads"] == 1
-        # The unload counted only once its process had exited and its session had left.
-        for sample in sampler.samples:
-            if sample["rows"]["small"]["state"] in ("loading", "loaded"):
-                assert "medium" not in sample["sessions"], sample
-        assert gone(medium_pid)
+        # The unload counted only once its process had exited and its session had left: read
+        # after the rows, both hold whenever the small model was seen loading.
+        seen_loading = [
+            sample
+            for sample in sampler.samples
+            if sample["rows"]["small"]["state"] in ("loading", "loaded")
+        ]
+        assert seen_loading
+        for sample in seen_loading:
+            assert "medium" not in sample["sessions"] and sample["probe"] is True, sample
         close(stream)
 
 
@@ -215,9 +230,7 @@ def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
             waiting = next(n for n in names if rows[n]["state"] == "waiting_for_memory")
             first, second = (n for n in names if n != waiting)
             assert rows[waiting]["memory_wait"].startswith(f"loading {waiting} needs")
-            assert sorted(front.sessions_of(n)[0]["model"] for n in (first, second)) == sorted(
-                [first, second]
-            )
+            assert sorted(s["model"] for s in front.admin("sessions")) == sorted([first, second])
             assert not opening[waiting].done()
             ended = opening[first].result(timeout=5)
             close(ended)  # its model goes idle: the waiting load unloads it, not the other
@@ -250,3 +263,31 @@ def test_a_lowered_budget_unloads_the_least_recently_used_idle_model(
         assert front.row("medium")["state"] == "loaded"
         totals = front.admin("budget")
         assert totals["total_held"] + totals["total_weights"] <= totals["budget"]
+
+
+def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(
+    models: dict[str, Path],
+) -> None:
+    small, medium, large = models["small"], models["medium"], models["large"]
+    budget = load_need(large) + load_need(medium) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200
+        fit = run_ctl(front.run_dir, "fit", "--model", "large", "--context", "32")
+        as_json = run_ctl(front.run_dir, "fit", "--model", "large", "--context", "32", "--json")
+        assert fit.returncode == as_json.returncode == Exit.FIT_AFTER_OTHERS_RETURN, fit.stderr
+        answer = json.loads(as_json.stdout)
+        assert answer["weights"] == weights(large)
+        assert answer["need"] == kv_bytes(large, 32)
+        assert set(answer["models"]) == {"small", "medium"}
+        freed = answer["models"]["small"]
+        assert freed["idle"] and freed["weights"] == weights(small)
+        # The least recently used idle model is the one named; its unload is enough.
+        fb = format_bytes
+        assert fit.stdout.splitlines()[-1] == (
+            f"loading large needs {fb(weights(large))} of weights and {fb(kv_bytes(large, 32))} "
+            f"of KV; {fb(answer['free'])} free now; unloading idle small "
+            f"({fb(freed['weights'] + freed['held'])}) makes it fit"
+        )
+        # Asking loaded and unloaded nothing.
+        assert sorted(s["model"] for s in front.admin("sessions")) == ["medium", "small"]

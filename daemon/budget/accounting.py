@@ -411,12 +411,20 @@ class BudgetAccounting:
         return next(v for v in self.model_views(now) if v["model"] == name)
 
     def fit(
-        self, model: str, bytes_per_block: Mapping[str, int], context: int, concurrency: int
+        self,
+        model: str,
+        bytes_per_block: Mapping[str, int],
+        context: int,
+        concurrency: int,
+        new_weights: int = 0,
     ) -> dict[str, Any]:
-        """The fit answer for ``concurrency`` sequences of ``context`` tokens of ``model``."""
+        """The fit answer for ``concurrency`` sequences of ``context`` tokens of ``model``
+        (``bytes_per_block`` per pool stream, or one total under the key ``"all"`` for a model
+        not loaded; ``new_weights``: the weights its load would add)."""
         allocator = self._coord.allocator
+        streams = ["all"] if "all" in bytes_per_block else allocator.streams
         per_sequence = bytes_for_context(
-            context, allocator.config.block_size, bytes_per_block, allocator.streams
+            context, allocator.config.block_size, bytes_per_block, streams
         )
         if per_sequence == 0:
             raise ValueError(
@@ -429,8 +437,34 @@ class BudgetAccounting:
             for s in self._coord.sessions
             if s.model == model and s.prompt_cache
         )
-        answer = self.ledger.fit(model, per_sequence, concurrency, own_cache)
+        answer = self.ledger.fit(model, per_sequence, concurrency, own_cache, new_weights)
         return fit_to_wire(self.ledger, answer, per_sequence)
+
+    def loaded_models(self) -> dict[str, dict[str, Any]]:
+        """Per model with weights charged: its weights, KV held, prompt-cache bytes its workers
+        report, and whether it is idle (holds no KV beyond its prompt cache, waits for nothing,
+        runs and queues nothing): what unloading it would free."""
+        snap = self.ledger.snapshot()
+        found: dict[str, dict[str, Any]] = {}
+        busy: set[str] = set()
+        cached: dict[str, int] = {}
+        for session in self._coord.sessions:
+            if session.running or session.queued:
+                busy.add(session.model)
+            if session.prompt_cache:
+                cached[session.model] = cached.get(session.model, 0) + session.prompt_cache["bytes"]
+        for name, view in sorted(snap.models.items()):
+            if not view.weights:
+                continue
+            in_cache = min(cached.get(name, 0), view.held)
+            idle = view.held <= in_cache and not view.waiting and name not in busy
+            found[name] = {
+                "weights": view.weights,
+                "held": view.held,
+                "cached": in_cache,
+                "idle": idle,
+            }
+        return found
 
     def breaches(self) -> list[str]:
         """Held bytes past the ledger's rules, for ``audit``: over the budget, a model over its
@@ -443,7 +477,8 @@ class BudgetAccounting:
         found = []
         if self.limited and snap.over_budget:
             found.append(
-                f"budget: {fb(snap.total_held)} held, {fb(snap.over_budget)} over the budget "
+                f"budget: {fb(snap.total_held)} of KV and {fb(snap.total_weights)} of weights "
+                f"held, {fb(snap.over_budget)} over the budget "
                 f"({fb(snap.budget)})"
             )
         for name, view in sorted(snap.models.items()):

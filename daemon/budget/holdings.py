@@ -235,5 +235,8 @@ def _claim_shortage(verdict: Verdict) -> str:
             f"{fb(verdict.protected)} of the free bytes are other models' unused reserves, "
             f"which model {verdict.model!r} may not take"
         )
-    free = max(0, verdict.budget - verdict.total_held)
-    return f"the budget has {fb(free)} free ({fb(verdict.total_held)} held)"
+    free = max(0, verdict.budget - verdict.total_held - verdict.total_weights)
+    held = fb(verdict.total_held)
+    if verdict.total_weights:
+        held = f"{held} of KV and {fb(verdict.total_weights)} of weights"
+    return f"the budget has {fb(free)} free ({held} held)"

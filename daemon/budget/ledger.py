@@ -203,6 +203,17 @@ class BudgetLedger:
         return self._book.total_weights
 
     @property
+    def free(self) -> int:
+        """Bytes neither held as KV nor charged as weights (0 when over the budget)."""
+        return max(0, self._book.kv_budget - self._book.total_held)
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether KV and weights together are over the budget (a lowered budget, weights
+        measured larger): nothing is granted until they are back under."""
+        return self._book.total_held > self._book.kv_budget
+
+    @property
     def lend_reserves(self) -> bool:
         return self._book.lend_reserves
 
@@ -753,13 +764,19 @@ class BudgetLedger:
     # -- answers for people ---------------------------------------------------------------
 
     def fit(
-        self, model: str, bytes_per_sequence: int, concurrency: int = 1, own_cache: int = 0
+        self,
+        model: str,
+        bytes_per_sequence: int,
+        concurrency: int = 1,
+        own_cache: int = 0,
+        new_weights: int = 0,
     ) -> FitAnswer:
         """Would ``concurrency`` more sequences of ``bytes_per_sequence`` bytes each fit
         ``model``? (See :class:`FitAnswer` for the verdicts; :func:`bytes_for_context` computes
         ``bytes_per_sequence``.) ``own_cache``: bytes of what the model holds that its workers'
-        prompt caches keep idle, counted as available to it now. Changes nothing, even for a
-        model never seen.
+        prompt caches keep idle, counted as available to it now. ``new_weights``: bytes of
+        weights a load of the model would add (for a model not loaded yet): its KV gets the
+        budget less them. Changes nothing, even for a model never seen.
 
         Raises:
             ValueError: ``bytes_per_sequence`` or ``concurrency`` is not a positive int, or
@@ -771,9 +788,10 @@ class BudgetLedger:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(own_cache, bool) or not isinstance(own_cache, int) or own_cache < 0:
-            raise ValueError(f"own_cache must be a non-negative int, got {own_cache!r}")
-        return self._book.fit(model, bytes_per_sequence, concurrency, own_cache)
+        for name, value in (("own_cache", own_cache), ("new_weights", new_weights)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        return self._book.fit(model, bytes_per_sequence, concurrency, own_cache, new_weights)
 
     def snapshot(self, now: float | None = None) -> BudgetSnapshot:
         """Everything an operator sees: the budget and, per model, holdings, settings, borrowed

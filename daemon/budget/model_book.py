@@ -260,7 +260,12 @@ class ModelBook:
     # -- answers for people --------------------------------------------------------------------
 
     def fit(
-        self, model: str, bytes_per_sequence: int, concurrency: int, own_cache: int = 0
+        self,
+        model: str,
+        bytes_per_sequence: int,
+        concurrency: int,
+        own_cache: int = 0,
+        new_weights: int = 0,
     ) -> FitAnswer:
         """See :meth:`BudgetLedger.fit` (the arguments are checked there)."""
         found = self.models.get(model)
@@ -270,17 +275,19 @@ class ModelBook:
         cache = min(own_cache, held)  # its cache's bytes are among what it holds
         others_protected = self.protected_from(rec)
 
+        kv_budget = self.kv_budget - new_weights
+
         def grantable(held_now: int) -> int:
             total = self.total_held - held + held_now
-            return max(0, min(rec.limit - held_now, self.kv_budget - total - others_protected))
+            return max(0, min(rec.limit - held_now, kv_budget - total - others_protected))
 
         without_cache = grantable(held)
         available_now = grantable(held - cache) if cache else without_cache
         others_reserves = self.reserved - rec.reserve
         kept = held - cache  # what it holds once its cache is given back
-        own_room = self.budget - rec.weights
+        own_room = self.budget - rec.weights - new_weights
         after_return = max(0, min(rec.limit - kept, own_room - kept - others_reserves))
-        most_ever = self.ceiling(rec)
+        most_ever = max(0, self.ceiling(rec) - new_weights)
         verdict: FitVerdict
         if need <= available_now:
             verdict = "now"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from vqpool.daemon.budget.holdings import Holdings, Items
 from vqpool.daemon.budget.types import Ticket, Verdict
-from vqpool.daemon.budget.views import budget_text, refusal
+from vqpool.daemon.budget.views import budget_text, held_text, refusal
 from vqpool.daemon.core.error_reply import error_reply
 from vqpool.daemon.core.replies import ReplyCache
 from vqpool.daemon.core.sessions import Session
@@ -282,8 +282,8 @@ class Parking:
             f"{parked.op}: {why} for {format_bytes(parked.n_bytes)} for "
             f"model {model!r}, not granted: the budget "
             f"({budget_text(ledger)}) has "
-            f"{format_bytes(max(0, ledger.budget - ledger.total_held))} free "
-            f"({format_bytes(ledger.total_held)} held; the model holds "
+            f"{format_bytes(ledger.free)} free "
+            f"({held_text(ledger)} held; the model holds "
             f"{format_bytes(ledger.held(model))})"
         )
         self._answer(parked, error_reply(parked.rid, self._boot_id, exc))

@@ -212,9 +212,7 @@ class ReclaimService:
         if book_time is not None:
             times.append(book_time)
         ledger = self._ledger
-        if self.listeners and (
-            ledger.n_waiting or ledger.total_held > ledger.budget or self._over_limit
-        ):
+        if self.listeners and (ledger.n_waiting or ledger.over_budget or self._over_limit):
             if self._inputs() != self._planned:
                 times.append(max(now, self._next_plan))
             elif self._replan_at < math.inf:
@@ -244,7 +242,7 @@ class ReclaimService:
                     self.book.deadline,
                 )
                 self._send_ask(ask, now)
-        if not ledger.n_waiting and ledger.total_held <= ledger.budget:
+        if not ledger.n_waiting and not ledger.over_budget:
             return
         need, asks = plan_reclaim(ledger, self.book, holders, now)
         for ask in asks:

@@ -311,7 +311,7 @@ class BudgetSnapshot:
         models: Per model name.
         lend_reserves: Whether unused reserves may be lent (see ``docs/budget.md``).
         lent: Unused reserve bytes held by other models on loan:
-            min(protected, max(0, total_held + protected - budget)).
+            min(protected, max(0, total_held + total_weights + protected - budget)).
     """
 
     budget: int

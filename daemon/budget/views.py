@@ -26,6 +26,14 @@ def budget_text(ledger: BudgetLedger) -> str:
     return format_bytes(ledger.budget) if is_limited(ledger) else "unlimited"
 
 
+def held_text(ledger: BudgetLedger) -> str:
+    """What the budget holds, for a message: its KV, and its weights when any are charged."""
+    held = format_bytes(ledger.total_held)
+    if ledger.total_weights:
+        return f"{held} of KV and {format_bytes(ledger.total_weights)} of weights"
+    return held
+
+
 def refusal(ledger: BudgetLedger, op: str, verdict: Verdict) -> Exception:
     """The error of a request that is not granted (now, or ever)."""
     text = f"{op}: memory budget {budget_text(ledger)}: {verdict.message()}"

@@ -55,6 +55,9 @@ def waiting(view: dict[str, Any]) -> str:
 def budget_fields(budget: dict[str, Any]) -> list[str]:
     """The budget map (``budget`` op) as short phrases, most important first."""
     held = format_bytes(budget["total_held"])
+    weights_charged = budget.get("total_weights") or 0
+    if weights_charged:  # KV and weights add up (docs/budget.md)
+        held = f"{held} KV + {format_bytes(weights_charged)} weights"
     if budget["budget"] is None:
         fields = ["no budget (nothing binds)", f"held {held}"]
     else:
@@ -64,7 +67,7 @@ def budget_fields(budget: dict[str, Any]) -> list[str]:
             f"free {format_bytes(budget['free'])}",
         ]
         if budget["over_budget"]:
-            over = format_bytes(budget["total_held"] - budget["budget"])
+            over = format_bytes(budget["total_held"] + weights_charged - budget["budget"])
             fields.append(f"OVER BUDGET by {over}: no grants until holdings fall under it")
     fields.append(f"reserved {format_bytes(budget['reserved'])}")
     fields.append(f"unused reserves {format_bytes(budget['protected'])}")
@@ -118,7 +121,11 @@ def settings_source(view: dict[str, Any]) -> str:
 
 
 def weights(view: dict[str, Any]) -> str:
-    """A model's weights as its workers report them, or ``-`` when none reports memory."""
+    """A model's weights as charged to the budget (its workers' and pending loads'), else as
+    its workers report them, or ``-`` when there are none."""
+    charged = view.get("weights")
+    if charged:
+        return format_bytes(charged)
     memory = view.get("memory")
     return "-" if memory is None else format_bytes(memory["weights"])
 
@@ -166,16 +173,11 @@ def budget_report(listing: dict[str, Any]) -> list[str]:
 
 
 def model_fields(view: dict[str, Any]) -> list[str]:
-    """A ``model_list`` view as short phrases (for ``watch``); weights and measured memory
-    when its workers report them."""
-    reported = (
-        []
-        if view.get("memory") is None
-        else [
-            f"weights {weights(view)}",
-            f"measured {measured(view)}",
-        ]
-    )
+    """A ``model_list`` view as short phrases (for ``watch``); weights when charged or
+    reported, measured memory when its workers report it."""
+    reported = [] if weights(view) == "-" else [f"weights {weights(view)}"]
+    if view.get("memory") is not None:
+        reported.append(f"measured {measured(view)}")
     return [
         f"held {format_bytes(view['held'])}",
         *reported,

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import ErrorCode
-from vqpool.shared.protocol import ADMIN_OPS, MEMORY_FIGURES, PROMPT_CACHE_FIGURES, WORKER_OPS
+from vqpool.shared.protocol import ADMIN_OPS, PROMPT_CACHE_FIGURES, WORKER_OPS
 from vqpool.shared.stats import AllocationStats
 
 log = logging.getLogger("vqpoold")
@@ -326,6 +326,12 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
 
 
 _MODEL_GAUGES = (
+    (
+        "vqpool_model_weights_bytes",
+        "weights",
+        "Bytes of a model's weights charged to the budget beside its KV (what its workers "
+        "declared at hello and measure in their heartbeats, and pending load reservations).",
+    ),
     ("vqpool_model_reserve_bytes", "reserve", "Bytes of the budget kept for a model."),
     (
         "vqpool_model_limit_bytes",
@@ -366,10 +372,6 @@ def _prompt_cache_families(snap: MetricsSnapshot) -> Iterator[Metric]:
 def _memory_families(snap: MetricsSnapshot) -> Iterator[Metric]:
     """Per model, what its workers' processes hold as they last reported it, beside what is
     declared for it (models with no report are absent)."""
-    measured = {figure.name: figure for figure in MEMORY_FIGURES}
-    weights = GaugeMetricFamily(
-        "vqpool_model_weights_bytes", measured["weights"].help, labels=["model"]
-    )
     kinds = GaugeMetricFamily(
         "vqpool_model_measured_bytes",
         "Memory a model's worker processes hold, measured, by kind: mlx_active, mlx_cache, "
@@ -392,13 +394,12 @@ def _memory_families(snap: MetricsSnapshot) -> Iterator[Metric]:
         if memory is None:
             continue
         model = view["model"]
-        weights.add_metric([model], memory["weights"])
         for kind in ("mlx_active", "mlx_cache", "mlx_peak", "rss"):
             kinds.add_metric([model, kind], memory[kind])
         kinds.add_metric([model, "total"], memory["measured"])
         declared.add_metric([model], memory["declared"])
         drift.add_metric([model], 1 if memory["drift"] else 0)
-    yield from (weights, kinds, declared, drift)
+    yield from (kinds, declared, drift)
 
 
 def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:
@@ -410,8 +411,15 @@ def _budget_families(snap: MetricsSnapshot) -> Iterator[Metric]:
             "vqpool_budget_bytes", "Bytes all models may hold together.", budget["budget"]
         )
         yield GaugeMetricFamily(
-            "vqpool_budget_free_bytes", "Bytes of the budget not held.", budget["free"]
+            "vqpool_budget_free_bytes",
+            "Bytes of the budget not held (budget - weights - KV held).",
+            budget["free"],
         )
+    yield GaugeMetricFamily(
+        "vqpool_budget_weights_bytes",
+        "Bytes of weights charged to the budget, all models together.",
+        budget["total_weights"],
+    )
     for name, key, doc in _MODEL_GAUGES:
         family = GaugeMetricFamily(name, doc, labels=["model"])
         for view in snap.models:

@@ -66,7 +66,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     memory = ledger_memory(ctl, answer)
     for row in answer["models"]:
         row["memory"] = memory.get(row["name"])
-        if row["memory"] is not None:
+        if row["memory"] is not None and row["memory"]["weights"] is not None:
             row["weights_bytes"] = row["memory"]["weights"]
     if ctl.as_json:
         ctl.print_json(answer)

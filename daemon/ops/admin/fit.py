@@ -14,13 +14,33 @@ PARAMS = ADMIN_ARGS[FIT]
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     coord = state.coord
-    model = state.budget.resolve(args["model"]) or args["model"]
+    budget = state.budget
+    model = budget.resolve(args["model"]) or args["model"]
     priced = [s for s in coord.sessions if s.model == model and s.bytes_per_block]
-    if not priced:
-        raise ValueError(
-            f"no worker of model {model} is connected; its bytes per block are unknown"
-        )
+    new_weights = 0
+    if priced:
+        bytes_per_block = priced[0].bytes_per_block
+    else:
+        # Not loaded: priced as the client says (from the model's config), its weights added.
+        per_block = args["bytes_per_block"]
+        if per_block is None and args["bytes_per_token"] is not None:
+            per_block = args["bytes_per_token"] * coord.allocator.config.block_size
+        if per_block is None:
+            raise ValueError(
+                f"no worker of model {model} is connected; its bytes per block are unknown "
+                "(give bytes_per_token or bytes_per_block)"
+            )
+        bytes_per_block = {"all": per_block}
+        new_weights = args["weights"] or 0
     answer = fit_answer(
-        state, model, priced[0].bytes_per_block, args["context"], args["concurrency"]
+        state, model, bytes_per_block, args["context"], args["concurrency"], new_weights
     )
-    return {"model": model, **answer}
+    ledger = budget.ledger
+    snap = ledger.snapshot()
+    return {
+        "model": model,
+        **answer,
+        "weights": ledger.weights(model) if priced else new_weights,
+        "free": snap.free if budget.limited else None,
+        "models": budget.loaded_models(),
+    }

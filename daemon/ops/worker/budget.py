@@ -25,14 +25,16 @@ def fit_answer(
     bytes_per_block: Mapping[str, int],
     context: int,
     concurrency: int,
+    new_weights: int = 0,
 ) -> dict[str, Any]:
-    """The ``fit`` answer (worker op and admin op) for ``model`` priced at ``bytes_per_block``.
+    """The ``fit`` answer (worker op and admin op) for ``model`` priced at ``bytes_per_block``
+    (``new_weights``: the weights a load of it would add, for a model not loaded).
 
     Raises:
         ValueError: Its byte counts would not fit the reply's integers (bytes per block far
             past any model's; context and concurrency are bounded by their declarations).
     """
-    answer = state.budget.fit(model, bytes_per_block, context, concurrency)
+    answer = state.budget.fit(model, bytes_per_block, context, concurrency, new_weights)
     if answer["need"] > INT64_MAX:
         raise ValueError(
             f"fit: {concurrency} sequences of {context} tokens of {model} would need "

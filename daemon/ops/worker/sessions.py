@@ -170,4 +170,4 @@ def bytes_cache_would_serve(state: DaemonState, session: Session) -> int:
         if demand:
             wanted += demand
             lacking += max(0, demand - min(room, fit.available_now))
-    return max(lacking, wanted - max(0, ledger.budget - ledger.total_held))
+    return max(lacking, wanted - ledger.free)
