@@ -18,7 +18,8 @@ The pool holds 320 KiB of KV cache either way:
 
 * **today**: ``--n-blocks 80`` (80 blocks of 4 KiB), no budget: a worker whose queue head
   cannot start retries every 25 ms, and whoever retries first after a free gets the blocks;
-* **with budget**: ``--budget 320KiB`` with ``[models."NAME"] weight`` 2 and 1: queue heads wait
+* **with budget**: a budget of 320 KiB of KV plus the two models' weights (the workers charge
+  them beside their KV) with ``[models."NAME"] weight`` 2 and 1: queue heads wait
   at the daemon, whose fair queue hands freed bytes out by weighted max-min.
 
 Measured per phase (medians over rounds), while both models have demand (both running or
@@ -56,6 +57,8 @@ from typing import Any
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint
+from vqpool.worker.models.memory import weights_bytes
+from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.testing.http_client import stream_events
 from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
@@ -65,7 +68,15 @@ import bench_daemon  # the round trip: its client and CPU placement
 MODELS = {"builtin:llama": 2.0, "builtin:qwen3": 1.0}  # model -> weight
 BLOCK_BYTES = 4096  # a built-in model's block, per stream
 POOL_BLOCKS = 80
-BUDGET = f"{POOL_BLOCKS * BLOCK_BYTES // 1024}KiB"
+
+
+def _weights(model: str) -> int:
+    """Bytes of a built-in model's weights as its worker loads them (seed 0) and charges them."""
+    return weights_bytes(build_tiny_model(model.removeprefix("builtin:"), seed=0)[0])
+
+
+# The KV the pool holds, beside the weights the workers charge to the same budget.
+BUDGET = f"{POOL_BLOCKS * BLOCK_BYTES + sum(_weights(m) for m in MODELS)}B"
 # 40 prompt bytes + 24 tokens = 64 slots: 4 blocks per stream, 32 KiB per request; the pool
 # runs 10 at once, each worker up to 8: both always want more than they get, and a weight share
 # of 2/3 is 6.7 requests (the granularity costs at most a few points).

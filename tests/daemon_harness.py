@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from vqpool.shared import PoolConfig
 from vqpool.shared.config import WORKER_SOCKET_NAME
 from vqpool.shared.protocol import decode_reply, encode_request
@@ -114,6 +117,20 @@ class AgentProcess:
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None and not stream.closed:
                 stream.close()
+
+
+def scrape_metrics(daemon_log: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples a daemon started with ``--metrics-port`` publishes now, by (name, sorted
+    labels), from the address its log (``daemon_log``) announced."""
+    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon_log)
+    assert match, daemon_log
+    with urllib.request.urlopen(match.group(1), timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def wait_until(condition: Any, timeout: float, interval: float = 0.02) -> float:

@@ -7,20 +7,15 @@ refused with the numbers. Real daemon, real workers or raw clients speaking the 
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import RawClient, wait_until
-from prometheus_client.parser import text_string_to_metric_families
-from serving_harness import ServingStack
+from daemon_harness import RawClient, scrape_metrics, wait_until
+from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import VqpoolError
 from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
-from vqpool.worker.models.memory import weights_bytes
-from vqpool.worker.models.tiny_models import build_tiny_model
 from vqpool.worker.testing.launch import DaemonProcess
 
 KIB = 1 << 10
@@ -29,9 +24,7 @@ REFUSED = (VqpoolError, ValueError)  # bad arguments; a value the daemon cannot 
 
 
 def llama_weights() -> int:
-    """builtin:llama's parameters' bytes, as the worker builds it (seed 0)."""
-    model, _ = build_tiny_model("llama", seed=0)
-    return weights_bytes(model)
+    return builtin_weights("builtin:llama")
 
 
 def model_row(daemon: DaemonProcess, model: str) -> dict[str, Any] | None:
@@ -231,15 +224,11 @@ def test_status_model_list_and_metrics_show_weights_beside_kv(start_daemon: Any)
         rows = {line.split()[0]: line.split() for line in listing.stdout.splitlines() if line}
         assert rows["loaded"][1:4] == ["0", "B", "2"], listing.stdout  # HELD 0 B, WEIGHTS 2 MiB
         assert rows["coming"][3:5] == ["1", "MiB"], listing.stdout
-        match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
-        assert match, daemon.log()
-        with urllib.request.urlopen(match.group(1), timeout=5) as response:
-            text = response.read().decode()
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
+        watch = run_ctl(daemon.run_dir, "watch", "--interval=0.1", "--count=1")
+        assert watch.returncode == 0, watch.stderr
+        assert "held 0 B KV + 3 MiB weights" in watch.stdout, watch.stdout
+        assert "weights 2 MiB" in watch.stdout and "weights 1 MiB" in watch.stdout, watch.stdout
+        samples = scrape_metrics(daemon.log())
         assert samples[("vqpool_budget_weights_bytes", ())] == 3 * MIB
         assert samples[("vqpool_budget_free_bytes", ())] == MIB
         assert samples[("vqpool_model_weights_bytes", (("model", "loaded"),))] == 2 * MIB
@@ -285,3 +274,23 @@ def test_a_short_load_asks_the_least_recently_used_prompt_caches_and_they_give_b
         stack.daemon.audit()
     finally:
         stack.stop()
+
+
+def test_a_budget_lowered_below_the_weights_grants_nothing_and_audit_says_by_how_much(
+    daemon: DaemonProcess, raw: RawClient
+) -> None:
+    raw.hello(model="m", weights=2 * MIB, bytes_per_block=4096)
+    daemon.admin("budget", bytes=MIB + 512 * KIB)
+    budget = daemon.admin("budget")
+    assert budget["over_budget"] is True and budget["free"] == 0
+    reply = raw.call("allocate", {"stream": "k", "n_tokens": 16, "owner": "r", "wait": 0})
+    # Its own weights alone are over the budget: no KV could ever be granted to it.
+    assert not reply["ok"] and "can never be granted" in reply["error"]["message"], reply
+    assert "the budget 1.5 MiB minus its weights" in reply["error"]["message"], reply
+    audit = daemon.admin("audit")
+    assert audit["ok"], audit  # the books agree: the excess is a breach, not a bug
+    breaches = audit["breaches"]
+    assert any("2 MiB of weights held, 512 KiB over the budget" in b for b in breaches), audit
+    # Its worker gone, the weights go with it: the budget holds again.
+    assert raw.call("goodbye")["ok"]
+    assert daemon.admin("budget")["over_budget"] is False

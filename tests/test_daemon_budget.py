@@ -8,14 +8,12 @@ import os
 import re
 import shutil
 import signal
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import AgentError, RawClient, short_tmpdir, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import AgentError, RawClient, scrape_metrics, short_tmpdir, wait_until
 from vqpool.daemon.server.settings import MAX_IDS_PER_STREAM, DaemonSettings
 from vqpool.shared.errors import BadRequestError, ErrorCode
 from vqpool.shared.protocol.limits import (
@@ -502,15 +500,7 @@ def test_budget_metrics_are_published(start_daemon, clients) -> None:
     assert b.allocate("b", 5)["ok"]
     b.send_allocate("b2", 2, wait=10)
     assert b.no_reply(0.1)
-    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
-    assert match, daemon.log()
-    with urllib.request.urlopen(match.group(1), timeout=5) as response:
-        text = response.read().decode()
-    samples = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    samples = scrape_metrics(daemon.log())
     assert samples[("vqpool_budget_bytes", ())] == 8000
     assert samples[("vqpool_budget_free_bytes", ())] == 0
     expected = {

@@ -6,15 +6,12 @@ asks the same way. Workers are tests/worker_agent.py processes (PoolClient, 4 Ki
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from ctl_harness import run_ctl
-from daemon_harness import AgentError, AgentProcess, RawClient, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import AgentError, AgentProcess, RawClient, scrape_metrics, wait_until
 from vqpool.worker.testing.launch import DaemonProcess
 
 BLOCK = 16  # tokens per block (the daemon's default)
@@ -109,15 +106,7 @@ def test_a_lent_reserve_comes_back_by_reclaim_within_the_deadline(
 
 
 def scrape(daemon: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    match = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", daemon.log())
-    assert match, daemon.log()
-    with urllib.request.urlopen(match.group(1), timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return scrape_metrics(daemon.log())
 
 
 def test_a_worker_that_ignores_the_ask_is_counted_late_and_nothing_breaks(

@@ -90,9 +90,12 @@ def held_stream_kv(path: Path) -> int:
     return kv_bytes(path, PROMPT_TOKENS + HELD_TOKENS + DEFAULT_BLOCK_SIZE)
 
 
-def config_for(models: dict[str, Path], budget: int, min_residency: float = 0) -> str:
+def config_for(models: dict[str, Path], budget: int, queue_timeout: float = 120) -> str:
+    """A settings file serving ``models`` under ``budget``; an idle model may be unloaded for
+    bytes as soon as it is loaded (no minimum residency)."""
     tables = "".join(f'[models."{name}"]\npath = "{path}"\n\n' for name, path in models.items())
-    return f"[serve]\nbudget = {budget}\nmin_residency = {min_residency}\n\n{tables}"
+    serve = f"budget = {budget}\nmin_residency = 0\nqueue_timeout = {queue_timeout}\n"
+    return f"[serve]\n{serve}\n{tables}"
 
 
 def hold(front: FrontDoor, model: str) -> Stream:
@@ -291,3 +294,25 @@ def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(
         )
         # Asking loaded and unloaded nothing.
         assert sorted(s["model"] for s in front.admin("sessions")) == ["medium", "small"]
+
+
+def test_a_load_waiting_for_memory_past_its_timeout_gets_a_503_with_the_numbers(
+    models: dict[str, Path],
+) -> None:
+    small, medium = models["small"], models["medium"]
+    budget = load_need(medium) + held_stream_kv(medium) + SLACK
+    assert budget < load_need(medium) + load_need(small)
+    config = config_for({"small": small, "medium": medium}, budget, queue_timeout=3)
+    with FrontDoor(config=config) as front:
+        front.control(timeout=90).load("medium", 60)  # its load outlasts the queue timeout
+        stream = hold(front, "medium")
+        reply = front.complete("small")
+        assert reply.status == 503, reply.body
+        message = reply.body["error"]["message"]
+        assert message.startswith("small is still waiting for memory (loading small needs ")
+        assert f"{format_bytes(weights(small))} of weights" in message
+        read_on(stream, 5)  # never preempted for it
+        assert front.wait_state("small", "not_loaded")["loads"] == 0  # its wait given up
+        rows = front.models()
+        assert rows["medium"]["running"] == 1 and rows["medium"]["unloads"] == {}
+        close(stream)

@@ -62,26 +62,20 @@ def open_pool(
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block and weights, and its cache
     source."""
-    layout = KVLayout.from_model(model)  # ValueError for a model of another shape
     weights = weights_bytes(model)
-    pool = PoolClient(
-        run_dir,
-        name=name,
-        bytes_per_block=_bytes_per_block(layout),
-        timeout=timeout,
-        weights=weights,
-    )
+
+    def connect(layout: KVLayout) -> PoolClient:
+        per_block = _bytes_per_block(layout)
+        return PoolClient(
+            run_dir, name=name, bytes_per_block=per_block, timeout=timeout, weights=weights
+        )
+
+    layout = KVLayout.from_model(model)  # ValueError for a model of another shape
+    pool = connect(layout)
     if pool.config.block_size != layout.block_size:
         # Bytes per block depend on the daemon's block size, known only after hello.
         pool.close()
-        layout = KVLayout.from_model(model, block_size=pool.config.block_size)
-        pool = PoolClient(
-            run_dir,
-            name=name,
-            bytes_per_block=_bytes_per_block(layout),
-            timeout=timeout,
-            weights=weights,
-        )
+        pool = connect(KVLayout.from_model(model, block_size=pool.config.block_size))
     try:
         return pool, PooledCacheSource(model, pool, growth_wait)
     except BaseException:

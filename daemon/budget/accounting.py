@@ -179,24 +179,28 @@ class BudgetAccounting:
         found = self.loads.pop(ticket)
         if found is None:
             return False
-        self.ledger.set_weights(found.model, reservation_key(ticket), 0)
-        self.ledger.forget_model(found.model)
-        self.parking.hand_out()
+        self._drop_reservation(found.model, ticket)
         log.info("load reservation %s of model %r released", ticket, found.model)
         return True
+
+    def _drop_reservation(self, model: str, ticket: str) -> None:
+        """Uncharge a reservation's weights; its model leaves the ledger if nothing else keeps
+        it there (no session, no holdings, no settings)."""
+        self.ledger.set_weights(model, reservation_key(ticket), 0)
+        if all(s.model != model for s in self._coord.sessions):
+            self.ledger.forget_model(model)
+        self.parking.hand_out()
 
     def expire_loads(self, now: float) -> None:
         """Give back the load reservations whose time to live passed with no hello."""
         for found in self.loads.expire(now):
-            self.ledger.set_weights(found.model, reservation_key(found.ticket), 0)
-            self.ledger.forget_model(found.model)
+            self._drop_reservation(found.model, found.ticket)
             log.warning(
                 "load reservation %s of model %r (%s) expired: no worker of it said hello",
                 found.ticket,
                 found.model,
                 format_bytes(found.weights),
             )
-            self.parking.hand_out()
 
     def ask_caches(self, n_bytes: int) -> int:
         """Ask workers' prompt caches for up to ``n_bytes``, least recently used first across

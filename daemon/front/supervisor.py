@@ -374,6 +374,9 @@ class Supervisor:
                 log.warning("not loading %s: %s", slot.name, reason)
                 return False, None
             if short is None:
+                if ticket is not None and (self._closing or slot.queued <= slot.answered):
+                    await self.ledger.release(ticket)  # its requests left while it asked
+                    return False, None
                 return True, ticket
             slot.memory_wait = short.message(slot.name)
             if short.cached > 0:  # caches first; asked again, they answer what is still held

@@ -49,6 +49,12 @@ MODEL_FIELD = Field(
     "(as `vqpoolctl model list` shows it)",
 )
 
+
+def _optional_bytes(name: str, lo: int, what: str) -> Field:
+    """An optional argument of a byte count in lo..MAX_BYTES, saying ``what`` it is."""
+    return Field(name, int_in(lo, MAX_BYTES), required=False, help=what)
+
+
 ADMIN_OP_SPECS = op_table(
     OpSpec(
         SHRINK,
@@ -213,25 +219,19 @@ ADMIN_OP_SPECS = op_table(
         (
             MODEL_FIELD,
             *FIT_ARGS,
-            Field(
-                "weights",
-                int_in(0, MAX_BYTES),
-                required=False,
-                help="bytes of the model's weights, for a model with no worker connected",
+            _optional_bytes(
+                "weights", 0, "bytes of the model's weights, for a model with no worker connected"
             ),
-            Field(
+            _optional_bytes(
                 "bytes_per_token",
-                int_in(1, MAX_BYTES),
-                required=False,
-                help="bytes of KV one token takes (all layers, k and v), for a model with no "
-                "worker connected",
-            ),
-            Field(
-                "bytes_per_block",
-                int_in(1, MAX_BYTES),
-                required=False,
-                help="bytes of KV one block takes (all streams), for a model with no worker "
+                1,
+                "bytes of KV one token takes (all layers, k and v), for a model with no worker "
                 "connected",
+            ),
+            _optional_bytes(
+                "bytes_per_block",
+                1,
+                "bytes of KV one block takes (all streams), for a model with no worker connected",
             ),
         ),
     ),

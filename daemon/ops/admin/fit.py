@@ -35,12 +35,4 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     answer = fit_answer(
         state, model, bytes_per_block, args["context"], args["concurrency"], new_weights
     )
-    ledger = budget.ledger
-    snap = ledger.snapshot()
-    return {
-        "model": model,
-        **answer,
-        "weights": ledger.weights(model) if priced else new_weights,
-        "free": snap.free if budget.limited else None,
-        "models": budget.loaded_models(),
-    }
+    return {"model": model, **answer}

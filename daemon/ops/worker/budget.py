@@ -28,19 +28,26 @@ def fit_answer(
     new_weights: int = 0,
 ) -> dict[str, Any]:
     """The ``fit`` answer (worker op and admin op) for ``model`` priced at ``bytes_per_block``
-    (``new_weights``: the weights a load of it would add, for a model not loaded).
+    (``new_weights``: the weights a load of it would add, for a model not loaded), with its
+    weights, the budget's free bytes and what each loaded model would free if unloaded.
 
     Raises:
         ValueError: Its byte counts would not fit the reply's integers (bytes per block far
             past any model's; context and concurrency are bounded by their declarations).
     """
-    answer = state.budget.fit(model, bytes_per_block, context, concurrency, new_weights)
+    budget = state.budget
+    answer = budget.fit(model, bytes_per_block, context, concurrency, new_weights)
     if answer["need"] > INT64_MAX:
         raise ValueError(
             f"fit: {concurrency} sequences of {context} tokens of {model} would need "
             f"{answer['need']} bytes, more than a reply carries; ask about fewer"
         )
-    return answer
+    return {
+        **answer,
+        "weights": new_weights or budget.ledger.weights(model),
+        "free": budget.ledger.free if budget.limited else None,
+        "models": budget.loaded_models(),
+    }
 
 
 def reclaim_poll(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> Any:
