@@ -40,8 +40,8 @@ llama and qwen3), so that the two cores go to the requests, not to the weights.
 Rounds alternate the order of the policies (a b c, c b a, ...) so that the drift of a shared
 machine falls on all of them alike. On 2 shared vCPUs read the policies against each other.
 
-    .venv/bin/python scripts/bench_models.py                 # ~11 min on 2 busy vCPUs
-    .venv/bin/python scripts/bench_models.py --quick         # a smoke run, ~3 min
+    .venv/bin/python scripts/bench_models.py                 # 8 to 11 min on 2 shared vCPUs
+    .venv/bin/python scripts/bench_models.py --quick         # a smoke run, 2 to 3 min
     .venv/bin/python scripts/bench_models.py --policies count,swap --no-noisy
     .venv/bin/python scripts/bench_models.py --models-dir /tmp/bm-models   # keep the models
     .venv/bin/python scripts/bench_models.py --json
