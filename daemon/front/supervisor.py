@@ -18,8 +18,8 @@ can look, and an idle timer that fires finds the model busy again if a request c
   pinned and was loaded at least ``min_residency`` seconds (its exit and its session's end
   verified first); then the load waits for a change. A load that can never fit is refused at
   once: every request waiting for it gets a 400 naming the numbers.
-- When the daemon shows more held than its budget (lowered live), or the loaded models' requests
-  waiting for more KV than is free, idle models are unloaded in the same order until it does not.
+- When the daemon shows more held than its budget (lowered live), or a loaded model's requests
+  waiting for KV the loaded weights leave no room for, idle models are unloaded in the same order.
 - A failed load answers every request waiting for it with the worker's reason; the next
   request tries again, after a backoff once failures repeat (:class:`ModelSlot`).
 - Idle is no running and no queued request; ``keep_alive`` counts from the last request's end.
@@ -103,13 +103,21 @@ def _weights_or_none(entry: ModelEntry) -> WeightsEstimate | None:
         return None
 
 
-def kv_wanted(models: list[dict[str, Any]]) -> int:
-    """KV bytes the models' requests wait for at vqpoold (``model_list`` rows), each model's
-    only up to its own limit: bytes beyond it would not go to it whatever is freed."""
-    return sum(
-        max(0, min(row["waiting_bytes"], row["effective_limit"] - row["held"]))
-        for row in models
-        if row["waiting_bytes"]
+def kv_blocked_by_weights(totals: dict[str, Any], models: list[dict[str, Any]]) -> int:
+    """KV bytes the models' requests wait for at vqpoold that could not be granted even if every
+    other model gave back all the KV it holds: more than the budget leaves beside the loaded
+    models' weights and the other models' reserves (``budget`` and ``model_list`` answers).
+    Only an unload makes room for those; a greedy model's requests that other models' KV holds
+    back wait for it (the ledger's fair shares and reclaim), and unload no one."""
+    room = totals["budget"] - totals["total_weights"]
+    reserved = sum(row["reserve"] for row in models)
+    return max(
+        (
+            row["waiting_bytes"] - (room - (reserved - row["reserve"]))
+            for row in models
+            if row["waiting_bytes"]
+        ),
+        default=0,
     )
 
 
@@ -442,10 +450,10 @@ class Supervisor:
         return min(victims, key=lambda s: s.last_used or 0.0) if victims else None
 
     async def _watch_budget(self) -> None:
-        """Unload idle models while vqpoold holds more than its budget (lowered live), or the
-        loaded models' requests wait for more KV than is free, and the prompt caches cannot
-        cover it (the daemon takes those back first): a request short of bytes frees them in
-        the same order as a load."""
+        """Unload idle models while vqpoold holds more than its budget (lowered live), or a
+        loaded model's requests wait for KV that the loaded weights leave no room for
+        (:func:`kv_blocked_by_weights`), and the prompt caches cannot cover it (the daemon takes
+        those back first): bytes are freed in the same order as for a load."""
         while True:
             await asyncio.sleep(MEMORY_RECHECK)
             try:
@@ -454,21 +462,25 @@ class Supervisor:
                 if totals["budget"] is None:
                     continue
                 excess = totals["total_held"] + totals["total_weights"] - totals["budget"]
-                short = max(excess, kv_wanted(listing["models"]) - max(0, totals["free"] or 0))
-                if short <= 0:
+                blocked = kv_blocked_by_weights(totals, listing["models"])
+                if excess <= 0 and blocked <= 0:
                     continue
-                sessions = await self.ledger.call("sessions")
+                cached = 0
+                if excess > 0:  # KV given back covers an excess, not room the weights take
+                    sessions = await self.ledger.call("sessions")
+                    cached = sum((s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions)
             except VqpoolError as exc:
                 log.debug("could not read vqpoold's budget: %s", exc)
                 continue
-            cached = sum((s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions)
-            victim = None if cached >= short else self._memory_victim()
+            victim = self._memory_victim() if excess > cached or blocked > 0 else None
             if victim is not None:
-                why = "over its budget" if excess > 0 else "short for waiting requests"
-                log.info(
-                    "vqpoold is %s %s: unloading idle %s", format_bytes(short), why, victim.name
-                )
-                self._start_unload(victim, "budget" if excess > 0 else "memory")
+                if excess > cached:
+                    why, reason = f"{format_bytes(excess)} over its budget", "budget"
+                else:
+                    why = f"{format_bytes(blocked)} short of KV beside the weights"
+                    reason = "memory"
+                log.info("vqpoold is %s: unloading idle %s", why, victim.name)
+                self._start_unload(victim, reason)
 
     async def _watch(self, slot: ModelSlot, worker: WorkerProcess) -> None:
         """A worker that exits while its model counts as loaded crashed: the next request
