@@ -423,7 +423,10 @@ class Supervisor:
                     return False, None
                 return True, ticket
             slot.memory_wait = short.message(slot.name)
-            if short.cached > 0:  # caches first; asked again, they answer what is still held
+            # Caches first, when they cover what is short: the daemon has asked for them.
+            # NOTE: only then. Chats that go on refill their caches, so waiting for caches that
+            # cannot cover it would keep a load draining them piecemeal instead of unloading.
+            if short.cached >= short.short:
                 await self.ledger.cache_released()
                 continue
             victim = self._memory_victim()
@@ -434,6 +437,9 @@ class Supervisor:
                 self._start_unload(victim, "memory")
                 while victim.state == UNLOADING:
                     await self._wait_for_change(MEMORY_RECHECK)
+                continue
+            if short.cached > 0:
+                await self.ledger.cache_released()
                 continue
             await self._wait_for_change(MEMORY_RECHECK)
 
