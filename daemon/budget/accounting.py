@@ -97,11 +97,17 @@ class BudgetAccounting:
 
     # -- hello ---------------------------------------------------------------------------------
 
-    def check_hello(self, bytes_per_block: Mapping[str, int], streams: Sequence[str]) -> None:
+    def check_hello(
+        self,
+        bytes_per_block: Mapping[str, int],
+        streams: Sequence[str],
+        name: str = "bytes_per_block",
+    ) -> None:
         """Refuse a session that the budget could not bound while a budget is set: one that
         declares no bytes per block for a pool stream, or fewer than any model's block holds
         (:data:`MIN_BYTES_PER_SLOT` per slot: with 0 or 1 byte a session takes blocks the
-        ledger barely counts).
+        ledger barely counts). ``name`` is the hello argument checked (a format's entry of
+        ``bytes_per_format`` is checked as ``bytes_per_block``).
 
         Raises:
             ValueError: A pool stream without bytes per block, or with too few.
@@ -110,7 +116,7 @@ class BudgetAccounting:
             missing = [s for s in streams if s not in bytes_per_block]
             if missing:
                 raise ValueError(
-                    f"hello: a memory budget is set, so bytes_per_block must be declared for "
+                    f"hello: a memory budget is set, so {name} must be declared for "
                     f"every pool stream ({'+'.join(streams)}); missing: {missing}"
                 )
             block_size = self._coord.allocator.config.block_size
@@ -118,7 +124,7 @@ class BudgetAccounting:
             small = {s: bytes_per_block[s] for s in streams if bytes_per_block[s] < floor}
             if small:
                 raise ValueError(
-                    f"hello: a memory budget is set, so bytes_per_block must be at least {floor} "
+                    f"hello: a memory budget is set, so {name} must be at least {floor} "
                     f"per pool stream (what one layer of one head of 8 dims at 2 bytes holds in "
                     f"a block of {block_size} slots; a real model's block is kilobytes); got "
                     f"{small}"

@@ -49,6 +49,8 @@ class Session:
             pid is not taken for the worker.
         model: Model name the worker announced (for the admin's eyes).
         bytes_per_block: Bytes one block of each stream holds in the worker.
+        bytes_per_format: Bytes one block of each stream holds in the worker, per format tag
+            the worker declared (a block of another format costs ``bytes_per_block``).
         client_version: vqpool version of the worker.
         nonce: The hello nonce (a repeated hello with it returns this session).
         started: Wall-clock time the session opened.
@@ -98,6 +100,7 @@ class Session:
     on_roll: bool = False
     reclaimable: bool = False
     preemptions: int = 0
+    bytes_per_format: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def lease_expired(self, now: float, lease: float) -> str | None:
         """Why this session of a stopped process is reaped now, or None within its lease."""
@@ -205,6 +208,7 @@ class SessionTable:
         client_version: str,
         nonce: str,
         now: float,
+        bytes_per_format: dict[str, dict[str, int]] | None = None,
     ) -> Session:
         """A new session for a verified worker process.
 
@@ -238,6 +242,7 @@ class SessionTable:
             nonce=nonce,
             started=time.time(),
             last_heard=now,
+            bytes_per_format=bytes_per_format or {},
         )
         self._by_sid[sid] = session
         self._by_nonce[nonce] = session

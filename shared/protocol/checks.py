@@ -12,6 +12,7 @@ from typing import Any
 
 from vqpool.shared.allocator import Owner
 from vqpool.shared.errors import BadRequestError
+from vqpool.shared.kv_formats import MAX_FORMATS, is_format
 from vqpool.shared.protocol.limits import (
     INT64_MAX,
     INT64_MIN,
@@ -216,6 +217,26 @@ def check_bytes_per_block(value: Any, name: str = "bytes_per_block") -> int | di
         check_tag(k, f"{name} key"): check_int(v, f"{name}[{k}]", 0, MAX_BYTES_PER_BLOCK)
         for k, v in value.items()
     }
+
+
+def check_bytes_per_format(
+    value: Any, name: str = "bytes_per_format"
+) -> dict[str, int | dict[str, int]]:
+    """Bytes one block of each format holds in the worker: a map of at most MAX_FORMATS format
+    tags (:mod:`vqpool.shared.kv_formats`) to what :func:`check_bytes_per_block` takes."""
+    if type(value) is not dict or len(value) > MAX_FORMATS:
+        raise BadRequestError(
+            f"{name} must be a map of <= {MAX_FORMATS} format tags, got {short_repr(value)}"
+        )
+    parsed: dict[str, int | dict[str, int]] = {}
+    for tag, per_block in value.items():
+        if not is_format(check_tag(tag, f"{name} key")):
+            raise BadRequestError(
+                f"{name} key {short_repr(tag)} is no KV format (fp32, fp16, bf16 or "
+                "q{bits}g{group_size}: bits 4 or 8, group 32, 64 or 128)"
+            )
+        parsed[tag] = check_bytes_per_block(per_block, f"{name}[{tag}]")
+    return parsed
 
 
 def short_repr(value: Any) -> str:

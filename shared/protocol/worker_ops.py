@@ -11,6 +11,7 @@ from vqpool.shared.protocol.checks import (
     check_block_ids,
     check_bool,
     check_bytes_per_block,
+    check_bytes_per_format,
     check_claims,
     check_int,
     check_owner,
@@ -110,6 +111,14 @@ WORKER_OP_SPECS = op_table(
                 required=False,
                 default={},
                 help="bytes one block of each stream holds in this worker",
+            ),
+            Field(
+                "bytes_per_format",
+                check_bytes_per_format,
+                required=False,
+                default={},
+                help="bytes one block of each format (tag -> int or map stream -> int) holds "
+                "in this worker; a block of an undeclared format costs bytes_per_block",
             ),
             Field("client_version", check_str, required=False, default=""),
             Field(

@@ -87,6 +87,9 @@ class PoolClient:
             stream (map); lets the admin report memory held. None reports 0.
         weights: Bytes of the model's weights as loaded, charged to this session in the
             daemon's budget (None: not declared).
+        bytes_per_format: Bytes one block of each format holds in this worker (tag -> int or
+            map stream -> int, tags of :mod:`vqpool.shared.kv_formats`): the daemon charges
+            each block its format's bytes; None: every block costs ``bytes_per_block``.
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
@@ -107,6 +110,7 @@ class PoolClient:
         first_retry: float = FIRST_RETRY_SECONDS,
         on_reclaim: ReclaimHandler | None = None,
         weights: int | None = None,
+        bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
     ) -> None:
         self._session = DaemonSession(
             resolve_run_dir(run_dir),
@@ -115,6 +119,7 @@ class PoolClient:
             timeout=timeout,
             first_retry=first_retry,
             weights=weights,
+            bytes_per_format=bytes_per_format,
         )
         self._lock = self._session.lock
         self._connection = self._session.connection  # the caller's socket (its resend count)

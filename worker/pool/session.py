@@ -55,6 +55,8 @@ class DaemonSession:
         run_dir: The daemon's run directory (resolved).
         name: Model name the session is opened for.
         bytes_per_block: Bytes one block holds in this worker, declared at hello (None: 0).
+        bytes_per_format: Bytes one block of each format holds in this worker, declared at
+            hello (None: every format costs ``bytes_per_block``).
         weights: Bytes of the model's weights as loaded, declared at hello (the daemon charges
             them to the session; None: not declared).
         timeout: Seconds each call may take, retries included.
@@ -73,8 +75,10 @@ class DaemonSession:
         timeout: float,
         first_retry: float,
         weights: int | None = None,
+        bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.bytes_per_format = bytes_per_format
         self.weights = weights
         self.endpoint = endpoint(run_dir, WORKER_SOCKET_NAME)
         self.name = name
@@ -133,6 +137,11 @@ class DaemonSession:
             args["bytes_per_block"] = (
                 bytes_per_block if isinstance(bytes_per_block, int) else dict(bytes_per_block)
             )
+        if self.bytes_per_format:
+            args["bytes_per_format"] = {
+                tag: costs if isinstance(costs, int) else dict(costs)
+                for tag, costs in self.bytes_per_format.items()
+            }
         if self.weights is not None:
             args["weights"] = self.weights
         if resumes is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from vqpool.daemon.core.sessions import Session, verify_worker_process
@@ -34,10 +35,14 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
                 f"hello: pid {process.pid} is not the process connected ({connected}); "
                 "a session follows the process that opens it"
             )
-        bytes_per_block = args["bytes_per_block"]
-        if type(bytes_per_block) is int:
-            bytes_per_block = dict.fromkeys(coord.allocator.streams, bytes_per_block)
-        state.budget.check_hello(bytes_per_block, coord.allocator.streams)
+        streams = coord.allocator.streams
+        bytes_per_block = per_stream(args["bytes_per_block"], streams)
+        state.budget.check_hello(bytes_per_block, streams)
+        bytes_per_format = {
+            tag: per_stream(costs, streams) for tag, costs in args["bytes_per_format"].items()
+        }
+        for tag, costs in bytes_per_format.items():
+            state.budget.check_hello(costs, streams, f"bytes_per_format[{tag}]")
         session = coord.sessions.open(
             process,
             args["model"],
@@ -45,6 +50,7 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
             args["client_version"],
             args["nonce"],
             now,
+            bytes_per_format,
         )
         coord.session_opened(session, args["resumes"])
         log.info(
@@ -75,6 +81,11 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
         "started": coord.started,
         "time": time.time(),
     }
+
+
+def per_stream(costs: int | dict[str, int], streams: Sequence[str]) -> dict[str, int]:
+    """A hello's bytes per block as a map stream -> bytes (one int: the same for every stream)."""
+    return dict.fromkeys(streams, costs) if isinstance(costs, int) else dict(costs)
 
 
 def goodbye(
