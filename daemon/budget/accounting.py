@@ -236,8 +236,8 @@ class BudgetAccounting:
             OverBudgetError: It can never fit.
             BlockPoolExhaustedError: Not now and not waiting (``wait`` 0, queues full).
         """
-        cost = session.bytes_per_block
-        if not cost:  # not bounded by the budget: nothing to count (the hot path without one)
+        if not session.bytes_per_block and not session.bytes_per_format:
+            # not bounded by the budget: nothing to count (the hot path without one)
             if op == ALLOCATE:
                 return self._coord.allocate(
                     session, args["stream"], args["n_tokens"], args["owner"], args["format"]
@@ -247,13 +247,13 @@ class BudgetAccounting:
         if op == ALLOCATE:
             self._coord.check_allocate(session, args["n_tokens"], args["owner"])
             if not args["wait"]:
-                return holdings.allocate_now(session, args, cost)
+                return holdings.allocate_now(session, args)
         items: Items
         if op == ALLOCATE:
             items = ((args["stream"], args["n_tokens"], args["owner"], args["format"]),)
         else:
             items = args["items"]
-        n_bytes = holdings.bytes_of(items, cost)
+        n_bytes = holdings.bytes_of(items, session)
         if not n_bytes:
             return holdings.perform(session, op, items, 0)
         ledger = self.ledger
@@ -506,17 +506,13 @@ class BudgetAccounting:
 
     def recount_problems(self) -> list[str]:
         """Disagreements between the ledger's bytes per model and a recount from the allocator's
-        usage and the sessions' bytes per block (for ``audit``). Granted-but-not-handed-out
+        blocks per (stream, format) and the sessions' bytes per block of each format (for
+        ``audit``). Granted-but-not-handed-out
         bytes of parked allocations count as held."""
         recount: dict[str, int] = {}
-        allocator = self._coord.allocator
+        holdings = self.holdings
         for session in self._coord.sessions:
-            cost = session.bytes_per_block
-            n = 0
-            if cost:
-                for owner in session.owners:
-                    for stream, (n_blocks, _) in allocator.usage(owner).items():
-                        n += n_blocks * cost.get(stream, 0)
+            n = holdings.bytes_of_session(session)
             recount[session.model] = recount.get(session.model, 0) + n
         ledger = self.ledger
         for parked in self.parking.parked.values():

@@ -1,24 +1,25 @@
 """The sessions' holdings in bytes: what blocks cost, and the ledger kept in step as the
 coordinator hands blocks out and takes them back.
 
-A block of stream ``s`` costs the holding session's ``bytes_per_block[s]`` (0 when undeclared:
-such a session is not bounded by the budget). Each change of holdings that moves bytes is done
+A block of stream ``s`` and format ``f`` costs the holding session's ``bytes_per_format[f][s]``
+when it declared that format, else its ``bytes_per_block[s]`` (0 when undeclared: a session that
+declares no bytes is not bounded by the budget). Each change of holdings that moves bytes is done
 here: an allocation the ledger granted (:meth:`Holdings.perform`), a free, a claim after a
 restart (admitted by the ledger as an allocation would be), the end of a session. This layer
-calls the coordinator for the blocks, which answers in blocks per stream, and charges or
-credits the ledger their bytes.
+calls the coordinator for the blocks, which answers in blocks per (stream, format), and charges
+or credits the ledger their bytes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
 from vqpool.daemon.budget.types import GRANTED, Outcome, Reason, Verdict
 from vqpool.daemon.budget.views import budget_text, refusal
-from vqpool.daemon.core.coordinator import BlockCounts, Coordinator, SessionEnd
+from vqpool.daemon.core.coordinator import Coordinator, FormatCounts, SessionEnd
 from vqpool.daemon.core.sessions import Session
 from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
@@ -49,44 +50,42 @@ class Holdings:
 
     # -- prices --------------------------------------------------------------------------------
 
-    def block_cost(self, cost: Mapping[str, int], stream: str) -> int:
-        """Bytes one block costs a session declaring ``cost``, asked for under ``stream``."""
+    def block_cost(self, session: Session, stream: str, fmt: str) -> int:
+        """Bytes one block of format ``fmt`` costs ``session``, asked for under ``stream``."""
+        cost = session.bytes_per_format.get(fmt)
+        if cost is None:
+            cost = session.bytes_per_block
         return cost.get(self._one_stream or stream, 0)
 
-    def bytes_of(self, items: Items, cost: Mapping[str, int]) -> int:
-        """Bytes the blocks of an allocation's ``items`` cost."""
+    def bytes_of(self, items: Items, session: Session) -> int:
+        """Bytes the blocks of an allocation's ``items`` cost ``session``."""
         block_size = self._block_size
         return sum(
-            -(-n_tokens // block_size) * self.block_cost(cost, stream)
-            for stream, n_tokens, _, _ in items
+            -(-n_tokens // block_size) * self.block_cost(session, stream, fmt)
+            for stream, n_tokens, _, fmt in items
             if n_tokens > 0
         )
 
     def bytes_of_owner(self, session: Session, owner: Owner) -> int:
         """Bytes the blocks of ``owner`` (held by ``session``) cost now."""
-        cost = session.bytes_per_block
-        if not cost:
+        if not is_priced(session):
             return 0
-        usage = self._coord.allocator.usage(owner)
-        return sum(n * cost.get(stream, 0) for stream, (n, _) in usage.items())
+        return self.bytes_held(self._coord.allocator.format_usage(owner), session)
 
     def bytes_of_session(self, session: Session) -> int:
         """Bytes the blocks ``session`` holds cost now (O(its owners))."""
         return sum(self.bytes_of_owner(session, owner) for owner in session.owners)
 
-    @staticmethod
-    def _bytes_held(counts: BlockCounts, cost: Mapping[str, int]) -> int:
-        """Bytes of blocks counted per stream they are held in."""
+    def bytes_held(self, counts: FormatCounts, session: Session) -> int:
+        """Bytes ``session``'s blocks counted per (stream, format) cost."""
         n_bytes = 0
-        for stream, n in counts.items():  # a loop, not sum(): this is on every free's path
-            n_bytes += n * cost.get(stream, 0)
+        for (stream, fmt), n in counts.items():  # a loop, not sum(): on every free's path
+            n_bytes += n * self.block_cost(session, stream, fmt)
         return n_bytes
 
     # -- allocations ---------------------------------------------------------------------------
 
-    def allocate_now(
-        self, session: Session, args: dict[str, Any], cost: Mapping[str, int]
-    ) -> list[int]:
+    def allocate_now(self, session: Session, args: dict[str, Any]) -> list[int]:
         """One ``allocate`` that does not wait (the hot path with a budget): its blocks, all
         ceil(n_tokens / block_size) of them when it succeeds, cost exactly what is charged.
 
@@ -94,17 +93,17 @@ class Holdings:
             OverBudgetError: It can never fit.
             BlockPoolExhaustedError: Not now.
         """
-        stream, n_tokens = args["stream"], args["n_tokens"]
+        stream, n_tokens, fmt = args["stream"], args["n_tokens"], args["format"]
         n_bytes = 0
         if n_tokens > 0:
-            n_bytes = -(-n_tokens // self._block_size) * self.block_cost(cost, stream)
+            n_bytes = -(-n_tokens // self._block_size) * self.block_cost(session, stream, fmt)
         ledger = self.ledger
         if n_bytes:
             verdict = ledger.try_grant(session.model, n_bytes, growth=args["growth"])
             if verdict is not GRANTED and verdict.outcome is not Outcome.GRANT:
                 raise refusal(ledger, ALLOCATE, verdict)
         try:
-            return self._coord.allocate(session, stream, n_tokens, args["owner"], args["format"])
+            return self._coord.allocate(session, stream, n_tokens, args["owner"], fmt)
         except BaseException:
             if n_bytes:
                 ledger.credit(session.model, n_bytes)
@@ -118,11 +117,11 @@ class Holdings:
             if op == ALLOCATE:
                 stream, n_tokens, owner, fmt = items[0]
                 result: Any = coord.allocate(session, stream, n_tokens, owner, fmt)
-                held = [(stream, result)]
+                held = [(stream, fmt, result)]
             else:
                 result = coord.allocate_many(session, items)
                 held = [
-                    (item[0], ids)
+                    (item[0], item[3], ids)
                     for item, ids in zip(items, result, strict=True)
                     if type(ids) is list
                 ]
@@ -130,10 +129,9 @@ class Holdings:
             if charged:
                 self.ledger.credit(session.model, charged)
             raise
-        if charged or session.bytes_per_block:
-            cost = session.bytes_per_block
-            spent = (
-                sum(len(ids) * self.block_cost(cost, stream) for stream, ids in held) if cost else 0
+        if charged or is_priced(session):
+            spent = sum(
+                len(ids) * self.block_cost(session, stream, fmt) for stream, fmt, ids in held
             )
             if spent < charged:
                 self.ledger.credit(session.model, charged - spent)
@@ -145,28 +143,28 @@ class Holdings:
 
     def free(self, session: Session, block_ids: Sequence[int]) -> None:
         """``free`` of blocks by id (see :meth:`Coordinator.free`), credited."""
-        cost = session.bytes_per_block
-        freed = self._coord.free(session, block_ids, bool(cost))
-        if cost:
-            self.credit(session, self._bytes_held(freed, cost))
+        priced = is_priced(session)
+        freed = self._coord.free(session, block_ids, priced)
+        if priced:
+            self.credit(session, self.bytes_held(freed, session))
 
     def free_all(self, session: Session, owner: Owner) -> None:
         """``free_all`` of an owner (see :meth:`Coordinator.free_all`), credited."""
-        cost = session.bytes_per_block
-        freed = self._coord.free_all(session, owner, bool(cost))
-        if cost:
-            self.credit(session, self._bytes_held(freed, cost))
+        priced = is_priced(session)
+        freed = self._coord.free_all(session, owner, priced)
+        if priced:
+            self.credit(session, self.bytes_held(freed, session))
 
     def claim(
         self, session: Session, owners: Sequence[tuple[Owner, list[ClaimGroup]]], done: bool
     ) -> list[dict[str, Any] | None]:
         """``claim`` (see :meth:`Coordinator.claim`), each owner's blocks admitted by the
         ledger as an allocation of theirs would be (:meth:`admit_claim`)."""
-        admit = self.admit_claim if session.bytes_per_block else None
+        admit = self.admit_claim if is_priced(session) else None
         return self._coord.claim(session, owners, done, admit)
 
     def admit_claim(
-        self, session: Session, owner: Owner, counts: BlockCounts
+        self, session: Session, owner: Owner, counts: FormatCounts
     ) -> Callable[[], None]:
         """Charge the bytes of an owner's claim if the ledger would grant them as an allocation
         (the budget, the model's limit, other models' unused reserves); the undo.
@@ -181,8 +179,7 @@ class Holdings:
         Raises:
             OverBudgetError: It does not fit; nothing was charged.
         """
-        cost = session.bytes_per_block
-        n_bytes = sum(n * self.block_cost(cost, stream) for stream, n in counts.items())
+        n_bytes = self.bytes_held(counts, session)
         model = session.model
         ledger = self.ledger
         if n_bytes:
@@ -203,10 +200,10 @@ class Holdings:
 
     def end_session(self, session: Session) -> SessionEnd:
         """End ``session`` in the coordinator (its blocks freed, its owners released), credited."""
-        cost = session.bytes_per_block
-        ended = self._coord.end_session(session, bool(cost))
-        if cost:
-            self.credit(session, self._bytes_held(ended.by_stream, cost))
+        priced = is_priced(session)
+        ended = self._coord.end_session(session, priced)
+        if priced:
+            self.credit(session, self.bytes_held(ended.counts, session))
         return ended
 
     def credit(self, session: Session, n_bytes: int) -> None:
@@ -222,6 +219,11 @@ class Holdings:
             except ValueError as exc:
                 log.error("budget ledger out of step with the pool: %s", exc)
                 ledger.credit(session.model, ledger.held(session.model))
+
+
+def is_priced(session: Session) -> bool:
+    """Whether ``session`` declared bytes for its blocks (else the budget does not bound it)."""
+    return bool(session.bytes_per_block or session.bytes_per_format)
 
 
 def _claim_shortage(verdict: Verdict) -> str:

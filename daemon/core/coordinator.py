@@ -43,23 +43,27 @@ A worker whose request waits for blocks retries every few tens of milliseconds, 
 that gave up stops asking other workers' prompt caches for blocks within these seconds."""
 
 BlockCounts = dict[str, int]
-"""Blocks per stream: what a free, a claim or a session's end changed, for the budget above to
-price (the coordinator knows blocks, never bytes)."""
+"""Blocks per stream."""
+
+FormatCounts = dict[tuple[str, str], int]
+"""Blocks per (stream, format): what a free, a claim or a session's end changed, for the budget
+above to price (the coordinator knows blocks, never bytes)."""
 
 
-ClaimAdmission = Callable[[Session, Owner, BlockCounts], Callable[[], None]]
-"""The budget's check of one owner's claim (blocks per stream as the claim names them), called
+ClaimAdmission = Callable[[Session, Owner, FormatCounts], Callable[[], None]]
+"""The budget's check of one owner's claim (blocks per (stream, format) as the claim names
+them), called
 before its blocks are taken: raises to refuse it, else has charged it and returns the undo,
 called if the blocks are not taken after all."""
 
 
 class SessionEnd(NamedTuple):
-    """What ending a session freed: owners released, blocks freed, and those blocks per stream
-    (counted only when asked)."""
+    """What ending a session freed: owners released, blocks freed, and those blocks per (stream,
+    format) (counted only when asked)."""
 
     n_owners: int
     n_blocks: int
-    by_stream: BlockCounts
+    counts: FormatCounts
 
 
 def new_boot_id() -> str:
@@ -311,20 +315,20 @@ class Coordinator:
             if not allocator.is_active(owner):
                 allocator.register_owner(owner)
 
-    def free(self, session: Session, block_ids: Sequence[int], by_stream: bool) -> BlockCounts:
+    def free(self, session: Session, block_ids: Sequence[int], counted: bool) -> FormatCounts:
         """Free blocks by id. Free ids are skipped (as the allocator does); one id held by
         another session refuses the whole request.
 
         Returns:
-            With ``by_stream``, the blocks freed per stream (each id once); else {}: counting
-            costs a lookup per block, paid only when the caller prices them.
+            With ``counted``, the blocks freed per (stream, format) (each id once); else {}:
+            counting costs a lookup per block, paid only when the caller prices them.
         """
         allocator = self.allocator
         owner_of = allocator.owner_of
         holder = self._holder
         touched: set[Owner] = set()
-        freed: BlockCounts = {}
-        for block_id in dict.fromkeys(block_ids) if by_stream else block_ids:
+        freed: FormatCounts = {}
+        for block_id in dict.fromkeys(block_ids) if counted else block_ids:
             owner = owner_of(block_id)
             if owner is None:
                 continue
@@ -333,26 +337,23 @@ class Coordinator:
                     f"free: block {block_id} is held by another worker session; nothing was freed"
                 )
             touched.add(owner)
-            if by_stream:
-                stream = allocator.stream_of(block_id) or ""
-                freed[stream] = freed.get(stream, 0) + 1
+            if counted:
+                kind = allocator.stream_format_of(block_id) or ("", "")
+                freed[kind] = freed.get(kind, 0) + 1
         allocator.free_ids(block_ids)
         for owner in touched:
             if not allocator.is_active(owner):
                 self._unbind(owner)
         return freed
 
-    def free_all(self, session: Session, owner: Owner, by_stream: bool) -> BlockCounts:
+    def free_all(self, session: Session, owner: Owner, counted: bool) -> FormatCounts:
         """free_all() of an owner this session holds (an unknown owner is a no-op); with
-        ``by_stream``, the blocks freed per stream (else {})."""
+        ``counted``, the blocks freed per (stream, format) (else {})."""
         self._require_held(session, owner, "free_all")
-        freed = self._blocks_by_stream(owner) if by_stream else {}
+        freed = self.allocator.format_usage(owner) if counted else {}
         self.allocator.free_all(owner)
         self._unbind(owner)
         return freed
-
-    def _blocks_by_stream(self, owner: Owner) -> BlockCounts:
-        return {stream: n_blocks for stream, (n_blocks, _) in self.allocator.usage(owner).items()}
 
     def register_owner(self, session: Session, owner: Owner) -> None:
         """register_owner(): the owner becomes this session's."""
@@ -503,9 +504,9 @@ class Coordinator:
             raise ValueError(f"claim: owner {owner!r} lists a block id twice")
         undo: Callable[[], None] | None = None
         if admit is not None and groups:
-            counts: BlockCounts = {}
-            for group in groups:
-                counts[group[0]] = counts.get(group[0], 0) + len(group[2])
+            counts: FormatCounts = {}
+            for stream, fmt, block_ids, _ in groups:
+                counts[stream, fmt] = counts.get((stream, fmt), 0) + len(block_ids)
             undo = admit(session, owner, counts)
         allocator = self.allocator
         if holder is None and not groups:
@@ -572,18 +573,18 @@ class Coordinator:
 
     # -- session lifecycle -------------------------------------------------------------------------
 
-    def end_session(self, session: Session, by_stream: bool) -> SessionEnd:
+    def end_session(self, session: Session, counted: bool) -> SessionEnd:
         """Free everything ``session`` holds, release its owners and forget it; with
-        ``by_stream``, count the blocks freed per stream."""
+        ``counted``, count the blocks freed per (stream, format)."""
         allocator = self.allocator
         owners = list(session.owners)
         n_blocks = 0
-        freed: BlockCounts = {}
+        freed: FormatCounts = {}
         for owner in owners:
             n_blocks += allocator.n_blocks_for(owner)
-            if by_stream:
-                for stream, n in self._blocks_by_stream(owner).items():
-                    freed[stream] = freed.get(stream, 0) + n
+            if counted:
+                for kind, n in allocator.format_usage(owner).items():
+                    freed[kind] = freed.get(kind, 0) + n
             allocator.free_all(owner)
             self._unbind(owner)
         self.sessions.close(session)

@@ -284,17 +284,27 @@ class AllocatorState:
                 usage[chunk.stream] = (n_blocks + n_held, n_tokens + n_held * size - unused)
             return usage
 
+    def format_usage(self, owner: Owner) -> dict[tuple[str, str], int]:
+        """Per (stream, format), how many blocks ``owner`` holds. O(allocations the owner
+        holds): for the daemon's budget, which prices a block by its format."""
+        with self._lock:
+            counts: dict[tuple[str, str], int] = {}
+            for chunk in self._chunks_of(owner):
+                key = (chunk.stream, chunk.format)
+                counts[key] = counts.get(key, 0) + len(chunk.block_ids) - chunk.n_freed
+            return counts
+
     def n_blocks_for(self, owner: Owner) -> int:
         """How many blocks ``owner`` holds now."""
         with self._lock:
             return sum(len(c.block_ids) - c.n_freed for c in self._chunks_of(owner))
 
-    def stream_of(self, block_id: int) -> str | None:
-        """The stream of ``block_id`` while it is allocated, else None (the daemon's budget
-        prices a freed block by its stream)."""
+    def stream_format_of(self, block_id: int) -> tuple[str, str] | None:
+        """The stream and format of ``block_id`` while it is allocated, else None (the daemon's
+        budget prices a freed block by its stream and format)."""
         with self._lock:
             chunk = self._live_chunk(block_id)
-            return None if chunk is None else chunk.stream
+            return None if chunk is None else (chunk.stream, chunk.format)
 
     def owner_of(self, block_id: int) -> Owner | None:
         """The owner holding ``block_id``, or None if it is free, retired or never existed."""
