@@ -60,6 +60,7 @@ from vqpool.worker.kv.batch_cache import (
 )
 from vqpool.worker.kv.kv_probe import unpoolable_reason
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage, QuantizedKVLayout
 from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage
 from vqpool.worker.pool.client import PoolClient
 
@@ -118,11 +119,16 @@ class PooledCacheSource:
     pooled = True
 
     def __init__(
-        self, model: nn.Module, pool: BlockPool, growth_wait: float = DEFAULT_GROWTH_WAIT
+        self,
+        model: nn.Module,
+        pool: BlockPool,
+        growth_wait: float = DEFAULT_GROWTH_WAIT,
+        quantization: KVQuantization | None = None,
     ) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
-        rather than at each request), or a ``growth_wait`` (seconds a step's growths may wait
-        at a daemon) outside 0..MAX_GROWTH_WAIT."""
+        rather than at each request), a ``growth_wait`` (seconds a step's growths may wait
+        at a daemon) outside 0..MAX_GROWTH_WAIT, or a ``quantization`` (``--kv-bits``) the
+        model's head dimensions do not allow."""
         reason = unpoolable_reason(make_prompt_cache(model))
         if reason is not None:
             raise ValueError(reason)
@@ -135,6 +141,10 @@ class PooledCacheSource:
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         self.layout = layout
+        self.quantized: QuantizedKVLayout | None = (
+            None if quantization is None else quantization.layout(layout)
+        )
+        """The layout requests' caches convert to (``--kv-bits``); None: full precision."""
         self._rows: dict[Owner, RowBlocks] = {}
         self.reclaim: Callable[[int], int] | None = None
         """Given to every request's blocks (:attr:`RowBlocks.reclaim`): the worker's prompt
@@ -152,10 +162,16 @@ class PooledCacheSource:
         """A prompt cache for this model's requests, its entries in a storage of their own
         (requests' memory is the batch buffers), whose memory goes first when an allocation of
         a request is refused (:attr:`reclaim`)."""
-        storage = MLXBlockStorage(self.layout, separate_kv=self.pool.config.separate_kv)
+        separate_kv = self.pool.config.separate_kv
+        storage = MLXBlockStorage(self.layout, separate_kv=separate_kv)
         cache = PromptCache(
             self.pool,
             storage,
+            quantized_storage=(
+                None
+                if self.quantized is None
+                else QuantizedBlockStorage(self.quantized, separate_kv=separate_kv)
+            ),
             owner_prefix=owner_prefix,
             max_bytes=max_bytes,
             report=report,
@@ -167,7 +183,7 @@ class PooledCacheSource:
     def open(self, owner: str) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
         the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
-        row = RowBlocks(self.pool, owner, self.layout)
+        row = RowBlocks(self.pool, owner, self.layout, self.quantized)
         row.reclaim = self.reclaim
         row.flag_growth = self.waits
         self._rows[owner] = row

@@ -104,6 +104,7 @@ from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import prefix
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
@@ -692,7 +693,7 @@ class Scheduler:
             return
         n = min(len(tokens), kv[0].offset)
         if n > 0:
-            layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in kv]
+            layers = [(prefix(layer.keys, n), prefix(layer.values, n)) for layer in kv]
             self.prompt_cache.store(list(tokens[:n]), layers)
 
     def _keeps_prompts(self) -> bool:
