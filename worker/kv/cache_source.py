@@ -262,6 +262,17 @@ class PooledCacheSource:
                 return False
         return self.never_fits(n_tokens) is None
 
+    def sequence_bytes(self, n_tokens: int) -> int:
+        """Bytes of the blocks one sequence of ``n_tokens`` holds once its prefill is done: in
+        the quantized format past ``--quantized-kv-start`` (the full-precision blocks of its
+        first forward pass go back then), else in full precision."""
+        layout: KVLayout | QuantizedKVLayout = self.layout
+        quantized = self.quantized
+        if quantized is not None and quantized.quantization.due(n_tokens):
+            layout = quantized
+        n_blocks = -(-n_tokens // layout.block_size)
+        return n_blocks * (layout.k_block_bytes + layout.v_block_bytes)
+
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
         the daemon's fit answer; None when it may (or the daemon cannot say: an older daemon,
@@ -272,12 +283,19 @@ class PooledCacheSource:
             answer = self.pool.fit(n_tokens)
         except (UnknownOpError, DaemonUnavailableError):
             return None
-        if answer["verdict"] != "never":
+        need = answer["need"]
+        if self.quantized is not None:
+            # The daemon prices full-precision blocks; past --quantized-kv-start the
+            # sequence holds blocks of the quantized format.
+            need = self.sequence_bytes(n_tokens)
+            if need <= answer["most_ever"]:
+                return None
+        elif answer["verdict"] != "never":
             return None
         limit = answer["limit"]
         return (
             f"the request can never fit: prompt + max_tokens = {n_tokens} tokens need "
-            f"{format_bytes(answer['need'])} of KV cache ({answer['need']} bytes), and model "
+            f"{format_bytes(need)} of KV cache ({need} bytes), and model "
             f"{self.pool.name!r} can never hold more than "
             f"{format_bytes(answer['most_ever'])} ({answer['most_ever']} bytes; its limit "
             f"{'none' if limit is None else format_bytes(limit)}, budget "

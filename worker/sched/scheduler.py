@@ -817,9 +817,13 @@ class Scheduler:
         if job.kept_row is not None:
             # Its blocks are back: the entry takes what is free, and goes first when a growth
             # is refused again (cached memory before requests).
-            kv, _ = job.kept_row
+            kv, covered = job.kept_row
             job.kept_row = None
-            self._store_in_prompt_cache(job.prompt, kv)
+            # Quantized KV keeps every token it covers: recomputing the generated tokens would
+            # run their first pass in full precision (maybe_quantize_kv_cache quantizes after
+            # a pass), which is not what decoding them computed.
+            quantized = bool(kv) and isinstance(kv[0].keys, tuple)
+            self._store_in_prompt_cache(covered if quantized else job.prompt, kv)
             job.prompt_stored = True
         if job in self._active:
             self._active.remove(job)
