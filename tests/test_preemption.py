@@ -16,6 +16,7 @@ import pytest
 from serving_harness import ServingStack, builtin_weights
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
@@ -38,11 +39,14 @@ def run(
     *,
     max_concurrent: int,
     reserve: str = "on-demand",
+    model: Any = MODEL,
+    prompt_cache: PromptCache | None = None,
 ) -> tuple[list[tuple[list[ScoredToken], JobEnd]], list[GenerationJob], dict[str, Any]]:
-    """Submit the jobs (prompt, max_tokens) at once with logprobs; their events, the jobs and
-    the scheduler's stats at the end."""
+    """Submit the jobs (prompt, max_tokens) at once with logprobs to a scheduler of ``model``
+    over ``source`` (with ``prompt_cache``); their events, the jobs and the scheduler's stats
+    at the end."""
     scheduler = Scheduler(
-        MODEL,
+        model,
         source,
         owner_prefix="p",
         eos_token_ids=frozenset(),
@@ -51,6 +55,7 @@ def run(
         queue_timeout=60.0,
         reserve=reserve,
         headroom_slots=BLOCK,
+        prompt_cache=prompt_cache,
     )
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
     # Queued before the generation thread starts: it admits them together (none waits for

@@ -21,6 +21,7 @@ from daemon_harness import remove_tree, short_tmpdir, wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from serving_harness import ServingStack
+from test_preemption import run
 from vqpool.shared.kv_formats import token_bytes
 from vqpool.worker.kv.cache import make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
@@ -29,7 +30,7 @@ from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
-from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.sched.scheduler import ScoredToken
 from vqpool.worker.testing.http_client import request_json
 from vqpool.worker.testing.launch import DaemonProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
@@ -182,37 +183,21 @@ def run_jobs(
         if prompt_cache_bytes
         else None
     )
-    scheduler = Scheduler(
-        MODEL,
-        source,
-        owner_prefix="q",
-        eos_token_ids=frozenset(),
-        max_concurrent=max_concurrent,
-        max_queue=16,
-        queue_timeout=60.0,
-        reserve=reserve,
-        headroom_slots=BLOCK,
-        prompt_cache=prompt_cache,
-    )
-    jobs = [GenerationJob(prompt, n, logprobs=True) for prompt, n in specs]
-    for job in jobs:
-        scheduler.submit(job)
-    scheduler.start()
-    results = []
     try:
-        for job in jobs:
-            tokens: list[ScoredToken] = []
-            while not isinstance(event := job.events.get(timeout=60), JobEnd):
-                assert isinstance(event, ScoredToken)
-                tokens.append(event)
-            assert event.finish_reason == "length", event
-            results.append(tokens)
+        results, _, stats = run(
+            source,
+            specs,
+            max_concurrent=max_concurrent,
+            reserve=reserve,
+            model=MODEL,
+            prompt_cache=prompt_cache,
+        )
     finally:
-        scheduler.stop()
         if prompt_cache is not None:
             prompt_cache.drop()
+    assert all(end.finish_reason == "length" for _, end in results)
     assert source.n_blocks() == 0
-    return results, scheduler.stats.snapshot()
+    return [tokens for tokens, _ in results], stats
 
 
 # Batched rows may differ from the same request alone in the logprobs' last bits: a batch's

@@ -400,12 +400,10 @@ class PooledSequence:
         return f"PooledSequence(owner={self.owner!r}, {state}, {self.n_blocks} block(s)/stream)"
 
 
-class PooledKVCache:
-    """One layer's view of a :class:`PooledSequence`, with mlx-lm's KV cache protocol.
-
-    Keys and values are written in place into the sequence's contiguous per-layer buffers and
-    attention reads their prefix, exactly as with stock ``KVCache``.
-    """
+class PooledLayer:
+    """What one layer's view of a :class:`PooledSequence` is, quantized or not: its offset,
+    the shapes it is given to write, trimming, masks, bytes and release (mlx-lm's cache
+    protocol but for the keys and values themselves)."""
 
     def __init__(self, sequence: PooledSequence, layer: int) -> None:
         self.sequence = sequence
@@ -419,27 +417,15 @@ class PooledKVCache:
         """Tokens cached in this layer (the RoPE position of the next token)."""
         return self.sequence.offsets[self.layer]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``keys``/``values`` of shape (1, n_kv_heads, S, head_dim); return all cached.
-
-        Raises:
-            ValueError: Shapes or dtype differ from the storage's layout (nothing changed).
-            BlockPoolExhaustedError: The pool has no blocks for the new slots (nothing changed).
-        """
-        seq = self.sequence
-        layer = self.layer
+    def _backed_slots(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
+        """The slots ``[prev, end)`` a write of ``keys``/``values`` takes, once checked and
+        backed by the sequence's blocks (see ``update_and_fetch``)."""
         self._check(keys, values)
-        prev = seq.offsets[layer]
+        prev = self.sequence.offsets[self.layer]
         end = prev + keys.shape[2]
-        if end > seq.capacity:
-            seq.reserve(end)
-        buffers = seq.buffers
-        k_buf = buffers.keys[layer]
-        v_buf = buffers.values[layer]
-        k_buf[..., prev:end, :] = keys
-        v_buf[..., prev:end, :] = values
-        seq.offsets[layer] = end
-        return k_buf[..., :end, :], v_buf[..., :end, :]
+        if end > self.sequence.capacity:
+            self.sequence.reserve(end)
+        return prev, end
 
     def _check(self, keys: mx.array, values: mx.array) -> None:
         n_kv_heads, k_dim, v_dim = self._head_shape
@@ -456,47 +442,10 @@ class PooledKVCache:
             or values.dtype != dtype
         ):
             raise ValueError(
-                f"PooledKVCache: expected keys (1, {n_kv_heads}, S, {k_dim}) and values "
+                f"{type(self).__name__}: expected keys (1, {n_kv_heads}, S, {k_dim}) and values "
                 f"(1, {n_kv_heads}, S, {v_dim}) of {dtype}; got {k_shape} {keys.dtype} and "
                 f"{v_shape} {values.dtype}. A pooled cache holds one sequence of one layout."
             )
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """(keys, values) cached in this layer: views of the buffers up to ``offset``."""
-        seq = self.sequence
-        end = seq.offsets[self.layer]
-        if not seq.buffers.keys:
-            n_kv_heads, k_dim, v_dim = self._head_shape
-            dtype = self._dtype
-            return (
-                mx.zeros((1, n_kv_heads, 0, k_dim), dtype),
-                mx.zeros((1, n_kv_heads, 0, v_dim), dtype),
-            )
-        return (
-            seq.buffers.keys[self.layer][..., :end, :],
-            seq.buffers.values[self.layer][..., :end, :],
-        )
-
-    @state.setter
-    def state(self, value: tuple[Any, ...]) -> None:
-        """Replace this layer's content: (keys, values), or stock ``KVCache.state``
-        (keys, values, offset) whose arrays may be longer than ``offset``."""
-        if len(value) == 3:
-            keys, values, offset = value
-            keys = keys[..., :offset, :]
-            values = values[..., :offset, :]
-        else:
-            keys, values = value
-        self._check(keys, values)
-        seq = self.sequence
-        n = keys.shape[2]
-        seq.reserve(n)
-        if n:
-            seq.buffers.keys[self.layer][..., :n, :] = keys
-            seq.buffers.values[self.layer][..., :n, :] = values
-        seq.offsets[self.layer] = n
-        seq.settle()
 
     @property
     def meta_state(self) -> str:
@@ -543,11 +492,74 @@ class PooledKVCache:
         buffers = self.sequence.buffers
         if not buffers.keys:
             return 0
-        return buffers.keys[self.layer].nbytes + buffers.values[self.layer].nbytes
+        return buffer_nbytes(buffers.keys[self.layer]) + buffer_nbytes(buffers.values[self.layer])
 
     def release(self) -> None:
         """Release the whole sequence (every layer): see :meth:`PooledSequence.release`."""
         self.sequence.release()
+
+
+class PooledKVCache(PooledLayer):
+    """One layer's view of a :class:`PooledSequence`, with mlx-lm's KV cache protocol.
+
+    Keys and values are written in place into the sequence's contiguous per-layer buffers and
+    attention reads their prefix, exactly as with stock ``KVCache``.
+    """
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` of shape (1, n_kv_heads, S, head_dim); return all cached.
+
+        Raises:
+            ValueError: Shapes or dtype differ from the storage's layout (nothing changed).
+            BlockPoolExhaustedError: The pool has no blocks for the new slots (nothing changed).
+        """
+        seq = self.sequence
+        layer = self.layer
+        prev, end = self._backed_slots(keys, values)
+        buffers = seq.buffers
+        k_buf = buffers.keys[layer]
+        v_buf = buffers.values[layer]
+        k_buf[..., prev:end, :] = keys
+        v_buf[..., prev:end, :] = values
+        seq.offsets[layer] = end
+        return k_buf[..., :end, :], v_buf[..., :end, :]
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """(keys, values) cached in this layer: views of the buffers up to ``offset``."""
+        seq = self.sequence
+        end = seq.offsets[self.layer]
+        if not seq.buffers.keys:
+            n_kv_heads, k_dim, v_dim = self._head_shape
+            dtype = self._dtype
+            return (
+                mx.zeros((1, n_kv_heads, 0, k_dim), dtype),
+                mx.zeros((1, n_kv_heads, 0, v_dim), dtype),
+            )
+        return (
+            seq.buffers.keys[self.layer][..., :end, :],
+            seq.buffers.values[self.layer][..., :end, :],
+        )
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        """Replace this layer's content: (keys, values), or stock ``KVCache.state``
+        (keys, values, offset) whose arrays may be longer than ``offset``."""
+        if len(value) == 3:
+            keys, values, offset = value
+            keys = keys[..., :offset, :]
+            values = values[..., :offset, :]
+        else:
+            keys, values = value
+        self._check(keys, values)
+        seq = self.sequence
+        n = keys.shape[2]
+        seq.reserve(n)
+        if n:
+            seq.buffers.keys[self.layer][..., :n, :] = keys
+            seq.buffers.values[self.layer][..., :n, :] = values
+        seq.offsets[self.layer] = n
+        seq.settle()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
         """A detached snapshot: a stock ``KVCache`` with a copy of this layer, no pool blocks."""
@@ -580,7 +592,7 @@ class PooledKVCache:
         return f"PooledKVCache(layer={self.layer}, offset={self.offset}, {self.sequence!r})"
 
 
-class PooledQuantizedKVCache:
+class PooledQuantizedKVCache(PooledLayer):
     """One layer's view of a quantized :class:`PooledSequence`, with mlx-lm's
     ``QuantizedKVCache`` protocol: keys and values are quantized as they are written, in place,
     into the sequence's contiguous ``(packed, scales, biases)`` buffers, and attention reads
@@ -591,17 +603,10 @@ class PooledQuantizedKVCache:
         layout = sequence.layout
         if not isinstance(layout, QuantizedKVLayout):
             raise ValueError("PooledQuantizedKVCache: the sequence is not quantized")
-        self.sequence = sequence
-        self.layer = layer
+        super().__init__(sequence, layer)
         self.layout = layout
         self.bits = layout.bits
         self.group_size = layout.group_size
-        # Shapes are checked as for full precision: what the model writes.
-        self._fp_view = PooledKVCache(sequence, layer)
-
-    @property
-    def offset(self) -> int:
-        return self.sequence.offsets[self.layer]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Quantize and append ``keys``/``values`` (1, n_kv_heads, S, head_dim); return every
@@ -613,11 +618,7 @@ class PooledQuantizedKVCache:
         """
         seq = self.sequence
         layer = self.layer
-        self._fp_view._check(keys, values)
-        prev = seq.offsets[layer]
-        end = prev + keys.shape[2]
-        if end > seq.capacity:
-            seq.reserve(end)
+        prev, end = self._backed_slots(keys, values)
         slots = (Ellipsis, slice(prev, end), slice(None))
         k_buf = seq.buffers.keys[layer]
         v_buf = seq.buffers.values[layer]
@@ -637,42 +638,6 @@ class PooledQuantizedKVCache:
         return prefix(seq.buffers.keys[self.layer], end), prefix(
             seq.buffers.values[self.layer], end
         )
-
-    @property
-    def meta_state(self) -> str:
-        return ""
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens (as :meth:`PooledKVCache.trim`)."""
-        return self._fp_view.trim(n)
-
-    def size(self) -> int:
-        return self.offset
-
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None
-    ) -> mx.array | str | None:
-        return create_attention_mask(
-            N, offset=self.offset, return_array=return_array, window_size=window_size
-        )
-
-    def empty(self) -> bool:
-        return self.offset == 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this layer's quantized buffers (its share of the sequence's blocks)."""
-        buffers = self.sequence.buffers
-        if not buffers.keys:
-            return 0
-        return buffer_nbytes(buffers.keys[self.layer]) + buffer_nbytes(buffers.values[self.layer])
-
-    def release(self) -> None:
-        """Release the whole sequence (every layer): see :meth:`PooledSequence.release`."""
-        self.sequence.release()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> QuantizedKVCache:
         """A detached snapshot: a stock ``QuantizedKVCache`` with a copy of this layer."""

@@ -21,7 +21,12 @@ from typing import Any
 
 import mlx.core as mx
 from vqpool.shared.kv_formats import quantized_format, token_bytes
-from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage, SequenceBuffers
+from vqpool.worker.kv.storage import (
+    KVLayout,
+    MLXBlockStorage,
+    SequenceBuffers,
+    stream_block_bytes,
+)
 
 KVBuffer = mx.array | tuple[mx.array, ...]
 """One layer's keys or values: a full-precision array, or mx.quantize's (packed, scales,
@@ -122,13 +127,7 @@ class QuantizedKVLayout:
 
     def bytes_per_block(self, stream: str) -> int:
         """Bytes one block of ``stream`` ("k", "v", or "kv" for both) stands for."""
-        if stream == "k":
-            return self.k_block_bytes
-        if stream == "v":
-            return self.v_block_bytes
-        if stream == "kv":
-            return self.k_block_bytes + self.v_block_bytes
-        raise ValueError(f"QuantizedKVLayout: stream must be 'k', 'v' or 'kv', got {stream!r}")
+        return stream_block_bytes(self, stream)
 
     def zeros(self, rows: int, n_slots: int, head_dim: int) -> tuple[mx.array, ...]:
         """An empty quantized buffer of ``rows`` x ``n_slots`` slots (zero words, scales and
@@ -247,28 +246,8 @@ class QuantizedBlockStorage(MLXBlockStorage):
             seq.keys = [buffer_map(cut, buf) for buf in seq.keys]
             seq.values = [buffer_map(cut, buf) for buf in seq.values]
 
-    def read_block(self, block_id: int) -> dict[str, list[Any]]:
-        """The memory of one block: its slots of every layer's (packed, scales, biases), as
-        {"k": [...], "v": [...]} (see :meth:`MLXBlockStorage.read_block`)."""
-        with self._lock:
-            found = self._where.get(block_id)
-        if found is None:
-            raise KeyError(f"QuantizedBlockStorage: block {block_id} is not held by this storage")
-        seq, index = found
-        bs = self.layout.block_size
-        window = (Ellipsis, slice(index * bs, (index + 1) * bs), slice(None))
-        out: dict[str, list[Any]] = {}
-        if not self.separate_kv or seq.k_block_ids[index] == block_id:
-            out["k"] = [buffer_map(lambda p: p[window], buf) for buf in seq.keys]
-        if not self.separate_kv or seq.v_block_ids[index] == block_id:
-            out["v"] = [buffer_map(lambda p: p[window], buf) for buf in seq.values]
-        return out
+    def _slots(self, buf: Any, window: Any) -> Any:
+        return buffer_map(lambda part: part[window], buf)
 
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(
-                sum(buffer_nbytes(buf) for buf in seq.keys)
-                + sum(buffer_nbytes(buf) for buf in seq.values)
-                for seq in self._sequences.values()
-            )
+    def _buffer_nbytes(self, buf: Any) -> int:
+        return buffer_nbytes(buf)

@@ -120,13 +120,18 @@ class KVLayout:
 
     def bytes_per_block(self, stream: str) -> int:
         """Bytes one block of ``stream`` ("k", "v", or "kv" for both) stands for."""
-        if stream == "k":
-            return self.k_block_bytes
-        if stream == "v":
-            return self.v_block_bytes
-        if stream == "kv":
-            return self.k_block_bytes + self.v_block_bytes
-        raise ValueError(f"KVLayout: stream must be 'k', 'v' or 'kv', got {stream!r}")
+        return stream_block_bytes(self, stream)
+
+
+def stream_block_bytes(layout: SlotLayout, stream: str) -> int:
+    """Bytes one block of ``stream`` ("k", "v", or "kv" for both) of ``layout`` stands for."""
+    if stream == "k":
+        return layout.k_block_bytes
+    if stream == "v":
+        return layout.v_block_bytes
+    if stream == "kv":
+        return layout.k_block_bytes + layout.v_block_bytes
+    raise ValueError(f"{type(layout).__name__}: stream must be 'k', 'v' or 'kv', got {stream!r}")
 
 
 class SlotLayout(Protocol):
@@ -335,7 +340,7 @@ class MLXBlockStorage:
         """Whether ``block_id`` maps to memory here."""
         return block_id in self._where
 
-    def read_block(self, block_id: int) -> dict[str, list[mx.array]]:
+    def read_block(self, block_id: int) -> dict[str, list[Any]]:
         """The memory of one block: its slots of every layer, as {"k": [...], "v": [...]}.
 
         A K id gives "k" only, a V id "v" only, a "kv" id both. The arrays are views of the
@@ -348,16 +353,24 @@ class MLXBlockStorage:
         with self._lock:
             found = self._where.get(block_id)
         if found is None:
-            raise KeyError(f"MLXBlockStorage: block {block_id} is not held by this storage")
+            raise KeyError(f"{type(self).__name__}: block {block_id} is not held by this storage")
         seq, index = found
         bs = self.layout.block_size
-        window = slice(index * bs, (index + 1) * bs)
-        out: dict[str, list[mx.array]] = {}
+        window = (Ellipsis, slice(index * bs, (index + 1) * bs), slice(None))
+        out: dict[str, list[Any]] = {}
         if not self.separate_kv or seq.k_block_ids[index] == block_id:
-            out["k"] = [buf[..., window, :] for buf in seq.keys]
+            out["k"] = [self._slots(buf, window) for buf in seq.keys]
         if not self.separate_kv or seq.v_block_ids[index] == block_id:
-            out["v"] = [buf[..., window, :] for buf in seq.values]
+            out["v"] = [self._slots(buf, window) for buf in seq.values]
         return out
+
+    def _slots(self, buf: Any, window: Any) -> Any:
+        """The slots ``window`` of one layer's buffer (a view)."""
+        return buf[window]
+
+    def _buffer_nbytes(self, buf: Any) -> int:
+        nbytes: int = buf.nbytes
+        return nbytes
 
     @property
     def n_blocks(self) -> int:
@@ -385,7 +398,7 @@ class MLXBlockStorage:
         """Bytes of the MLX buffers this storage holds now."""
         with self._lock:
             return sum(
-                sum(buf.nbytes for buf in seq.keys) + sum(buf.nbytes for buf in seq.values)
+                sum(map(self._buffer_nbytes, seq.keys)) + sum(map(self._buffer_nbytes, seq.values))
                 for seq in self._sequences.values()
             )
 
