@@ -207,6 +207,20 @@ def run_jobs(
 BATCH_LOGPROB_ATOL = 1e-3
 
 
+class RecordingSource(PooledCacheSource):
+    """A pooled source recording (buffer bytes, bytes of the blocks held priced by their
+    format) at each of the scheduler's memory samples: after admission and every step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.samples: list[tuple[int, int]] = []
+
+    def nbytes(self) -> int:
+        n_bytes = super().nbytes()
+        self.samples.append((n_bytes, self.block_bytes()))
+        return n_bytes
+
+
 @pytest.mark.parametrize(
     ("bits", "group_size", "start", "lengths"),
     [(4, 64, 0, (5, 40, 23, 70)), (8, 32, 0, (5, 40, 23, 70)), (4, 32, START, (31, 40, 45, 70))],
@@ -216,7 +230,9 @@ def test_batched_rows_decode_as_each_request_alone(
 ) -> None:
     # With --quantized-kv-start a batch is quantized once one of its rows is due (rows of
     # one attention pass share one format): prompts past START make every row due alone too.
-    _, source = session(KVQuantization(bits, group_size, start))
+    quantization = KVQuantization(bits, group_size, start)
+    pool, _ = session(quantization)
+    source = RecordingSource(MODEL, pool, quantization=quantization)
     specs = [(prompt_of(n, i), 20) for i, n in enumerate(lengths)]
     expected = [reference(p, n, bits, group_size, start) for p, n in specs]
     alone, _ = run_jobs(source, specs, max_concurrent=1)
@@ -228,6 +244,12 @@ def test_batched_rows_decode_as_each_request_alone(
         assert [t.token for t in batched] == [t.token for t in one]
         for mine, theirs in zip(batched, one, strict=True):
             assert abs(mine.logprob - theirs.logprob) <= BATCH_LOGPROB_ATOL
+    # The buffers never hold more bytes than the rows' blocks of their formats stand for, and
+    # quantized rows hold less than full precision would.
+    assert source.samples
+    assert all(n_bytes <= held for n_bytes, held in source.samples)
+    fp_block = source.layout.k_block_bytes
+    assert source.quantized is not None and source.quantized.k_block_bytes < fp_block
 
 
 @pytest.mark.parametrize("cache_bytes", [0, 1 << 20], ids=["recomputed", "prompt-cached"])
@@ -292,14 +314,9 @@ def test_a_worker_serves_quantized_blocks_through_a_hit_and_a_daemon_restart() -
         stack.workers["q"] = stack.start_worker(
             str(MODEL_DIR), [*args, "--served-model-name", "q"], name="q"
         )
-        stack.workers["plain"] = stack.start_worker(
-            str(MODEL_DIR),
-            [*args, "--served-model-name", "plain", "--prompt-cache-bytes", "0"],
-            name="plain",
-        )
         prompt = [random.Random(3).randrange(1, 400) for _ in range(150)]
-        baseline = ask(stack, "plain", prompt)
-        assert ask(stack, "q", prompt)["cached"] == 0
+        baseline = ask(stack, "q", prompt)  # a miss: the whole prompt prefilled
+        assert baseline["cached"] == 0
         hit = ask(stack, "q", prompt)
         assert hit["cached"] == 149 and (hit["ids"], hit["logprobs"]) == (
             baseline["ids"],

@@ -333,6 +333,8 @@ class PooledBatch:
             row.batch = self
         self.layout = layout
         self.target = rows[0].quantized if rows else None
+        self.quantize_due = False
+        """Whether this pass quantizes the buffers (layer 0's cache decides for every layer)."""
         self.length = length
         self.keys: list[Any] = [self._zeros(layout.k_head_dim) for _ in range(layout.n_layers)]
         self.values: list[Any] = [self._zeros(layout.v_head_dim) for _ in range(layout.n_layers)]
@@ -507,12 +509,16 @@ class PooledBatchKVCache:
                 f"cover {batch.length}; grow the batch (ensure) before the step"
             )
         target = batch.target
-        if (
-            target is not None
-            and self._quantized is None
-            and target.quantization.due(prev - self._min_padding())
-        ):
-            self._quantize_layer(target)
+        if target is not None and self._quantized is None:
+            if self.layer == 0:
+                # One look per pass (every layer's rows hold what layer 0's do), and none while
+                # the slots used are fewer than --quantized-kv-start (rows hold fewer tokens).
+                start = target.quantization.start
+                batch.quantize_due = prev >= max(start, 1) and target.quantization.due(
+                    prev - self._min_padding()
+                )
+            if batch.quantize_due:
+                self._quantize_layer(target)
         slots = (Ellipsis, slice(prev, end), slice(None))
         quantized = self._quantized
         new_keys: KVBuffer = keys if quantized is None else quantized.quantize(keys)

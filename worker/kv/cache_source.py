@@ -218,8 +218,16 @@ class PooledCacheSource:
         """Block ids this worker's requests hold (K and V counted apart, as the daemon does)."""
         return sum(row.n_block_ids for row in self._rows.values())
 
+    def block_bytes(self) -> int:
+        """Bytes the blocks of this worker's requests stand for, each block priced by its
+        format (full precision, or quantized once its request converted)."""
+        return sum(
+            row.n_blocks * (row.layout.k_block_bytes + row.layout.v_block_bytes)
+            for row in self._rows.values()
+        )
+
     def nbytes(self) -> int:
-        """Bytes of the batch buffers (never more than the rows' blocks x bytes per block)."""
+        """Bytes of the batch buffers (never more than :meth:`block_bytes`)."""
         return sum(batch.nbytes for batch in self._batches)
 
     def report_load(self, running: int, queued: int, preemptions: int) -> None:
