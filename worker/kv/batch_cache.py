@@ -31,8 +31,13 @@ included, is covered by blocks the rows' pool owners hold:
   at admission; ``merge`` turns such lists into a batch and ``extend`` joins two batches. Both
   need every row to cover the joined length already (``ensure`` first; they raise otherwise).
 
-A finished row's KV comes out with ``extract`` as a stock ``KVCache`` (a detached copy, no pool
-blocks), as mlx-lm's ``BatchKVCache.extract`` does.
+* **Quantized rows** (``--kv-bits``): a batch's buffers are quantized as mlx-lm's
+  ``maybe_quantize_kv_cache`` quantizes a cache (see :class:`PooledBatch`); its layers then have
+  ``bits`` and hand attention ``(packed, scales, biases)`` triples, as ``QuantizedKVCache``, and
+  its rows hold blocks of the quantized format.
+
+A finished row's KV comes out with ``extract`` as a stock ``KVCache`` (a ``QuantizedKVCache``
+once quantized; a detached copy, no pool blocks), as mlx-lm's ``BatchKVCache.extract`` does.
 """
 
 from __future__ import annotations
