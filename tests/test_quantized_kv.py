@@ -252,6 +252,25 @@ def test_batched_rows_decode_as_each_request_alone(
     assert source.quantized is not None and source.quantized.k_block_bytes < fp_block
 
 
+@pytest.mark.parametrize("lengths", [(5, 70), (70, 5)], ids=["fp-batch", "quantized-batch"])
+def test_a_row_below_the_start_shares_its_batchs_format(
+    session: Any, lengths: tuple[int, int]
+) -> None:
+    # A 70-token prompt passes START in its own prefill; a 5-token one is still in full
+    # precision when the two share a batch, whichever came first: the batch is quantized
+    # (one attention pass, one format), the short row with it, and the long row decodes as
+    # it does alone.
+    quantization = KVQuantization(4, 64, START)
+    pool, _ = session(quantization)
+    source = RecordingSource(MODEL, pool, quantization=quantization)
+    specs = [(prompt_of(n, i), 20) for i, n in enumerate(lengths)]
+    long_row = lengths.index(70)
+    alone, _ = run_jobs(source, [specs[long_row]], max_concurrent=1)
+    together, _ = run_jobs(source, specs, max_concurrent=2)
+    assert [t.token for t in together[long_row]] == [t.token for t in alone[0]]
+    assert all(n_bytes <= held for n_bytes, held in source.samples)
+
+
 @pytest.mark.parametrize("cache_bytes", [0, 1 << 20], ids=["recomputed", "prompt-cached"])
 def test_a_preempted_request_on_quantized_blocks_resumes_with_identical_tokens(
     start_daemon: Any, cache_bytes: int
