@@ -24,6 +24,7 @@ from vqpool.worker.kv.batch_probe import batching_problem
 from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.kv.draft_kv import DraftCacheSource, PairedLayout, paired_layout
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import KVQuantization, QuantizedKVLayout
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.models.memory import MemoryProbe, apply_cache_limit, weights_bytes
@@ -52,7 +53,7 @@ def run_worker(args: argparse.Namespace, stop: threading.Event) -> int:
         mx.clear_streams()  # the main thread's too (mlx-lm made its stream here at import)
 
 
-def _bytes_per_block(layout: KVLayout | PairedLayout) -> dict[str, int]:
+def _bytes_per_block(layout: KVLayout | PairedLayout | QuantizedKVLayout) -> dict[str, int]:
     return {s: layout.bytes_per_block(s) for s in ("k", "v", "kv")}
 
 
@@ -76,16 +77,39 @@ def open_pool(
     timeout: float,
     growth_wait: float = DEFAULT_GROWTH_WAIT,
     draft_model: nn.Module | None = None,
+    quantization: KVQuantization | None = None,
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block (with a draft model: the
     model's and the draft's, which share each block) and weights (both models'), and its
-    cache source."""
+    cache source. With ``quantization`` (``--kv-bits``) the session also declares the bytes
+    of a block of each format its sequences hold: full precision before
+    ``--quantized-kv-start``, quantized after (``bytes_per_format``).
+
+    Raises:
+        ValueError: A model the pooled cache cannot serve, or cannot quantize so.
+    """
     weights = _weights(model, draft_model)
+    if quantization is not None and draft_model is not None:
+        raise ValueError("--kv-bits: a model with a --draft-model cannot quantize its KV cache")
 
     def connect(block_size: int) -> PoolClient:
-        per_block = _bytes_per_block(_layout(model, draft_model, block_size))
+        layout = _layout(model, draft_model, block_size)
+        per_block = _bytes_per_block(layout)
+        per_format: dict[str, Any] | None = None
+        if quantization is not None:
+            assert isinstance(layout, KVLayout)
+            quantized = quantization.layout(layout)
+            per_format = {
+                layout.format: per_block,
+                quantized.format: _bytes_per_block(quantized),
+            }
         return PoolClient(
-            run_dir, name=name, bytes_per_block=per_block, timeout=timeout, weights=weights
+            run_dir,
+            name=name,
+            bytes_per_block=per_block,
+            bytes_per_format=per_format,
+            timeout=timeout,
+            weights=weights,
         )
 
     pool = connect(DEFAULT_BLOCK_SIZE)  # ValueError for a model of another shape
@@ -96,7 +120,7 @@ def open_pool(
     try:
         if draft_model is not None:
             return pool, DraftCacheSource(model, draft_model, pool, growth_wait)
-        return pool, PooledCacheSource(model, pool, growth_wait)
+        return pool, PooledCacheSource(model, pool, growth_wait, quantization)
     except BaseException:
         pool.close()
         raise
@@ -141,6 +165,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 args.pool_timeout,
                 args.growth_wait,
                 draft_model,
+                _quantization(args),
             )
         except ValueError as exc:
             log.error("%s", exc)
@@ -254,6 +279,14 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         if pool is not None:  # its goodbye frees the prompt cache's blocks too
             pool.close()
     return 0
+
+
+def _quantization(args: argparse.Namespace) -> KVQuantization | None:
+    """``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start`` (checked by
+    :mod:`vqpool.worker.serve`); None without ``--kv-bits``."""
+    if args.kv_bits is None:
+        return None
+    return KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
 
 
 def _load_draft(spec: str | None, loaded: LoadedModel) -> LoadedModel | None:

@@ -3,6 +3,7 @@
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
                   [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--exit-on-stdin-eof]
+                  [--kv-bits 4|8 [--kv-group-size N] [--quantized-kv-start T]]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
@@ -43,6 +44,7 @@ from types import FrameType
 
 from vqpool.shared.byte_sizes import parse_bytes
 from vqpool.shared.config import WORKER_SOCKET_NAME, resolve_run_dir, socket_path
+from vqpool.shared.kv_formats import DEFAULT_GROUP_SIZE, QUANTIZED_BITS, QUANTIZED_GROUP_SIZES
 from vqpool.shared.tiny_configs import builtin_names
 from vqpool.worker.defaults import (
     DEFAULT_GROWTH_WAIT,
@@ -154,6 +156,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--no-pool", action="store_true", help="stock mlx-lm KV caches, no daemon (a baseline)"
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=QUANTIZED_BITS,
+        metavar="BITS",
+        help="quantize the KV cache to 4 or 8 bits, as mlx_lm.server's --kv-bits (mlx-lm's "
+        "QuantizedKVCache): the pool's blocks then hold packed values with a scale and a bias "
+        "per group, two to four times the context per byte; batched decoding too (default: "
+        "full precision)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        metavar="N",
+        help="values per scale and bias with --kv-bits: "
+        f"{', '.join(map(str, QUANTIZED_GROUP_SIZES))}, dividing the model's head dimension "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        metavar="T",
+        help="with --kv-bits, a sequence's cache stays in full precision until it holds T "
+        "tokens after a forward pass, then all of it is quantized (mlx-lm's meaning; "
+        "mlx_lm.server's default is 5000) (default: %(default)s: quantized after the first "
+        "forward pass)",
     )
     parser.add_argument(
         "--prompt-cache-bytes",
@@ -273,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
         log.error("--num-draft-tokens must be in 0..%d", MAX_NUM_DRAFT_TOKENS)
         return 2
+    quantization_problem = _quantization_problem(args)
+    if quantization_problem is not None:
+        log.error("%s", quantization_problem)
+        return 2
 
     stop = threading.Event()
 
@@ -310,6 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vqpool.worker.run_worker import run_worker  # imports mlx-lm: after the checks above
 
     return run_worker(args, stop)
+
+
+def _quantization_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start`` before
+    the model loads (its head dimension is checked once it has: ``KVQuantization.layout``)."""
+    if args.kv_group_size not in QUANTIZED_GROUP_SIZES:
+        return (
+            f"--kv-group-size must be one of {', '.join(map(str, QUANTIZED_GROUP_SIZES))}, got "
+            f"{args.kv_group_size}"
+        )
+    if args.quantized_kv_start < 0:
+        return f"--quantized-kv-start must be >= 0, got {args.quantized_kv_start}"
+    if args.kv_bits is None:
+        return None
+    if args.no_pool:
+        return "--kv-bits quantizes the pool's blocks; it cannot go with --no-pool"
+    if args.draft_model is not None:
+        return "--kv-bits cannot go with --draft-model (speculative decoding keeps fp KV)"
+    return None
 
 
 def _stop_at_stdin_eof(fd: int, stop: threading.Event) -> None:

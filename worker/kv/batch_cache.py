@@ -45,11 +45,22 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, create_attention_mask, dynamic_roll
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, create_attention_mask, dynamic_roll
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.kv.cache import allocate_kv_blocks, blocks_to_hold
+from vqpool.worker.kv.quantized import (
+    KVBuffer,
+    QuantizedKVLayout,
+    buffer_concatenate,
+    buffer_map,
+    buffer_nbytes,
+    buffer_slots,
+    buffer_write,
+    grown,
+    prefix,
+)
 from vqpool.worker.kv.storage import KVLayout
 
 log = logging.getLogger("vqpool.worker")
@@ -67,10 +78,20 @@ class RowBlocks:
         layout: The model's KV layout (block size and format).
     """
 
-    def __init__(self, pool: BlockPool, owner: Owner, layout: KVLayout) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        owner: Owner,
+        layout: KVLayout,
+        quantized: QuantizedKVLayout | None = None,
+    ) -> None:
         self.pool = pool
         self.owner = owner
-        self.layout = layout
+        self.layout: KVLayout | QuantizedKVLayout = layout
+        """The layout of the blocks held (and allocated next): ``quantized`` once converted."""
+        self.fp_layout = layout
+        self.quantized = quantized
+        """The layout the request's cache converts to (``--kv-bits``); None: full precision."""
         pool.register_owner(owner)
         self.released = False
         # Slots reserved for the request's own tokens (admission): kept however the padding
@@ -180,6 +201,27 @@ class RowBlocks:
     ) -> tuple[list[Block], list[Block]]:
         return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait, growth)
 
+    def convert(self, wait: float = 0.0) -> None:
+        """Hold quantized blocks instead of full-precision ones, as many (same slots, fewer
+        bytes): the full-precision blocks go back first, so a budget that held them has room.
+
+        Raises:
+            BlockPoolExhaustedError: The pool gave no quantized blocks back; the row then holds
+                none (the caller takes it out of its batch, which releases it).
+        """
+        target = self.quantized
+        if target is None or self.layout is target:
+            return
+        n_blocks = self.n_blocks
+        held = [*self._k_blocks, *(() if self._v_blocks is self._k_blocks else self._v_blocks)]
+        self._k_blocks.clear()
+        self._v_blocks.clear()
+        if held:
+            self.pool.free(held)
+        self.layout = target
+        if n_blocks:
+            self._hold(self._allocate(n_blocks, wait, self.flag_growth))
+
     def shrink_to(self, n_slots: int) -> None:
         """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never
         those of the slots reserved for the request's own tokens)."""
@@ -211,8 +253,9 @@ class RowBlocks:
 
 class PooledRowCache:
     """One layer of a request's cache before it joins a batch: its :class:`RowBlocks` and,
-    optionally, keys and values already cached for it (``(1, n_kv_heads, offset, head_dim)``),
-    which :meth:`merge` copies into the batch.
+    optionally, keys and values already cached for it (``(1, n_kv_heads, offset, head_dim)``,
+    or quantized triples of that many slots from a quantized prompt-cache entry), which
+    :meth:`merge` copies into the batch.
 
     mlx-lm's batch generation merges per-request caches with ``caches[0][layer].merge(...)``.
     """
@@ -221,8 +264,8 @@ class PooledRowCache:
         self,
         row: RowBlocks,
         layer: int,
-        keys: mx.array | None = None,
-        values: mx.array | None = None,
+        keys: KVBuffer | None = None,
+        values: KVBuffer | None = None,
     ) -> None:
         self.row = row
         self.layer = layer
@@ -231,7 +274,7 @@ class PooledRowCache:
 
     @property
     def offset(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.keys is None else buffer_slots(self.keys)
 
     def size(self) -> int:
         return self.offset
@@ -243,20 +286,22 @@ class PooledRowCache:
     def nbytes(self) -> int:
         if self.keys is None or self.values is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return buffer_nbytes(self.keys) + buffer_nbytes(self.values)
 
     @property
-    def state(self) -> list[mx.array]:
+    def state(self) -> list[KVBuffer]:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: KVBuffer, values: KVBuffer) -> tuple[KVBuffer, KVBuffer]:
         """Append ``keys``/``values`` (a cached prefix a prompt cache copies in before the
-        request joins a batch) and return all held. Copies, so the source may go at once."""
+        request joins a batch: full precision, or quantized triples) and return all held.
+        Copies, so the source may go at once."""
         if self.keys is None or self.values is None:
-            self.keys, self.values = mx.contiguous(keys), mx.contiguous(values)
+            self.keys = buffer_map(mx.contiguous, keys)
+            self.values = buffer_map(mx.contiguous, values)
         else:
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
+            self.keys = buffer_concatenate([self.keys, keys], axis=2)
+            self.values = buffer_concatenate([self.values, values], axis=2)
         return self.keys, self.values
 
     @classmethod
@@ -267,28 +312,47 @@ class PooledRowCache:
 class PooledBatch:
     """What the per-layer caches of one batch share: its rows and its per-layer buffers.
 
-    ``keys[layer]`` / ``values[layer]`` are ``(len(rows), n_kv_heads, length, head_dim)``;
-    every row covers at least ``length`` slots (module docstring).
+    ``keys[layer]`` / ``values[layer]`` are ``(len(rows), n_kv_heads, length, head_dim)``
+    (quantized: the ``(packed, scales, biases)`` triple of that many rows and slots); every row
+    covers at least ``length`` slots (module docstring).
+
+    Quantizing (``--kv-bits``): rows whose ``quantized`` layout is set convert the whole batch
+    as mlx-lm's ``maybe_quantize_kv_cache`` converts a cache after a forward pass, when its
+    longest row holds ``--quantized-kv-start`` tokens or more. Each layer's cache quantizes its
+    buffers when the next pass writes it (the attention inputs mlx-lm's converted cache gives,
+    and no pool call inside a pass); the next :meth:`ensure` then has the rows trade their
+    full-precision blocks for as many quantized ones (until then the buffers, smaller, are still
+    charged as full precision).
     """
 
-    def __init__(self, rows: list[RowBlocks], layout: KVLayout, length: int) -> None:
+    def __init__(
+        self, rows: list[RowBlocks], layout: KVLayout | QuantizedKVLayout, length: int
+    ) -> None:
         self.rows = rows
         for row in rows:
             row.batch = self
         self.layout = layout
+        self.target = rows[0].quantized if rows else None
         self.length = length
-        shape = (len(rows), layout.n_kv_heads, length)
-        self.keys = [
-            mx.zeros((*shape, layout.k_head_dim), layout.dtype) for _ in range(layout.n_layers)
-        ]
-        self.values = [
-            mx.zeros((*shape, layout.v_head_dim), layout.dtype) for _ in range(layout.n_layers)
-        ]
+        self.keys: list[Any] = [self._zeros(layout.k_head_dim) for _ in range(layout.n_layers)]
+        self.values: list[Any] = [self._zeros(layout.v_head_dim) for _ in range(layout.n_layers)]
+
+    def _zeros(self, head_dim: int) -> KVBuffer:
+        layout = self.layout
+        if isinstance(layout, QuantizedKVLayout):
+            return layout.zeros(len(self.rows), self.length, head_dim)
+        return mx.zeros((len(self.rows), layout.n_kv_heads, self.length, head_dim), layout.dtype)
+
+    @property
+    def quantized(self) -> QuantizedKVLayout | None:
+        """The quantized layout of the buffers; None while they are full precision."""
+        layout = self.layout
+        return layout if isinstance(layout, QuantizedKVLayout) else None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers (all layers)."""
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(map(buffer_nbytes, self.keys)) + sum(map(buffer_nbytes, self.values))
 
     @property
     def n_block_ids(self) -> int:
@@ -298,7 +362,8 @@ class PooledBatch:
     def ensure(
         self, n_slots: int, deadline: float | None = None, reclaim: bool = True
     ) -> list[int]:
-        """Make the buffers at least ``n_slots`` long, every row's blocks first. With a
+        """Make the buffers at least ``n_slots`` long, every row's blocks first (and quantize
+        the batch first when it is due). With a
         ``deadline`` (monotonic), a row's growth may wait at the daemon until then (the rows
         share it: the caller blocks until ``deadline`` at most, plus round trips). Not
         ``reclaim``: a refused growth does not take the prompt cache's memory.
@@ -307,9 +372,14 @@ class PooledBatch:
         except that rows which could grow hold their new blocks. The caller takes the failed
         rows out of the batch (``filter``) and calls again.
         """
+        quantized = self.quantized
+        if quantized is not None and any(row.layout is not quantized for row in self.rows):
+            failed = self.trade_blocks(deadline)
+            if failed:
+                return failed
         if n_slots <= self.length:
             return []
-        failed: list[int] = []
+        failed = []
         for i, row in enumerate(self.rows):
             if row.capacity < n_slots:
                 wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -322,13 +392,26 @@ class PooledBatch:
         self._resize(min(row.capacity for row in self.rows))
         return []
 
+    def trade_blocks(self, deadline: float | None = None) -> list[int]:
+        """Have every row of the quantized buffers trade its full-precision blocks for
+        quantized ones; the rows the pool refused (the caller takes them out, as :meth:`ensure`'s
+        failed rows)."""
+        failed: list[int] = []
+        for i, row in enumerate(self.rows):
+            wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                row.convert(wait)
+            except BlockPoolExhaustedError:
+                failed.append(i)
+        return failed
+
     def _resize(self, length: int) -> None:
         """Grow the buffers to ``length`` slots (a copy of each layer's keys and values)."""
         extra = length - self.length
         if extra <= 0:
             return
-        self.keys = [_grown(a, extra) for a in self.keys]
-        self.values = [_grown(a, extra) for a in self.values]
+        self.keys = [grown(a, extra) for a in self.keys]
+        self.values = [grown(a, extra) for a in self.values]
         self.length = length
 
     def covering_length(self) -> int:
@@ -373,16 +456,43 @@ class PooledBatchKVCache:
         return self.layer == self.batch.layout.n_layers - 1
 
     @property
-    def keys(self) -> mx.array:
-        return self.batch.keys[self.layer]
+    def _quantized(self) -> QuantizedKVLayout | None:
+        """The quantized layout of this layer's buffers; None while full precision."""
+        batch = self.batch
+        return batch.target if isinstance(batch.keys[self.layer], tuple) else None
 
     @property
-    def values(self) -> mx.array:
-        return self.batch.values[self.layer]
+    def bits(self) -> int:
+        """Bits per quantized value once this layer is quantized. mlx-lm's attention takes
+        its quantized path for a cache with ``bits``: a full-precision layer has none
+        (AttributeError, so ``hasattr`` is False)."""
+        quantized = self._quantized
+        if quantized is None:
+            raise AttributeError("bits")
+        return quantized.bits
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write ``keys``/``values`` ``(B, n_kv_heads, S, head_dim)`` at the batch's next slots;
-        return every row's cached prefix.
+    @property
+    def group_size(self) -> int:
+        """Values per scale and bias once quantized (AttributeError before, as :attr:`bits`)."""
+        quantized = self._quantized
+        if quantized is None:
+            raise AttributeError("group_size")
+        return quantized.group_size
+
+    @property
+    def keys(self) -> KVBuffer:
+        buf: KVBuffer = self.batch.keys[self.layer]
+        return buf
+
+    @property
+    def values(self) -> KVBuffer:
+        buf: KVBuffer = self.batch.values[self.layer]
+        return buf
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KVBuffer, KVBuffer]:
+        """Write ``keys``/``values`` ``(B, n_kv_heads, S, head_dim)`` at the batch's next slots
+        (quantized first when the batch is, as ``QuantizedKVCache`` writes them); return every
+        row's cached prefix.
 
         Raises:
             RuntimeError: The write goes past the buffers (``PooledBatch.ensure`` was not called
@@ -396,11 +506,22 @@ class PooledBatchKVCache:
                 f"PooledBatchKVCache: a write to slots [{prev}, {end}) but the rows' blocks "
                 f"cover {batch.length}; grow the batch (ensure) before the step"
             )
-        batch.keys[self.layer][..., prev:end, :] = keys
-        batch.values[self.layer][..., prev:end, :] = values
+        target = batch.target
+        if (
+            target is not None
+            and self._quantized is None
+            and target.quantization.due(prev - self._min_padding())
+        ):
+            self._quantize_layer(target)
+        slots = (Ellipsis, slice(prev, end), slice(None))
+        quantized = self._quantized
+        new_keys: KVBuffer = keys if quantized is None else quantized.quantize(keys)
+        new_values: KVBuffer = values if quantized is None else quantized.quantize(values)
+        buffer_write(batch.keys[self.layer], slots, new_keys)
+        buffer_write(batch.values[self.layer], slots, new_values)
         self.offset = self.offset + keys.shape[2]
         self._idx = end
-        return batch.keys[self.layer][..., :end, :], batch.values[self.layer][..., :end, :]
+        return prefix(batch.keys[self.layer], end), prefix(batch.values[self.layer], end)
 
     def prepare(
         self,
@@ -427,20 +548,21 @@ class PooledBatchKVCache:
             return
         padding = self._right_padding
         batch = self.batch
-        batch.keys[self.layer] = dynamic_roll(batch.keys[self.layer], padding[:, None], axis=2)
-        batch.values[self.layer] = dynamic_roll(batch.values[self.layer], padding[:, None], axis=2)
+        roll = lambda part: dynamic_roll(part, padding[:, None], axis=2)  # noqa: E731
+        batch.keys[self.layer] = buffer_map(roll, batch.keys[self.layer])
+        batch.values[self.layer] = buffer_map(roll, batch.values[self.layer])
         self.offset = self.offset - padding
         self.left_padding = self.left_padding + padding
         self._right_padding = None
         self._padded = True
 
     @property
-    def state(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    def state(self) -> tuple[KVBuffer, KVBuffer, mx.array, mx.array]:
         batch = self.batch
         end = self._idx
         return (
-            batch.keys[self.layer][..., :end, :],
-            batch.values[self.layer][..., :end, :],
+            prefix(batch.keys[self.layer], end),
+            prefix(batch.values[self.layer], end),
             self.offset,
             self.left_padding,
         )
@@ -478,12 +600,12 @@ class PooledBatchKVCache:
         pads: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
         cut = min(pads)
         self._padded = max(pads) > cut
-        keys = batch.keys[self.layer][index]
-        values = batch.values[self.layer][index]
+        keys = buffer_map(lambda part: part[index], batch.keys[self.layer])
+        values = buffer_map(lambda part: part[index], batch.values[self.layer])
         if cut > 0:
             # A contiguous copy: a slice would keep the cut slots' memory alive.
-            keys = mx.contiguous(keys[..., cut:, :])
-            values = mx.contiguous(values[..., cut:, :])
+            keys = buffer_map(lambda part: mx.contiguous(part[..., cut:, :]), keys)
+            values = buffer_map(lambda part: mx.contiguous(part[..., cut:, :]), values)
             self._idx -= cut
             self.left_padding = self.left_padding - cut
         batch.keys[self.layer] = keys
@@ -514,6 +636,13 @@ class PooledBatchKVCache:
                 (``PooledBatch.ensure`` both batches first); nothing changed.
         """
         mine, theirs = self.batch, other.batch
+        # Quantized and full-precision rows do not share one attention pass: the side still in
+        # full precision is quantized (its rows trade their blocks at the next ensure).
+        mine_q, theirs_q = self._quantized, other._quantized
+        if mine_q is not None and theirs_q is None:
+            other._quantize_layer(mine_q)
+        elif theirs_q is not None and mine_q is None:
+            self._quantize_layer(theirs_q)
         max_idx = max(self._idx, other._idx)
         length = min(mine.covering_length(), theirs.covering_length())
         if length < max_idx:
@@ -522,18 +651,19 @@ class PooledBatchKVCache:
                 f"cover {length}; ensure both batches first"
             )
 
-        def aligned(c: PooledBatchKVCache) -> tuple[mx.array, mx.array, mx.array]:
-            k, v = c.batch.keys[c.layer], c.batch.values[c.layer]
+        def aligned(c: PooledBatchKVCache) -> tuple[KVBuffer, KVBuffer, mx.array]:
             left = max_idx - c._idx
-            k, v = k[..., : c._idx, :], v[..., : c._idx, :]
             right = length - left - c._idx
             pad = [(0, 0), (0, 0), (left, right), (0, 0)]
-            return mx.pad(k, pad), mx.pad(v, pad), c.left_padding + left
+            place = lambda part: mx.pad(part[..., : c._idx, :], pad)  # noqa: E731
+            k = buffer_map(place, c.batch.keys[c.layer])
+            v = buffer_map(place, c.batch.values[c.layer])
+            return k, v, c.left_padding + left
 
         k1, v1, lp1 = aligned(self)
         k2, v2, lp2 = aligned(other)
-        mine.keys[self.layer] = mx.concatenate([k1, k2])
-        mine.values[self.layer] = mx.concatenate([v1, v2])
+        mine.keys[self.layer] = buffer_concatenate([k1, k2])
+        mine.values[self.layer] = buffer_concatenate([v1, v2])
         self.left_padding = mx.concatenate([lp1, lp2])
         self._padded = self._padded or other._padded or self._idx != other._idx
         self.offset = mx.concatenate([self.offset, other.offset])
@@ -543,6 +673,7 @@ class PooledBatchKVCache:
             for row in theirs.rows:
                 row.batch = mine
             mine.length = length
+            mine.layout = mine.quantized or theirs.layout
             theirs.drop()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PooledBatchKVCache:
@@ -555,17 +686,36 @@ class PooledBatchKVCache:
             "extract(i) for a row's tokens as a stock KVCache"
         )
 
-    def extract(self, idx: int) -> KVCache:
-        """Row ``idx``'s cached tokens as a stock ``KVCache`` (a copy holding no blocks)."""
-        cache = KVCache()
+    def extract(self, idx: int) -> KVCache | QuantizedKVCache:
+        """Row ``idx``'s cached tokens as a stock ``KVCache`` (a ``QuantizedKVCache`` once
+        quantized): a copy holding no blocks."""
         padding: int = self.left_padding.tolist()[idx]  # type: ignore[index,assignment]
         batch = self.batch
-        cache.keys = mx.contiguous(batch.keys[self.layer][idx : idx + 1, :, padding : self._idx])
-        cache.values = mx.contiguous(
-            batch.values[self.layer][idx : idx + 1, :, padding : self._idx]
+        row = lambda part: mx.contiguous(part[idx : idx + 1, :, padding : self._idx])  # noqa: E731
+        quantized = batch.quantized
+        cache: KVCache | QuantizedKVCache = (
+            KVCache()
+            if quantized is None
+            else QuantizedKVCache(group_size=quantized.group_size, bits=quantized.bits)
         )
-        cache.offset = cache.keys.shape[2]
+        cache.keys = buffer_map(row, batch.keys[self.layer])
+        cache.values = buffer_map(row, batch.values[self.layer])
+        cache.offset = self._idx - padding
         return cache
+
+    def _min_padding(self) -> int:
+        pads: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
+        return min(pads)
+
+    def _quantize_layer(self, layout: QuantizedKVLayout) -> None:
+        """Quantize this layer's buffers; once the last layer is, the batch's layout is
+        quantized and its next ``ensure`` has the rows trade their blocks."""
+        batch = self.batch
+        batch.keys[self.layer] = layout.quantize(batch.keys[self.layer])
+        batch.values[self.layer] = layout.quantize(batch.values[self.layer])
+        if self._last_layer:
+            batch.target = layout
+            batch.layout = layout
 
     @classmethod
     def merge(cls, caches: Sequence[PooledRowCache]) -> PooledBatchKVCache:
@@ -590,14 +740,25 @@ class PooledBatchKVCache:
                     f"PooledBatchKVCache.merge: a row holds {longest} cached tokens but the "
                     f"rows' blocks cover {covered}; reserve them first"
                 )
-            batch = PooledBatch(rows, rows[0].layout, covered)
+            # A quantized prefix (a prompt-cache entry) makes a quantized batch (its rows
+            # trade their blocks at the next ensure).
+            target = rows[0].quantized
+            has_quantized = any(isinstance(c.keys, tuple) for c in caches)
+            layout = target if target is not None and has_quantized else rows[0].fp_layout
+            batch = PooledBatch(rows, layout, covered)
             _PENDING_MERGES[id(rows[0])] = batch
         padding = [longest - n for n in lengths]
         cache = cls(batch, layer, padding)
+        quantized = batch.quantized
         for i, (p, c) in enumerate(zip(padding, caches, strict=True)):
             if c.keys is not None and c.values is not None:
-                batch.keys[layer][i : i + 1, :, p:longest] = c.keys
-                batch.values[layer][i : i + 1, :, p:longest] = c.values
+                slots = (slice(i, i + 1), slice(None), slice(p, longest))
+                keys, values = c.keys, c.values
+                if quantized is not None and not isinstance(keys, tuple):
+                    assert not isinstance(values, tuple)
+                    keys, values = quantized.quantize(keys), quantized.quantize(values)
+                buffer_write(batch.keys[layer], slots, keys)
+                buffer_write(batch.values[layer], slots, values)
         cache.offset = cache.offset + longest
         cache._idx = longest
         cache._padded = any(p > 0 for p in padding)
@@ -614,7 +775,7 @@ class PooledBatchKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of this layer's buffers."""
-        return self.keys.nbytes + self.values.nbytes
+        return buffer_nbytes(self.keys) + buffer_nbytes(self.values)
 
 
 # The batch a merge in progress builds, by the id of its first row: mlx-lm merges one layer at
@@ -632,9 +793,3 @@ def batch_of(cache: Sequence[Any]) -> PooledBatch | None:
     """The :class:`PooledBatch` behind a batch's per-layer caches (None for stock caches)."""
     first = cache[0] if cache else None
     return first.batch if isinstance(first, PooledBatchKVCache) else None
-
-
-def _grown(buf: mx.array, n_new_slots: int) -> mx.array:
-    """``buf`` with ``n_new_slots`` zero slots appended along the token axis (a copy)."""
-    b, h, _, d = buf.shape
-    return mx.concatenate([buf, mx.zeros((b, h, n_new_slots, d), buf.dtype)], axis=2)

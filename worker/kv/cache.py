@@ -30,6 +30,16 @@ cache) gives detached snapshots: stock ``mlx_lm.models.cache.KVCache`` objects h
 the cached keys and values, and no pool blocks. A copy that held blocks would need its own owner
 id and an explicit release, and dropping it (as an LRU prompt cache does) would leak blocks;
 a snapshot cannot leak, saves with ``save_prompt_cache`` and loads with ``load_prompt_cache``.
+
+Quantized KV (mlx-lm's ``kv_bits``): ``PooledKVCache.to_quantized`` is what mlx-lm's
+``maybe_quantize_kv_cache`` calls once the sequence reaches ``quantized_kv_start`` tokens; the
+first layer's call converts the whole sequence (:meth:`PooledSequence.quantize`: every layer's
+keys and values quantized into a :class:`~vqpool.worker.kv.quantized.QuantizedBlockStorage`,
+its full-precision blocks given back, as many blocks of the quantized format taken), and each
+layer's call returns a :class:`PooledQuantizedKVCache`, which has mlx-lm's ``QuantizedKVCache``
+protocol (``bits``, ``group_size``, ``(packed, scales, biases)`` keys and values), so the model's
+attention takes its quantized path. ``generate_step(..., kv_bits=...)`` over a pooled cache
+therefore computes what it computes over stock caches.
 """
 
 from __future__ import annotations
@@ -42,11 +52,25 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    create_attention_mask,
+    make_prompt_cache,
+)
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import AllocationRequest, BlockPool
 from vqpool.worker.kv.kv_probe import unpoolable_reason
+from vqpool.worker.kv.quantized import (
+    KVQuantization,
+    QuantizedBlockStorage,
+    QuantizedKVLayout,
+    buffer_map,
+    buffer_nbytes,
+    buffer_write,
+    prefix,
+)
 from vqpool.worker.kv.storage import BlockStorage, KVLayout, MLXBlockStorage, SlotLayout
 
 # A growing sequence also reserves 1/RESERVE_DIVISOR of the blocks it needs, so its buffers are
@@ -126,6 +150,8 @@ class PooledSequence:
         self.owner = owner
         self.storage = storage
         self.layout = storage.layout
+        self.quantized_storage: QuantizedBlockStorage | None = None
+        """Where :meth:`quantize` moves the sequence (a worker's shared one; None: its own)."""
         self.buffers = storage.open(owner)
         try:
             pool.register_owner(owner)
@@ -242,6 +268,63 @@ class PooledSequence:
 
     def _allocate(self, n_blocks: int, wait: float = 0.0) -> tuple[list[Block], list[Block]]:
         return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait)
+
+    def quantize(self, quantization: KVQuantization) -> QuantizedKVLayout:
+        """Quantize every layer's keys and values (``mx.quantize``, as mlx-lm's
+        ``KVCache.to_quantized``) into quantized blocks: the full-precision blocks go back first,
+        then as many blocks of the quantized format are taken. Once quantized, a call with the
+        same bits and group size does nothing.
+
+        Raises:
+            ValueError: The sequence is quantized already, otherwise; or a head dimension the
+                group size does not divide.
+            BlockPoolExhaustedError: The pool gave no quantized blocks; the sequence then holds
+                none (release it).
+        """
+        if isinstance(self.layout, QuantizedKVLayout):
+            done = (self.layout.bits, self.layout.group_size)
+            if done != (quantization.bits, quantization.group_size):
+                raise ValueError(
+                    f"PooledSequence {self.owner!r} is quantized as {self.layout.format} already"
+                )
+            return self.layout
+        fp = self.layout
+        if not isinstance(fp, KVLayout):
+            raise ValueError("PooledSequence: only a single model's sequence can be quantized")
+        target = quantization.layout(fp)
+        storage = self.quantized_storage
+        if storage is None:
+            storage = self.quantized_storage = QuantizedBlockStorage(
+                target, separate_kv=self.storage.separate_kv
+            )
+        elif storage.layout.format != target.format:
+            raise ValueError(
+                f"PooledSequence: its quantized storage holds {storage.layout.format}, not "
+                f"{target.format}"
+            )
+        buffers = self.buffers
+        keys = [target.quantize(k) for k in buffers.keys]
+        values = [target.quantize(v) for v in buffers.values]
+        mx.eval(keys, values)
+        n_blocks = self.n_blocks
+        held = self.blocks()
+        self._k_blocks.clear()
+        self._v_blocks.clear()
+        self._pool_n_used.clear()
+        self._synced_tokens = 0
+        self.capacity = 0
+        self.storage.close(buffers)
+        self.storage = storage
+        self.layout = target
+        self.buffers = storage.open(self.owner)
+        if held:
+            self.pool.free(held)
+        if n_blocks:
+            self.adopt(self.n_tokens, self._allocate(n_blocks))
+            for i in range(target.n_layers):
+                self.buffers.keys[i] = keys[i]
+                self.buffers.values[i] = values[i]
+        return target
 
     # -- shrink and usage ------------------------------------------------------------------------
 
@@ -480,11 +563,137 @@ class PooledKVCache:
             snapshot.offset = end
         return snapshot
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> PooledQuantizedKVCache:
+        """This layer as a :class:`PooledQuantizedKVCache`, the whole sequence quantized on the
+        first layer's call (mlx-lm's ``maybe_quantize_kv_cache`` calls it for every layer and
+        puts the result in the cache list, as for ``KVCache.to_quantized``).
+
+        Raises:
+            ValueError: bits or group size mlx-lm's quantized cache refuses, or a head
+                dimension the group size does not divide.
+            BlockPoolExhaustedError: No quantized blocks (the sequence holds none then).
+        """
+        self.sequence.quantize(KVQuantization(bits, group_size))
+        return PooledQuantizedKVCache(self.sequence, self.layer)
+
     def __repr__(self) -> str:
         return f"PooledKVCache(layer={self.layer}, offset={self.offset}, {self.sequence!r})"
 
 
-class PooledPromptCache(list[PooledKVCache]):
+class PooledQuantizedKVCache:
+    """One layer's view of a quantized :class:`PooledSequence`, with mlx-lm's
+    ``QuantizedKVCache`` protocol: keys and values are quantized as they are written, in place,
+    into the sequence's contiguous ``(packed, scales, biases)`` buffers, and attention reads
+    their prefix (``bits`` and ``group_size`` send it down mlx-lm's quantized path).
+    """
+
+    def __init__(self, sequence: PooledSequence, layer: int) -> None:
+        layout = sequence.layout
+        if not isinstance(layout, QuantizedKVLayout):
+            raise ValueError("PooledQuantizedKVCache: the sequence is not quantized")
+        self.sequence = sequence
+        self.layer = layer
+        self.layout = layout
+        self.bits = layout.bits
+        self.group_size = layout.group_size
+        # Shapes are checked as for full precision: what the model writes.
+        self._fp_view = PooledKVCache(sequence, layer)
+
+    @property
+    def offset(self) -> int:
+        return self.sequence.offsets[self.layer]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        """Quantize and append ``keys``/``values`` (1, n_kv_heads, S, head_dim); return every
+        cached slot's (packed, scales, biases), as ``QuantizedKVCache`` does.
+
+        Raises:
+            ValueError: Shapes or dtype differ from the model's layout (nothing changed).
+            BlockPoolExhaustedError: The pool has no blocks for the new slots (nothing changed).
+        """
+        seq = self.sequence
+        layer = self.layer
+        self._fp_view._check(keys, values)
+        prev = seq.offsets[layer]
+        end = prev + keys.shape[2]
+        if end > seq.capacity:
+            seq.reserve(end)
+        slots = (Ellipsis, slice(prev, end), slice(None))
+        k_buf = seq.buffers.keys[layer]
+        v_buf = seq.buffers.values[layer]
+        buffer_write(k_buf, slots, self.layout.quantize(keys))
+        buffer_write(v_buf, slots, self.layout.quantize(values))
+        seq.offsets[layer] = end
+        return prefix(k_buf, end), prefix(v_buf, end)
+
+    @property
+    def state(self) -> tuple[Any, Any]:
+        """(keys, values) cached in this layer: views of the buffers' triples up to ``offset``."""
+        seq = self.sequence
+        if not seq.buffers.keys:
+            empty = self.layout.zeros(1, 0, self.layout.k_head_dim)
+            return empty, self.layout.zeros(1, 0, self.layout.v_head_dim)
+        end = seq.offsets[self.layer]
+        return prefix(seq.buffers.keys[self.layer], end), prefix(
+            seq.buffers.values[self.layer], end
+        )
+
+    @property
+    def meta_state(self) -> str:
+        return ""
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (as :meth:`PooledKVCache.trim`)."""
+        return self._fp_view.trim(n)
+
+    def size(self) -> int:
+        return self.offset
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's quantized buffers (its share of the sequence's blocks)."""
+        buffers = self.sequence.buffers
+        if not buffers.keys:
+            return 0
+        return buffer_nbytes(buffers.keys[self.layer]) + buffer_nbytes(buffers.values[self.layer])
+
+    def release(self) -> None:
+        """Release the whole sequence (every layer): see :meth:`PooledSequence.release`."""
+        self.sequence.release()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> QuantizedKVCache:
+        """A detached snapshot: a stock ``QuantizedKVCache`` with a copy of this layer."""
+        snapshot: Any = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        end = self.offset
+        if end:
+            keys, values = self.state
+            snapshot.keys = buffer_map(mx.contiguous, keys)
+            snapshot.values = buffer_map(mx.contiguous, values)
+            mx.eval(snapshot.keys, snapshot.values)  # as PooledKVCache's: no live reference
+            snapshot.offset = end
+        return snapshot
+
+    def __repr__(self) -> str:
+        return (
+            f"PooledQuantizedKVCache(layer={self.layer}, {self.layout.format}, "
+            f"offset={self.offset}, {self.sequence!r})"
+        )
+
+
+class PooledPromptCache(list[PooledKVCache | PooledQuantizedKVCache]):
     """The per-layer caches of one sequence, as mlx-lm's ``prompt_cache`` list, plus release.
 
     Use as a context manager so the blocks go back however generation ends::
@@ -533,6 +742,7 @@ def make_pooled_cache(
     owner: Owner,
     *,
     storage: MLXBlockStorage | None = None,
+    quantized_storage: QuantizedBlockStorage | None = None,
 ) -> PooledPromptCache:
     """One pooled cache per layer of ``model``, drawing blocks from ``pool`` as ``owner``.
 
@@ -542,6 +752,8 @@ def make_pooled_cache(
         owner: The owner id for this sequence's blocks; must not be active in the pool.
         storage: Where the memory lives. Pass one storage per model to share it (and its byte
             count) between the sequences of a worker; by default the cache gets its own.
+        quantized_storage: Where the memory lives once mlx-lm quantizes the cache
+            (``kv_bits``), shared as ``storage``; by default the sequence makes its own then.
 
     Raises:
         ValueError: The model has layers of another cache kind (sliding window, SSM, ...), or
@@ -561,4 +773,5 @@ def make_pooled_cache(
             f"{n_layers}"
         )
     sequence = PooledSequence(pool, owner, storage)
+    sequence.quantized_storage = quantized_storage
     return PooledPromptCache((PooledKVCache(sequence, i) for i in range(n_layers)), sequence)

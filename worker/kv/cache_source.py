@@ -60,6 +60,7 @@ from vqpool.worker.kv.batch_cache import (
 )
 from vqpool.worker.kv.kv_probe import unpoolable_reason
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage, QuantizedKVLayout
 from vqpool.worker.kv.storage import KVLayout, MLXBlockStorage
 from vqpool.worker.pool.client import PoolClient
 
@@ -118,11 +119,16 @@ class PooledCacheSource:
     pooled = True
 
     def __init__(
-        self, model: nn.Module, pool: BlockPool, growth_wait: float = DEFAULT_GROWTH_WAIT
+        self,
+        model: nn.Module,
+        pool: BlockPool,
+        growth_wait: float = DEFAULT_GROWTH_WAIT,
+        quantization: KVQuantization | None = None,
     ) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
-        rather than at each request), or a ``growth_wait`` (seconds a step's growths may wait
-        at a daemon) outside 0..MAX_GROWTH_WAIT."""
+        rather than at each request), a ``growth_wait`` (seconds a step's growths may wait
+        at a daemon) outside 0..MAX_GROWTH_WAIT, or a ``quantization`` (``--kv-bits``) the
+        model's head dimensions do not allow."""
         reason = unpoolable_reason(make_prompt_cache(model))
         if reason is not None:
             raise ValueError(reason)
@@ -135,6 +141,10 @@ class PooledCacheSource:
         self.pool = pool
         layout = KVLayout.from_model(model, block_size=pool.config.block_size)
         self.layout = layout
+        self.quantized: QuantizedKVLayout | None = (
+            None if quantization is None else quantization.layout(layout)
+        )
+        """The layout requests' caches convert to (``--kv-bits``); None: full precision."""
         self._rows: dict[Owner, RowBlocks] = {}
         self.reclaim: Callable[[int], int] | None = None
         """Given to every request's blocks (:attr:`RowBlocks.reclaim`): the worker's prompt
@@ -152,10 +162,16 @@ class PooledCacheSource:
         """A prompt cache for this model's requests, its entries in a storage of their own
         (requests' memory is the batch buffers), whose memory goes first when an allocation of
         a request is refused (:attr:`reclaim`)."""
-        storage = MLXBlockStorage(self.layout, separate_kv=self.pool.config.separate_kv)
+        separate_kv = self.pool.config.separate_kv
+        storage = MLXBlockStorage(self.layout, separate_kv=separate_kv)
         cache = PromptCache(
             self.pool,
             storage,
+            quantized_storage=(
+                None
+                if self.quantized is None
+                else QuantizedBlockStorage(self.quantized, separate_kv=separate_kv)
+            ),
             owner_prefix=owner_prefix,
             max_bytes=max_bytes,
             report=report,
@@ -167,7 +183,7 @@ class PooledCacheSource:
     def open(self, owner: str) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
         the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
-        row = RowBlocks(self.pool, owner, self.layout)
+        row = RowBlocks(self.pool, owner, self.layout, self.quantized)
         row.reclaim = self.reclaim
         row.flag_growth = self.waits
         self._rows[owner] = row
@@ -246,6 +262,17 @@ class PooledCacheSource:
                 return False
         return self.never_fits(n_tokens) is None
 
+    def sequence_bytes(self, n_tokens: int) -> int:
+        """Bytes of the blocks one sequence of ``n_tokens`` holds once its prefill is done: in
+        the quantized format past ``--quantized-kv-start`` (the full-precision blocks of its
+        first forward pass go back then), else in full precision."""
+        layout: KVLayout | QuantizedKVLayout = self.layout
+        quantized = self.quantized
+        if quantized is not None and quantized.quantization.due(n_tokens):
+            layout = quantized
+        n_blocks = -(-n_tokens // layout.block_size)
+        return n_blocks * (layout.k_block_bytes + layout.v_block_bytes)
+
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
         the daemon's fit answer; None when it may (or the daemon cannot say: an older daemon,
@@ -256,12 +283,19 @@ class PooledCacheSource:
             answer = self.pool.fit(n_tokens)
         except (UnknownOpError, DaemonUnavailableError):
             return None
-        if answer["verdict"] != "never":
+        need = answer["need"]
+        if self.quantized is not None:
+            # The daemon prices full-precision blocks; past --quantized-kv-start the
+            # sequence holds blocks of the quantized format.
+            need = self.sequence_bytes(n_tokens)
+            if need <= answer["most_ever"]:
+                return None
+        elif answer["verdict"] != "never":
             return None
         limit = answer["limit"]
         return (
             f"the request can never fit: prompt + max_tokens = {n_tokens} tokens need "
-            f"{format_bytes(answer['need'])} of KV cache ({answer['need']} bytes), and model "
+            f"{format_bytes(need)} of KV cache ({need} bytes), and model "
             f"{self.pool.name!r} can never hold more than "
             f"{format_bytes(answer['most_ever'])} ({answer['most_ever']} bytes; its limit "
             f"{'none' if limit is None else format_bytes(limit)}, budget "

@@ -54,6 +54,13 @@ from vqpool.shared.pool import BlockPool
 from vqpool.shared.protocol import PROMPT_CACHE_COUNTERS
 from vqpool.worker.defaults import DEFAULT_PROMPT_CACHE_BYTES
 from vqpool.worker.kv.cache import PooledSequence
+from vqpool.worker.kv.quantized import (
+    KVBuffer,
+    QuantizedBlockStorage,
+    buffer_slots,
+    buffer_write,
+    prefix,
+)
 from vqpool.worker.kv.storage import MLXBlockStorage
 
 log = logging.getLogger("vqpool.worker")
@@ -93,6 +100,8 @@ class PromptCache:
         report: Called with the counters (:data:`PROMPT_CACHE_COUNTERS`) after each change, without
             blocking (``PoolClient.report_prompt_cache`` sends them with the next heartbeat).
         lost_owners: The pool's owners that are no longer this worker's (``PoolClient``).
+        quantized_storage: Where entries of quantized KV (``--kv-bits``) live, in blocks of the
+            quantized format; None when the model's KV is never quantized.
     """
 
     def __init__(
@@ -104,15 +113,16 @@ class PromptCache:
         max_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         report: Callable[[dict[str, int]], None] | None = None,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+        quantized_storage: QuantizedBlockStorage | None = None,
     ) -> None:
         if max_bytes < 0:
             raise ValueError(f"PromptCache: max_bytes must be >= 0, got {max_bytes}")
         self.pool = pool
         self.storage = storage
+        self.quantized_storage = quantized_storage
         self.owner_prefix = owner_prefix
         self.max_bytes = max_bytes
         self.block_size = storage.layout.block_size
-        self._bytes_per_block_index = storage.layout.k_block_bytes + storage.layout.v_block_bytes
         self._report = report
         self._lost_owners = lost_owners
         self._lock = threading.Lock()
@@ -206,9 +216,7 @@ class PromptCache:
             if entry is not None:
                 buffers = entry.sequence.buffers
                 for i, layer in enumerate(cache):
-                    layer.update_and_fetch(
-                        buffers.keys[i][..., :n, :], buffers.values[i][..., :n, :]
-                    )
+                    layer.update_and_fetch(prefix(buffers.keys[i], n), prefix(buffers.values[i], n))
                 mx.eval([layer.state for layer in cache])
                 self._lru.move_to_end(entry.number)
                 self.counters["hits"] += 1
@@ -219,21 +227,29 @@ class PromptCache:
 
     # -- stores ----------------------------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int], layers: Sequence[tuple[mx.array, mx.array]]) -> bool:
+    def store(self, tokens: Sequence[int], layers: Sequence[tuple[KVBuffer, KVBuffer]]) -> bool:
         """Keep the KV of ``tokens``: ``layers`` is (keys, values) per layer, shaped
         (1, n_kv_heads, T, head_dim), position i holding token i (mlx-lm's ``state`` of a
-        cache). The first min(T, len(tokens)) tokens are kept (at least one whole block, else
-        nothing). Whether a new entry was made (not when an entry holds them all, nothing is
-        kept, or the pool is short: a store never waits for memory and never fails the caller).
+        cache; quantized triples of T slots each once ``--kv-bits`` quantized them, kept in
+        quantized blocks). The first min(T, len(tokens)) tokens are kept (at least one whole
+        block, else nothing). Whether a new entry was made (not when an entry holds them all,
+        nothing is kept, or the pool is short: a store never waits for memory and never fails
+        the caller).
         """
         if not layers or self.max_bytes == 0:
             return False
-        n = min(len(tokens), layers[0][0].shape[2])
+        first = layers[0][0]
+        storage: MLXBlockStorage = self.storage
+        if isinstance(first, tuple):
+            if self.quantized_storage is None:
+                return False  # not a quantizing model's KV: nowhere to keep it
+            storage = self.quantized_storage
+        n = min(len(tokens), buffer_slots(first))
         if n < self.block_size:
             return False
         kept = tuple(tokens[:n])
         n_blocks = -(-n // self.block_size)
-        need = n_blocks * self._bytes_per_block_index
+        need = n_blocks * (storage.bytes_per_block("k") + storage.bytes_per_block("v"))
         with self._lock:
             entry, held = self._match(kept, n)
             if entry is not None and held == n:
@@ -244,7 +260,7 @@ class PromptCache:
                 return False
             while self._lru and self.nbytes + need > self.max_bytes:
                 self._evict(next(iter(self._lru.values())))
-            created = self._create(kept, n_blocks, need, layers)
+            created = self._create(kept, n_blocks, need, layers, storage)
         self.report()
         return created
 
@@ -253,21 +269,24 @@ class PromptCache:
         tokens: tuple[int, ...],
         n_blocks: int,
         need: int,
-        layers: Sequence[tuple[mx.array, mx.array]],
+        layers: Sequence[tuple[KVBuffer, KVBuffer]],
+        storage: MLXBlockStorage,
     ) -> bool:
-        """A new entry for ``tokens`` with a copy of their KV; the caller holds the lock."""
+        """A new entry for ``tokens`` with a copy of their KV in ``storage``; the caller holds
+        the lock."""
         n = len(tokens)
         number = next(self._numbers)
         try:
             owner = f"{self.owner_prefix}-cache-{number}"
-            sequence = PooledSequence(self.pool, owner, self.storage)
+            sequence = PooledSequence(self.pool, owner, storage)
             try:
                 # Never waits and never reclaims: an entry takes no memory from anyone.
                 sequence.reserve_exactly(n_blocks)
                 buffers = sequence.buffers
+                slots = (Ellipsis, slice(0, n), slice(None))
                 for i, (layer_keys, layer_values) in enumerate(layers):
-                    buffers.keys[i][..., :n, :] = layer_keys[..., :n, :]
-                    buffers.values[i][..., :n, :] = layer_values[..., :n, :]
+                    buffer_write(buffers.keys[i], slots, prefix(layer_keys, n))
+                    buffer_write(buffers.values[i], slots, prefix(layer_values, n))
                 mx.eval(buffers.keys, buffers.values)
                 sequence.offsets = [n] * len(sequence.offsets)
                 sequence.sync_usage(n)  # the last block's fill, when partial

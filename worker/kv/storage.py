@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -162,8 +162,9 @@ class SequenceBuffers:
         self.k_block_ids: list[int] = []
         # The same list object as k_block_ids when one "kv" id holds both.
         self.v_block_ids: list[int] = []
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
+        # Per layer: an array, or a quantized storage's (packed, scales, biases) triple.
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
 
     @property
     def n_blocks(self) -> int:

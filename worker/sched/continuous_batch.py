@@ -30,7 +30,10 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   before.
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
-  input, and it may make ``max_tokens - len(generated)`` more tokens.
+  input, and it may make ``max_tokens - len(generated)`` more tokens. With a quantizing source
+  (``--kv-bits``) a chunk ends where the prompt's prefill ended: the prompt is computed as its
+  first start computed it (its first pass in full precision, then quantized), and its
+  generated tokens' KV as decoding them did (quantized attention).
 * **Leaving** (:meth:`ContinuousBatch.leave`) takes a job's row out of the batch, or the job out
   of the prefill queue: its cache's blocks go back at once (a pooled batch releases a row it
   drops).
@@ -303,8 +306,9 @@ class ContinuousBatch:
             prompt_batch = pending.batch
             used = prompt_batch.prompt_cache[0].size()
             cache = prompt_batch.prompt_cache
-            if len(pending.to_prefill) > self.prefill_step_size:
-                chunk = pending.to_prefill[: self.prefill_step_size]
+            n_chunk = self._chunk_length(job, used)
+            if len(pending.to_prefill) > n_chunk:
+                chunk = pending.to_prefill[:n_chunk]
                 if self._grow(lambda: cache, lambda: used + len(chunk), outcome, job):
                     prompt_batch.prompt([chunk])
                     del pending.to_prefill[: len(chunk)]
@@ -323,6 +327,17 @@ class ContinuousBatch:
             return
         self._prefilling.popleft()
         self._join(job, pending.uid, newcomer, outcome)
+
+    def _chunk_length(self, job: Any, used: int) -> int:
+        """Tokens the job's next prefill chunk may take, its cache holding ``used``: at most
+        ``prefill_step_size``, and for a resumed job of a quantizing source, up to the end of
+        its prompt's prefill (module docstring)."""
+        n_chunk = self.prefill_step_size
+        if job.generated and getattr(self.source, "quantized", None) is not None:
+            prompt_end = len(job.prompt) - 1 - used
+            if 0 < prompt_end < n_chunk:
+                n_chunk = prompt_end
+        return n_chunk
 
     def _join(self, job: Any, uid: int, newcomer: GenerationBatch, outcome: StepOutcome) -> None:
         """Add the prefilled ``job`` (alone in ``newcomer``) to the batch: the rows of both

@@ -104,6 +104,7 @@ from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import prefix
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
@@ -692,7 +693,7 @@ class Scheduler:
             return
         n = min(len(tokens), kv[0].offset)
         if n > 0:
-            layers = [(layer.keys[..., :n, :], layer.values[..., :n, :]) for layer in kv]
+            layers = [(prefix(layer.keys, n), prefix(layer.values, n)) for layer in kv]
             self.prompt_cache.store(list(tokens[:n]), layers)
 
     def _keeps_prompts(self) -> bool:
@@ -816,9 +817,13 @@ class Scheduler:
         if job.kept_row is not None:
             # Its blocks are back: the entry takes what is free, and goes first when a growth
             # is refused again (cached memory before requests).
-            kv, _ = job.kept_row
+            kv, covered = job.kept_row
             job.kept_row = None
-            self._store_in_prompt_cache(job.prompt, kv)
+            # Quantized KV keeps every token it covers: recomputing the generated tokens would
+            # run their first pass in full precision (maybe_quantize_kv_cache quantizes after
+            # a pass), which is not what decoding them computed.
+            quantized = bool(kv) and isinstance(kv[0].keys, tuple)
+            self._store_in_prompt_cache(covered if quantized else job.prompt, kv)
             job.prompt_stored = True
         if job in self._active:
             self._active.remove(job)

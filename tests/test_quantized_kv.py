@@ -1,0 +1,381 @@
+"""Quantized KV (``--kv-bits``) in the pool, through a live vqpoold: a quantized block's bytes are
+the arrays' bytes and shared/kv_formats' token bytes; the pooled single-sequence cache under
+mlx-lm's ``generate_step(kv_bits=...)`` and the scheduler's batch of one give the tokens and
+logprobs of mlx-lm's ``QuantizedKVCache`` (4 and 8 bits, groups of 32 and 64, with and without
+``--quantized-kv-start``); batched rows give the greedy tokens of the same requests alone; a
+preemption, a prompt-cache hit and a daemon restart on quantized blocks give identical tokens,
+and the daemon charges quantized blocks their own format's bytes; bad options fail at start."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from daemon_harness import remove_tree, short_tmpdir, wait_until
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from serving_harness import ServingStack
+from vqpool.shared.kv_formats import token_bytes
+from vqpool.worker.kv.cache import make_pooled_cache
+from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage
+from vqpool.worker.kv.storage import KVLayout
+from vqpool.worker.models.loading import load_model
+from vqpool.worker.pool.client import PoolClient
+from vqpool.worker.run_worker import open_pool
+from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
+from vqpool.worker.testing.http_client import request_json
+from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.model_dirs import write_config_dir
+
+# Head dim 64 (the built-ins' 16 and 32 are below mx.quantize's groups), bf16 as served on a Mac.
+MODEL_ARGS: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+BASE = short_tmpdir("vqq")
+MODEL_DIR = write_config_dir(BASE / "hd64", MODEL_ARGS, dtype=mx.bfloat16)
+MODEL = load_model(str(MODEL_DIR)).model
+BLOCK = 16
+FORMATS = [(4, 32), (4, 64), (8, 32), (8, 64)]
+START = 30  # --quantized-kv-start for the tests with one: prompts cross it in prefill or decode
+
+
+def teardown_module() -> None:
+    remove_tree(BASE)
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    return [1 + (seed * 7 + j * 3) % 200 for j in range(n)]
+
+
+def reference(
+    prompt: list[int], n: int, bits: int, group_size: int, start: int, step: int = 2048
+) -> list[tuple[int, mx.array]]:
+    """mlx-lm's own: ``generate_step`` over stock caches it quantizes (``QuantizedKVCache``)."""
+    steps = generate_step(
+        mx.array(prompt),
+        MODEL,
+        max_tokens=n,
+        prompt_cache=make_prompt_cache(MODEL),
+        kv_bits=bits,
+        kv_group_size=group_size,
+        quantized_kv_start=start,
+        prefill_step_size=step,
+    )
+    return [(int(token), logprobs) for token, logprobs in steps]
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    base = short_tmpdir("vqqd")
+    started = DaemonProcess(base / "run", "--n-blocks", "2048").start()
+    yield started
+    started.stop()
+    remove_tree(base)
+
+
+@pytest.fixture
+def session(daemon: DaemonProcess) -> Iterator[Any]:
+    """``make(quantization)``: a session on the module's daemon declaring that format's bytes,
+    and its cache source; closed after the test, which leaves no block behind."""
+    pools: list[PoolClient] = []
+
+    def make(quantization: KVQuantization) -> tuple[PoolClient, PooledCacheSource]:
+        pool, source = open_pool(str(daemon.run_dir), "q", MODEL, 5.0, quantization=quantization)
+        pools.append(pool)
+        return pool, source
+
+    yield make
+    for pool in pools:
+        pool.close()
+    assert daemon.audit()["blocks_in_use"] == 0
+
+
+# -- bytes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bits", "group_size"), FORMATS)
+def test_a_quantized_block_holds_the_declared_bytes(bits: int, group_size: int) -> None:
+    fp = KVLayout.from_model(MODEL, BLOCK)
+    layout = KVQuantization(bits, group_size).layout(fp)
+    per_token = token_bytes(fp.n_kv_heads, fp.k_head_dim, 0, fp.dtype.size, bits, group_size)
+    assert layout.k_block_bytes == layout.v_block_bytes == 2 * BLOCK * per_token
+    assert layout.format == f"q{bits}g{group_size}"
+    storage = QuantizedBlockStorage(layout)
+    seq = storage.open("s")
+    storage.extend(seq, [1, 2, 3], [4, 5, 6])
+    assert storage.nbytes == storage.expected_nbytes() == 3 * (2 * layout.k_block_bytes)
+    packed, scales, biases = storage.read_block(2)["k"][0]
+    assert packed.shape == (1, 1, BLOCK, 64 * bits // 32) and packed.dtype == mx.uint32
+    assert scales.shape == biases.shape == (1, 1, BLOCK, 64 // group_size)
+    storage.truncate(seq, 1)
+    assert storage.nbytes == storage.expected_nbytes() == 2 * layout.k_block_bytes
+    # A fp16 block of this model is 64 x 2 bytes per head and token: 8-bit about half, 4-bit
+    # about a quarter (plus a scale and a bias per group).
+    assert layout.k_block_bytes < fp.k_block_bytes * (bits + 1) // 16 + fp.k_block_bytes // 8
+
+
+# -- against mlx-lm's QuantizedKVCache -----------------------------------------------------------
+
+
+CASES = [(b, g, 0) for b, g in FORMATS] + [(4, 64, START), (8, 32, START)]
+
+
+@pytest.mark.parametrize(("bits", "group_size", "start"), CASES)
+def test_the_pooled_cache_computes_what_quantized_kv_cache_does(
+    session: Any, bits: int, group_size: int, start: int
+) -> None:
+    pool, _ = session(KVQuantization(bits, group_size, start))
+    # Several prefill chunks (16 tokens) and a prompt below START that crosses it decoding.
+    for n in (20, 50):
+        prompt = prompt_of(n)
+        expected = reference(prompt, 24, bits, group_size, start, step=16)
+        with make_pooled_cache(MODEL, pool, f"single-{n}") as cache:
+            got = [
+                (int(token), logprobs)
+                for token, logprobs in generate_step(
+                    mx.array(prompt),
+                    MODEL,
+                    max_tokens=24,
+                    prompt_cache=cache,
+                    kv_bits=bits,
+                    kv_group_size=group_size,
+                    quantized_kv_start=start,
+                    prefill_step_size=16,
+                )
+            ]
+            assert [t for t, _ in got] == [t for t, _ in expected]
+            for (_, mine), (_, theirs) in zip(got, expected, strict=True):
+                assert mx.array_equal(mine, theirs).item()
+            sequence = cache.sequence
+            # Converted: its blocks are of the quantized format (the fp ones went back).
+            assert {b.format for b in sequence.blocks()} == {f"q{bits}g{group_size}"}
+            assert sequence.storage.nbytes == sequence.storage.expected_nbytes() > 0
+
+
+def run_jobs(
+    source: PooledCacheSource,
+    specs: Sequence[tuple[list[int], int]],
+    *,
+    max_concurrent: int,
+    prompt_cache_bytes: int = 0,
+    reserve: str = "full",
+) -> tuple[list[list[ScoredToken]], dict[str, Any]]:
+    """The jobs (prompt, max_tokens) submitted at once on a scheduler over ``source``: each
+    one's tokens (all run to max_tokens) and the scheduler's stats."""
+    prompt_cache = (
+        source.attach_prompt_cache(owner_prefix="q", max_bytes=prompt_cache_bytes)
+        if prompt_cache_bytes
+        else None
+    )
+    scheduler = Scheduler(
+        MODEL,
+        source,
+        owner_prefix="q",
+        eos_token_ids=frozenset(),
+        max_concurrent=max_concurrent,
+        max_queue=16,
+        queue_timeout=60.0,
+        reserve=reserve,
+        headroom_slots=BLOCK,
+        prompt_cache=prompt_cache,
+    )
+    jobs = [GenerationJob(prompt, n, logprobs=True) for prompt, n in specs]
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    results = []
+    try:
+        for job in jobs:
+            tokens: list[ScoredToken] = []
+            while not isinstance(event := job.events.get(timeout=60), JobEnd):
+                assert isinstance(event, ScoredToken)
+                tokens.append(event)
+            assert event.finish_reason == "length", event
+            results.append(tokens)
+    finally:
+        scheduler.stop()
+        if prompt_cache is not None:
+            prompt_cache.drop()
+    assert source.n_blocks() == 0
+    return results, scheduler.stats.snapshot()
+
+
+# Batched rows may differ from the same request alone in the logprobs' last bits: a batch's
+# attention and matmuls run over (B, ...) arrays whose kernels may split and order the
+# reductions differently from B = 1 (Metal picks tilings by shape), and a left-padded row's
+# masked slots add exact zeros in another order. Greedy tokens must be equal; logprobs within:
+BATCH_LOGPROB_ATOL = 1e-3
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "start", "lengths"),
+    [(4, 64, 0, (5, 40, 23, 70)), (8, 32, 0, (5, 40, 23, 70)), (4, 32, START, (31, 40, 45, 70))],
+)
+def test_batched_rows_decode_as_each_request_alone(
+    session: Any, bits: int, group_size: int, start: int, lengths: tuple[int, ...]
+) -> None:
+    # With --quantized-kv-start a batch is quantized once one of its rows is due (rows of
+    # one attention pass share one format): prompts past START make every row due alone too.
+    _, source = session(KVQuantization(bits, group_size, start))
+    specs = [(prompt_of(n, i), 20) for i, n in enumerate(lengths)]
+    expected = [reference(p, n, bits, group_size, start) for p, n in specs]
+    alone, _ = run_jobs(source, specs, max_concurrent=1)
+    together, _ = run_jobs(source, specs, max_concurrent=len(specs))
+    for one, batched, ref in zip(alone, together, expected, strict=True):
+        # A batch of one is generate_step's computation: identical tokens and logprobs.
+        assert [t.token for t in one] == [t for t, _ in ref]
+        assert [t.logprob for t in one] == [lp[t].item() for t, lp in ref]
+        assert [t.token for t in batched] == [t.token for t in one]
+        for mine, theirs in zip(batched, one, strict=True):
+            assert abs(mine.logprob - theirs.logprob) <= BATCH_LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20], ids=["recomputed", "prompt-cached"])
+def test_a_preempted_request_on_quantized_blocks_resumes_with_identical_tokens(
+    start_daemon: Any, cache_bytes: int
+) -> None:
+    # 8 blocks per stream: alone each fits (65 and 83 slots); together, padded to the longer
+    # row, they outgrow it and the short one is preempted. Its resume recomputes its prompt
+    # as its first start did (a first pass in full precision) and its generated tokens as
+    # decoding them did (quantized), or reuses what the prompt cache kept of them.
+    specs = [(prompt_of(5), 60), (prompt_of(23, 1), 60)]
+    daemon = start_daemon("--n-blocks", "16")
+    pool, source = open_pool(str(daemon.run_dir), "q", MODEL, 5.0, quantization=KVQuantization(4))
+    try:
+        alone, alone_stats = run_jobs(source, specs, max_concurrent=1, reserve="on-demand")
+        results, stats = run_jobs(
+            source, specs, max_concurrent=2, prompt_cache_bytes=cache_bytes, reserve="on-demand"
+        )
+    finally:
+        pool.close()
+    assert alone_stats["preemptions"] == 0 and stats["preemptions"] >= 1
+    for tokens, ref in zip(results, alone, strict=True):
+        assert [t.token for t in tokens] == [t.token for t in ref]
+    assert daemon.audit()["blocks_in_use"] == 0
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+
+def ask(stack: ServingStack, name: str, prompt: list[int]) -> dict[str, Any]:
+    reply = request_json(
+        stack.url(name),
+        "POST",
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 12, "logprobs": True, "return_token_ids": True},
+    )
+    assert reply.status == 200, reply
+    choice = reply.body["choices"][0]
+    return {
+        "ids": choice["token_ids"],
+        "logprobs": [x["logprob"] for x in choice["logprobs"]["content"]],
+        "cached": reply.body["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def cache_blocks(daemon: DaemonProcess) -> dict[str, int]:
+    """Block ids (K and V apart) of the prompt-cache entries, per owner."""
+    return {o["owner"]: o["n_blocks"] for o in daemon.admin("owners") if "-cache-" in o["owner"]}
+
+
+def held_bytes(daemon: DaemonProcess, model: str) -> int:
+    (row,) = [m for m in daemon.admin("model_list")["models"] if m["model"] == model]
+    held: int = row["held"]
+    return held
+
+
+def test_a_worker_serves_quantized_blocks_through_a_hit_and_a_daemon_restart() -> None:
+    args = ["--kv-bits", "4", "--kv-group-size", "32"]
+    daemon_args = ("--n-blocks", "512", "--lease", "1")
+    stack = ServingStack([], daemon_args=daemon_args).start()
+    try:
+        stack.workers["q"] = stack.start_worker(
+            str(MODEL_DIR), [*args, "--served-model-name", "q"], name="q"
+        )
+        stack.workers["plain"] = stack.start_worker(
+            str(MODEL_DIR),
+            [*args, "--served-model-name", "plain", "--prompt-cache-bytes", "0"],
+            name="plain",
+        )
+        prompt = [random.Random(3).randrange(1, 400) for _ in range(150)]
+        baseline = ask(stack, "plain", prompt)
+        assert ask(stack, "q", prompt)["cached"] == 0
+        hit = ask(stack, "q", prompt)
+        assert hit["cached"] == 149 and (hit["ids"], hit["logprobs"]) == (
+            baseline["ids"],
+            baseline["logprobs"],
+        )
+        # The entry holds quantized blocks, and the ledger charges them their format's bytes
+        # (once the request that just ended has given its own blocks back).
+        q_block = KVQuantization(4, 32).layout(KVLayout.from_model(MODEL, BLOCK)).k_block_bytes
+
+        def only_the_cache_charged_as_quantized() -> bool:
+            blocks = sum(cache_blocks(stack.daemon).values())
+            return blocks > 0 and held_bytes(stack.daemon, "q") == blocks * q_block
+
+        wait_until(only_the_cache_charged_as_quantized, timeout=10)
+        held = cache_blocks(stack.daemon)
+
+        stack.daemon.stop(signal.SIGKILL)
+        stack.daemon = DaemonProcess(stack.run_dir, *daemon_args).start()
+        wait_until(lambda: not stack.daemon.admin("stats")["claims"]["active"], timeout=10)
+        # The worker claimed its quantized blocks back, with their format.
+        assert cache_blocks(stack.daemon) == held
+        assert held_bytes(stack.daemon, "q") == sum(held.values()) * q_block
+        after = ask(stack, "q", prompt)
+        assert after["cached"] == 149 and after["ids"] == baseline["ids"]
+        assert after["logprobs"] == baseline["logprobs"]
+        stack.wait_for_no_blocks()
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-bits", "3"], "invalid choice: 3"),
+        (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of"),
+        (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0"),
+        (["--kv-bits", "8", "--no-pool"], "cannot go with --no-pool"),
+        # builtin:llama's heads are 16 wide: no group of 32 divides them.
+        (["--kv-bits", "4", "--kv-group-size", "32"], "does not divide the model's key head"),
+    ],
+)
+def test_bad_quantization_options_fail_at_start(
+    daemon: DaemonProcess, args: list[str], message: str
+) -> None:
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vqpool.worker.serve",
+            "--model",
+            "builtin:llama",
+            "--port",
+            "0",
+            "--run-dir",
+            str(daemon.run_dir),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode == 2, worker.stderr
+    assert message in worker.stderr
+    assert "serving" not in worker.stdout
