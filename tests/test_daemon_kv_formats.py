@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from ctl_harness import ctl_json, run_ctl
-from daemon_harness import scrape_metrics
+from daemon_harness import RawClient, scrape_metrics, wait_until
 from front_harness import FrontDoor
 from vqpool.daemon.front.catalog import entry_from_table
 from vqpool.daemon.front.ledger_calls import LedgerCalls
@@ -257,3 +257,30 @@ kv_group_size = 32
         assert answer["bytes_per_sequence"] == -(-1000 // BLOCK) * BLOCK * per_token
         text = run_ctl(front.run_dir, "fit", "--model", "q4", "--context", "1000")
         assert "KV in q4g32 blocks" in text.stdout, text.stdout
+
+
+def test_a_parked_allocation_is_charged_its_formats_bytes_when_granted(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    # The budget holds 4 fp16 blocks of "big"; "small" waits for 3 q4 blocks (3 x 576 bytes)
+    # until one fp16 block (2048 bytes) is freed, and is charged exactly its q4 bytes.
+    daemon = start_daemon("--n-blocks", "512", "--budget", str(4 * 2048))
+    big = pools(daemon, "big")
+    big.allocate("k", 2 * BLOCK, "fp", "fp16")
+    big.allocate("v", 2 * BLOCK, "fp", "fp16")
+    small = RawClient(daemon.run_dir)
+    try:
+        small.hello(model="small", bytes_per_block=FP16, bytes_per_format=PER_FORMAT)
+        args = {"stream": "k", "n_tokens": 3 * BLOCK, "owner": "q", "format": "q4g64"}
+        small.send(small.encode("allocate", {**args, "wait": 10.0}))
+        wait_until(lambda: daemon.admin("budget")["waiting"] == 1, timeout=5.0)
+        big.free(big.blocks_for("fp")[:1])
+        reply = small.recv()
+        assert reply["ok"] and len(reply["result"]) == 3, reply
+        held = {view["model"]: view for view in daemon.admin("model_list")["models"]}
+        assert held["small"]["held"] == 3 * Q4["k"]
+        assert held["small"]["formats"] == {"q4g64": {"blocks": 3, "bytes": 3 * Q4["k"]}}
+        assert held["big"]["held"] == 3 * 2048
+        daemon.audit()
+    finally:
+        small.close()
