@@ -16,18 +16,19 @@ charged during a request (``model_list``'s bytes per format over its blocks); to
 whole blocks of ``block_size`` tokens in 2**30 bytes, and the ratio is against 16 bits.
 
 Speed, per round and setting, the two servers started side by side (one busy at a time, their
-order alternating from round to round): one request of a ``--context``-token prompt (its TTFT,
-and its decode rate: tokens after the first over the time after the first), then a batch of
-each ``--concurrency`` simultaneous such requests (aggregate generated tokens per second over
-the batch's wall time; mlx_lm.server serves requests one at a time when ``--kv-bits`` is set).
+order alternating from round to round): a batch of each ``--concurrency`` (1 always) of
+simultaneous requests of ``--context``-token prompts: aggregate generated tokens per second
+over the batch's wall time (mlx_lm.server serves requests one at a time when ``--kv-bits`` is
+set), and of the one request at concurrency 1 its TTFT and decode rate (tokens after the first
+over the time after the first).
 Prompts differ between requests, batches and rounds (no prompt cache reuse). Reported as
 medians over rounds with the per-round ratios vqpool / mlx_lm.server (median, and min-max).
 
-The issue's full run (about an hour on a shared 2-core machine):
+The issue's full run (a 4K prefill takes minutes here: hours on this shared 2-core machine):
 
     .venv/bin/python scripts/bench_kv_bits.py --context 4096 --concurrency 1 8 --rounds 3
 
-A short one: ``--short`` (context 256, concurrency 1 and 2, 2 rounds, 16 tokens; under 10
+A short one: ``--short`` (context 128, concurrency 1 and 2, 2 rounds, 16 tokens; under 10
 minutes on an idle 2-core machine): its speed ratios are at short context, where the KV is a
 small part of the work; the context per GiB is exact either way. The defaults are the full run.
 """
@@ -53,7 +54,6 @@ from bench_vs_mlx_server import (
     make_prompts,
     never_emit_eos,
     run_batch,
-    stream_one,
 )
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.kv_formats import parse_format, quantized_format
@@ -69,8 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Full run (the issue's): --context 4096 --concurrency 1 8 --rounds 3 (the "
-        "defaults; about an hour here). Short run: --short (context 256, concurrency 1 2, 2 "
-        "rounds, 16 tokens; under 10 minutes on an idle 2-core machine).",
+        "defaults; hours on this shared machine). Short run: --short (context 128, concurrency "
+        "1 2, 2 rounds, 16 tokens; under 10 minutes on an idle 2-core machine).",
     )
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 8, 4], choices=[16, 8, 4])
     parser.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
@@ -87,13 +87,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--short", action="store_true",
-        help="context 256, concurrency 1 2, 2 rounds, 16 tokens",
+        help="context 128, concurrency 1 2, 2 rounds, 16 tokens",
     )  # fmt: skip
     args = parser.parse_args()
     if args.short:
-        args.context, args.concurrency, args.rounds, args.max_tokens = 256, [1, 2], 2, 16
+        args.context, args.concurrency, args.rounds, args.max_tokens = 128, [1, 2], 2, 16
     if min(args.rounds, args.max_tokens, args.context, *args.concurrency) < 1:
         parser.error("--rounds, --max-tokens, --context and --concurrency must be >= 1")
+    args.concurrency = sorted({1, *args.concurrency})  # c=1 gives the TTFT and decode rate
     return args
 
 
@@ -160,12 +161,6 @@ class Setting:
         self.batches: dict[tuple[str, int], list[Batch]] = {}
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
-    """TTFT and decode tokens per second (after the first) of one request."""
-    stream = stream_one(url, prompt, max_tokens)
-    return stream.ttft, (stream.completion_tokens - 1) / max(stream.latency - stream.ttft, 1e-9)
-
-
 def bench_setting(
     setting: Setting,
     round_no: int,
@@ -189,12 +184,6 @@ def bench_setting(
             setting.fmt = quantized[0] if quantized else "bf16"  # the model's dtype
             setting.block_bytes = declared_block_bytes(run_dir, setting.fmt)
         seed = 100_000 * setting.bits + 1000 * round_no
-        for kind in order:
-            prompt = make_prompts(model_dir, 1, args.context, seed=seed + 1)[0]
-            ttft, decode = one_request(servers[kind].url, prompt, args.max_tokens)
-            setting.ttft[kind].append(ttft)
-            setting.decode[kind].append(decode)
-            log_line(setting, round_no, kind, f"c=1 TTFT {ttft:6.2f} s, decode {decode:6.1f} tok/s")
         for c in args.concurrency:
             prompts = make_prompts(model_dir, c, args.context, seed=seed + 10 * c)
             for kind in order:
@@ -207,7 +196,13 @@ def bench_setting(
                 else:
                     batch = run_batch(servers[kind].url, prompts, args.max_tokens)
                 setting.batches.setdefault((kind, c), []).append(batch)
-                log_line(setting, round_no, kind, f"c={c} {batch.tokens_per_s:7.1f} tok/s")
+                text = f"c={c} {batch.tokens_per_s:7.1f} tok/s"
+                if c == 1:  # one request: its TTFT, and its decode rate after the first token
+                    decode = (batch.completion_tokens - 1) / (batch.latency_p50 - batch.ttft_p50)
+                    setting.ttft[kind].append(batch.ttft_p50)
+                    setting.decode[kind].append(decode)
+                    text += f", TTFT {batch.ttft_p50:6.2f} s, decode {decode:6.1f} tok/s"
+                log_line(setting, round_no, kind, text)
     finally:
         for server in servers.values():
             server.stop()
