@@ -841,7 +841,7 @@ def test_every_block_of_an_allocation_is_found_by_id() -> None:
     pool = pool_of(n_blocks=64, block_size=4)
     blocks = pool.allocate("k", 4 * 5, owner=1)
     last = blocks[-1].block_id
-    assert pool.owner_of(last) == 1 and pool.stream_of(last) == "k"
+    assert pool.owner_of(last) == 1 and pool.stream_format_of(last) == ("k", "fp16")
     pool.mark_used(Block(block_id=blocks[2].block_id), 1)
     assert blocks[2].n_used == 1 and pool.usage(1) == {"k": (5, 17)}
     ids = pool.allocate_ids("k", 4 * 3, owner=2)

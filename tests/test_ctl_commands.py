@@ -34,6 +34,7 @@ def test_status_json_matches_the_daemon(pool: LivePool) -> None:
             "blocks": {"k": 4, "v": 3},
             "bytes": {"k": 4 * 4096, "v": 3 * 4096},
             "bytes_total": 7 * 4096,
+            "formats": {"fp16": {"blocks": 7, "bytes": 7 * 4096}},
             "running": None,  # the test workers never report their requests
             "queued": None,
             "prompt_cache": None,  # nor a prompt cache
@@ -43,6 +44,7 @@ def test_status_json_matches_the_daemon(pool: LivePool) -> None:
             "blocks": {"k": 7, "v": 7},
             "bytes": {"k": 7 * 4096, "v": 7 * 4096},
             "bytes_total": 14 * 4096,
+            "formats": {"fp16": {"blocks": 14, "bytes": 14 * 4096}},
             "running": None,
             "queued": None,
             "prompt_cache": None,

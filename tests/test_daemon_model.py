@@ -16,6 +16,11 @@ model's limit (likewise), the ledger equals the recount (the audit), and each mo
 equal the model's. The in-process session declares no bytes per block: the budget never bounds
 it (which is also why the budget is set live: a daemon started with one refuses such a hello).
 
+Blocks of several formats share the pool: each allocation picks fp16 or a quantized format, and
+the two worker processes declare bytes per format (tests/worker_agent.py): the model prices each
+block at its format's bytes, so after every step the ledger's bytes of each model equal the sum
+over its held blocks of their format's bytes (also through a daemon restart's claims).
+
 Issue 13: the same machine against a daemon that lends unused reserves (``--lend-reserves``),
 where the grant rule keeps no model's unused reserve free and a request can never fit only
 over its model's limit.
@@ -36,7 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vqpool.daemon.budget.live_settings import LIVE_SETTINGS_FILE
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
-from worker_agent import run_op
+from worker_agent import AGENT_BYTES_PER_FORMAT, run_op
 
 BLOCK_SIZE = 16
 PER_STREAM = 12
@@ -44,6 +49,14 @@ OPTIONS = ("--n-blocks", str(2 * PER_STREAM), "--lease", "1", "--claim-grace", "
 OWNERS = st.sampled_from([1, 2, "a", "b", "c"])
 STREAMS = st.sampled_from(["k", "v"])
 BYTES_PER_BLOCK = 4096  # what worker_agent.py declares, every stream
+FORMATS = st.sampled_from(["fp16", "q8g64", "q4g64"])
+
+
+def format_bytes_of(fmt: str) -> int:
+    """Bytes a worker process's block of format ``fmt`` costs."""
+    return AGENT_BYTES_PER_FORMAT.get(fmt, BYTES_PER_BLOCK)
+
+
 UNLIMITED = None
 
 
@@ -76,6 +89,11 @@ class ModelBudget:
 class OwnerModel:
     session: int
     blocks: dict[str, list[int]] = field(default_factory=lambda: {"k": [], "v": []})
+    formats: dict[int, str] = field(default_factory=dict)
+    """Each held block's format."""
+
+    def n_bytes(self) -> int:
+        return sum(format_bytes_of(self.formats[b]) for ids in self.blocks.values() for b in ids)
 
 
 class DaemonMachine(RuleBasedStateMachine):
@@ -111,11 +129,7 @@ class DaemonMachine(RuleBasedStateMachine):
         return sum(len(o.blocks[stream]) for o in self.owners.values())
 
     def bytes_held(self, model: str) -> int:
-        return sum(
-            BYTES_PER_BLOCK * sum(map(len, o.blocks.values()))
-            for o in self.owners.values()
-            if self.models[o.session] == model
-        )
+        return sum(o.n_bytes() for o in self.owners.values() if self.models[o.session] == model)
 
     def total_bytes(self) -> int:
         return sum(self.bytes_held(m) for m in {m for m in self.models if m is not None})
@@ -155,12 +169,18 @@ class DaemonMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------
 
-    @rule(session=st.integers(0, 2), stream=STREAMS, n_tokens=st.integers(1, 80), owner=OWNERS)
-    def allocate(self, session: int, stream: str, n_tokens: int, owner: Any) -> None:
-        got = self.outcome(session, "allocate", stream, n_tokens, owner)
+    @rule(
+        session=st.integers(0, 2),
+        stream=STREAMS,
+        n_tokens=st.integers(1, 80),
+        owner=OWNERS,
+        fmt=FORMATS,
+    )
+    def allocate(self, session: int, stream: str, n_tokens: int, owner: Any, fmt: str) -> None:
+        got = self.outcome(session, "allocate", stream, n_tokens, owner, fmt)
         model = self.owners.get(owner)
         n_needed = -(-n_tokens // BLOCK_SIZE)
-        refusal = self.budget_refusal(self.models[session], n_needed * BYTES_PER_BLOCK)
+        refusal = self.budget_refusal(self.models[session], n_needed * format_bytes_of(fmt))
         if model is not None and model.session != session:  # owners are checked first
             assert got[0] == "OwnerAlreadyActiveError", got
         elif refusal is not None:  # then the budget, then the ids
@@ -169,7 +189,9 @@ class DaemonMachine(RuleBasedStateMachine):
             assert got[0] == "BlockPoolExhaustedError", got  # registers nothing on the daemon
         else:
             assert got[0] == "ok" and len(got[1]) == n_needed, got
-            self.owners.setdefault(owner, OwnerModel(session)).blocks[stream] += got[1]
+            held = self.owners.setdefault(owner, OwnerModel(session))
+            held.blocks[stream] += got[1]
+            held.formats.update(dict.fromkeys(got[1], fmt))
 
     @rule(session=st.integers(0, 2), owner=OWNERS)
     def register_owner(self, session: int, owner: Any) -> None:

@@ -49,6 +49,10 @@ OWNERS: dict[Any, None] = {}
 RECLAIM: list[ReclaimAgent] = []
 
 
+AGENT_BYTES_PER_FORMAT = {"q8g64": 2048, "q4g64": 1024}
+"""Bytes of a block of each quantized format an agent declares (fp16 and any other: 4096)."""
+
+
 def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
     if op == "allocate":
         blocks = [b.block_id for b in pool.allocate(*args)]
@@ -119,7 +123,13 @@ def hog_gil(seconds: float) -> float:
 
 def main() -> None:
     run_dir, name = sys.argv[1], sys.argv[2]
-    pool = PoolClient(run_dir, name=name, bytes_per_block=4096, timeout=5.0)
+    pool = PoolClient(
+        run_dir,
+        name=name,
+        bytes_per_block=4096,
+        bytes_per_format=AGENT_BYTES_PER_FORMAT,
+        timeout=5.0,
+    )
     print(json.dumps({"ok": True, "result": {"sid": pool.session_id}}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

@@ -33,6 +33,7 @@ from vqpool.daemon.budget.views import (
 )
 from vqpool.daemon.core.coordinator import Coordinator
 from vqpool.daemon.core.sessions import Session
+from vqpool.daemon.core.views import priced_holdings
 from vqpool.shared.byte_sizes import MAX_BYTES, format_bytes
 from vqpool.shared.model_names import resolve_model
 from vqpool.shared.protocol import ALLOCATE
@@ -414,7 +415,20 @@ class BudgetAccounting:
 
     def model_views(self, now: float) -> list[dict[str, Any]]:
         """The ``model_list`` admin op's views."""
-        return model_views(self.ledger, self._coord.sessions, now, self.live.settings_from)
+        formats: dict[str, dict[str, dict[str, int]]] = {}
+        for session in self._coord.sessions:
+            model = formats.setdefault(session.model, {})
+            for fmt, held in priced_holdings(self._coord, session)[1].items():
+                row = model.setdefault(fmt, {"blocks": 0, "bytes": 0})
+                row["blocks"] += held["blocks"]
+                row["bytes"] += held["bytes"]
+        return model_views(
+            self.ledger,
+            self._coord.sessions,
+            now,
+            self.live.settings_from,
+            {name: dict(sorted(held.items())) for name, held in formats.items()},
+        )
 
     def model_view(self, name: str, now: float) -> dict[str, Any]:
         """The view of one model the ledger knows or a session serves."""

@@ -52,10 +52,7 @@ class Holdings:
 
     def block_cost(self, session: Session, stream: str, fmt: str) -> int:
         """Bytes one block of format ``fmt`` costs ``session``, asked for under ``stream``."""
-        cost = session.bytes_per_format.get(fmt)
-        if cost is None:
-            cost = session.bytes_per_block
-        return cost.get(self._one_stream or stream, 0)
+        return session.block_bytes(self._one_stream or stream, fmt)
 
     def bytes_of(self, items: Items, session: Session) -> int:
         """Bytes the blocks of an allocation's ``items`` cost ``session``."""

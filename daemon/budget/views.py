@@ -5,7 +5,7 @@ that are only the budget's show as None."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vqpool.daemon.budget.ledger import BudgetLedger
@@ -66,11 +66,14 @@ def model_views(
     sessions: Iterable[Session],
     now: float,
     settings_from: Callable[[str], dict[str, str]] | None = None,
+    formats: Mapping[str, dict[str, dict[str, int]]] | None = None,
 ) -> list[dict[str, Any]]:
     """One view per model the ledger knows or a live session serves, by name; with
     ``settings_from``, where each of its settings comes from (``live``, ``config``,
-    ``default``). ``memory``: its workers' last memory reports beside what is declared for it
-    (:meth:`ModelMemory.view`), or None when none reported."""
+    ``default``). ``formats``: per model, its blocks and bytes held per block format
+    (``{format: {"blocks", "bytes"}}``; none: {}). ``memory``: its workers' last memory
+    reports beside what is declared for it (:meth:`ModelMemory.view`), or None when none
+    reported."""
     snap = ledger.snapshot(now)
     sessions = list(sessions)
     load: dict[str, list[int]] = {}
@@ -125,6 +128,7 @@ def model_views(
             row["settings_from"] = settings_from(name)
         memory = model_memory(sessions, name, row["held"])
         row["memory"] = None if memory is None else memory.view()
+        row["formats"] = (formats or {}).get(name, {})
         views.append(
             {"model": name, **row, "sessions": n_sessions, "running": running, "queued": queued}
         )

@@ -102,6 +102,14 @@ class Session:
     preemptions: int = 0
     bytes_per_format: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    def block_bytes(self, stream: str, fmt: str) -> int:
+        """Bytes one block of ``stream`` in format ``fmt`` holds in the worker: its format's
+        declared bytes, else ``bytes_per_block`` (0 when neither declares the stream)."""
+        cost = self.bytes_per_format.get(fmt)
+        if cost is None:
+            cost = self.bytes_per_block
+        return cost.get(stream, 0)
+
     def lease_expired(self, now: float, lease: float) -> str | None:
         """Why this session of a stopped process is reaped now, or None within its lease."""
         if now - self.last_heard > lease:

@@ -38,17 +38,37 @@ def owner_view(
     }
 
 
+def priced_holdings(
+    coord: Coordinator, session: Session
+) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """The bytes ``session``'s blocks hold per stream, and per block format
+    ``{format: {"blocks": n, "bytes": b}}`` (formats in name order): each block at its format's
+    bytes, as the budget charges it."""
+    per_stream: dict[str, int] = {}
+    formats: dict[str, dict[str, int]] = {}
+    format_usage = coord.allocator.format_usage
+    for owner in session.owners:
+        for (stream, fmt), n in format_usage(owner).items():
+            if n:
+                n_bytes = n * session.block_bytes(stream, fmt)
+                per_stream[stream] = per_stream.get(stream, 0) + n_bytes
+                row = formats.setdefault(fmt, {"blocks": 0, "bytes": 0})
+                row["blocks"] += n
+                row["bytes"] += n_bytes
+    return per_stream, dict(sorted(formats.items()))
+
+
 def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, Any]:
-    """One session: its worker, what it holds per stream in blocks and bytes, and its lease."""
+    """One session: its worker, what it holds per stream and per format in blocks and bytes
+    (a block at its format's bytes), and its lease."""
     per_stream: dict[str, int] = {}
     tokens = 0
     for usage in coord.usage_by(session).values():
         for stream, (n_blocks, _) in usage.items():
             per_stream[stream] = per_stream.get(stream, 0) + n_blocks
         tokens += sequence_tokens(usage)
-    bytes_held = {
-        stream: n * session.bytes_per_block.get(stream, 0) for stream, n in per_stream.items()
-    }
+    bytes_by_stream, formats = priced_holdings(coord, session)
+    bytes_held = {stream: bytes_by_stream.get(stream, 0) for stream in per_stream}
     silent = now - session.last_heard
     return {
         "sid": session.sid,
@@ -68,8 +88,10 @@ def session_view(coord: Coordinator, session: Session, now: float) -> dict[str, 
         "n_blocks": sum(per_stream.values()),
         "blocks": per_stream,
         "bytes_per_block": session.bytes_per_block,
+        "bytes_per_format": session.bytes_per_format,
         "bytes": bytes_held,
         "bytes_total": sum(bytes_held.values()),
+        "formats": formats,
         "tokens": tokens,
         "requests": session.n_requests,
         "running": session.running,

@@ -11,6 +11,7 @@ from typing import Any
 
 from vqpool.daemon.ctl.labels import model_labels
 from vqpool.daemon.ctl.render import duration, ellipsis, fit_fields, table
+from vqpool.daemon.ctl.summaries import formats_text, shows_formats
 from vqpool.shared.byte_sizes import format_bytes
 
 MODEL_HEADERS = [
@@ -169,7 +170,11 @@ def budget_report(listing: dict[str, Any]) -> list[str]:
         return [*lines, "no models: no worker is connected and none is configured"]
     labels = model_labels([v["model"] for v in views], LABEL_WIDTH, ellipsis())
     rows = [model_row(labels[v["model"]], v) for v in views]
-    return [*lines, "", table(MODEL_HEADERS, rows, right=RIGHT_ALIGNED)]
+    headers = MODEL_HEADERS
+    if shows_formats(v.get("formats", {}) for v in views):
+        headers = [*MODEL_HEADERS, "KV FORMATS"]
+        rows = [[*row, formats_text(v["formats"])] for row, v in zip(rows, views, strict=True)]
+    return [*lines, "", table(headers, rows, right=RIGHT_ALIGNED)]
 
 
 def model_fields(view: dict[str, Any]) -> list[str]:
@@ -178,6 +183,8 @@ def model_fields(view: dict[str, Any]) -> list[str]:
     reported = [] if weights(view) == "-" else [f"weights {weights(view)}"]
     if view.get("memory") is not None:
         reported.append(f"measured {measured(view)}")
+    if shows_formats([view.get("formats", {})]):
+        reported.append(f"formats {formats_text(view['formats'])}")
     return [
         f"held {format_bytes(view['held'])}",
         *reported,

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vqpool.shared.kv_formats import DEFAULT_GROUP_SIZE, quantized_format
 from vqpool.shared.model_names import resolve_model
 
 DEFAULT_KEEP_ALIVE = 300.0
@@ -49,6 +50,9 @@ WORKER_OPTIONS: dict[str, tuple[type, ...]] = {
     "adapter_path": (str,),
     "draft_model": (str,),
     "num_draft_tokens": (int,),
+    "kv_bits": (int,),
+    "kv_group_size": (int,),
+    "quantized_kv_start": (int,),
 }
 """The ``vqpool-worker`` options a model's table may set (as the flag without dashes; the
 worker's ``--reserve`` is ``reserve_mode`` here, since ``reserve`` is the model's byte reserve).
@@ -111,6 +115,19 @@ class ModelEntry:
         pairs = zip(self.worker_args[::2], self.worker_args[1::2], strict=True)
         return next((value for name, value in pairs if name == flag), None)
 
+    def kv_quantization(self) -> tuple[int, int] | None:
+        """``(bits, group_size)`` its worker quantizes KV to (``kv_bits``), or None: full
+        precision."""
+        bits = self.worker_option("--kv-bits")
+        if bits is None:
+            return None
+        return int(bits), int(self.worker_option("--kv-group-size") or DEFAULT_GROUP_SIZE)
+
+    def kv_format(self) -> str | None:
+        """The block format tag of its quantized KV (``q4g64``...), or None: full precision."""
+        quantization = self.kv_quantization()
+        return None if quantization is None else quantized_format(*quantization)
+
 
 def entry_from_table(name: str, table: Mapping[str, Any], keep_alive: float) -> ModelEntry | None:
     """The entry a ``[models."NAME"]`` table describes, or None when it has no ``path`` (budget
@@ -153,6 +170,13 @@ def entry_from_table(name: str, table: Mapping[str, Any], keep_alive: float) -> 
             names = " or ".join(t.__name__ for t in types)
             raise ValueError(f"{where}: {key} must be {names}, got {value!r}")
         args += [_WORKER_FLAGS.get(key, "--" + key.replace("_", "-")), str(value)]
+    if "kv_bits" in table or "kv_group_size" in table:
+        if "kv_bits" not in table:
+            raise ValueError(f"{where}: kv_group_size needs kv_bits (the KV is not quantized)")
+        try:  # priced by the load's KV minimum before any worker checks it
+            quantized_format(table["kv_bits"], table.get("kv_group_size", DEFAULT_GROUP_SIZE))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     return ModelEntry(name, path, tuple(aliases), keep_alive, pinned, tuple(args))
 
 

@@ -79,17 +79,28 @@ class LedgerCalls:
 
         return await asyncio.to_thread(run)
 
-    async def need(self, model: str, spec: str, weights: int | None, kv_tokens: int) -> LoadNeed:
+    async def need(
+        self,
+        model: str,
+        spec: str,
+        weights: int | None,
+        kv_tokens: int,
+        quantization: tuple[int, int] | None = None,
+    ) -> LoadNeed:
         """What loading ``model`` (``spec`` names its files) asks for: ``weights`` (unknown: 0,
         its worker's hello charges them) and its KV minimum: the KV of ``kv_tokens`` tokens (its
-        config priced at the pool's block size) but no more than its limit at the daemon, or its
-        reserve there if larger.
+        config priced at the pool's block size, quantized to ``quantization``'s (bits,
+        group_size) when its worker quantizes KV) but no more than its limit at the daemon, or
+        its reserve there if larger.
 
         Raises:
             VqpoolError: The daemon does not answer.
         """
         block_size = (await self.call("stats"))["config"]["block_size"]
-        block = kv_block_bytes(spec, block_size) or 0
+        try:
+            block = kv_block_bytes(spec, block_size, *(quantization or (None,))) or 0
+        except ValueError:  # heads the group does not divide: the worker refuses it
+            block = kv_block_bytes(spec, block_size) or 0
         models = await self.call("model_list")
         row = next((m for m in models["models"] if m["model"] == model), None)
         room = -(-kv_tokens // block_size) * block

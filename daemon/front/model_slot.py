@@ -147,6 +147,7 @@ class ModelSlot:
         return {
             "name": self.name,
             "path": self.entry.path,
+            "kv_format": self.entry.kv_format(),
             "aliases": list(self.entry.aliases),
             "state": self.state,
             "pid": None if worker is None else worker.pid,

@@ -403,7 +403,13 @@ class Supervisor:
             VqpoolError: vqpoold does not answer.
         """
         weights = None if slot.weights is None else slot.weights.nbytes
-        need = await self.ledger.need(slot.name, slot.entry.path, weights, self.load_kv_tokens)
+        need = await self.ledger.need(
+            slot.name,
+            slot.entry.path,
+            weights,
+            self.load_kv_tokens,
+            slot.entry.kv_quantization(),
+        )
         while True:
             if self._closing or slot.queued <= slot.answered:
                 return False, None

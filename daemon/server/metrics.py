@@ -35,6 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from vqpool.daemon.core.views import priced_holdings
 from vqpool.daemon.ops.state import DaemonState
 from vqpool.shared.errors import ErrorCode
 from vqpool.shared.protocol import ADMIN_OPS, PROMPT_CACHE_FIGURES, WORKER_OPS
@@ -202,8 +203,11 @@ class MetricsSnapshot:
                 for stream, (n_held, _) in usage.items():
                     key = (session.model, stream)
                     n_blocks, n_bytes = held.get(key, (0, 0))
-                    bytes_per_block = session.bytes_per_block.get(stream, 0)
-                    held[key] = (n_blocks + n_held, n_bytes + n_held * bytes_per_block)
+                    held[key] = (n_blocks + n_held, n_bytes)
+            for stream, n_bytes in priced_holdings(coord, session)[0].items():
+                key = (session.model, stream)
+                n_blocks, before = held.get(key, (0, 0))
+                held[key] = (n_blocks, before + n_bytes)
         return cls(
             stats=allocator.stats.snapshot(),
             streams={s: (allocator.n_free(s), allocator.n_total(s)) for s in allocator.streams},
@@ -275,6 +279,24 @@ def metric_families(snap: MetricsSnapshot) -> Iterator[Metric]:
         bytes_held.add_metric([model, stream], n_bytes)
     yield blocks
     yield bytes_held
+
+    kv_blocks = GaugeMetricFamily(
+        "vqpool_model_kv_blocks",
+        "Blocks held by the workers serving a model, per block format (fp16, bf16, q8g64, ...).",
+        labels=["model", "format"],
+    )
+    kv_bytes = GaugeMetricFamily(
+        "vqpool_model_kv_bytes",
+        "Bytes of KV cache those blocks are in the workers, per block format (each block at "
+        "its format's bytes, as the budget charges it).",
+        labels=["model", "format"],
+    )
+    for view in snap.models:
+        for fmt, held in view["formats"].items():
+            kv_blocks.add_metric([view["model"], fmt], held["blocks"])
+            kv_bytes.add_metric([view["model"], fmt], held["bytes"])
+    yield kv_blocks
+    yield kv_bytes
 
     yield from _budget_families(snap)
     yield from _prompt_cache_families(snap)

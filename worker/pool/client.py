@@ -550,9 +550,10 @@ class PoolClient:
         self._reclaim.start()
 
     def held_bytes(self) -> int:
-        """Bytes the blocks this client holds take, by the ``bytes_per_block`` it declared
-        (0 if none; no round trip)."""
-        return self._holdings.held_bytes(self._session.bytes_per_block)
+        """Bytes the blocks this client holds take, by the ``bytes_per_block`` and
+        ``bytes_per_format`` it declared (0 if none; no round trip)."""
+        session = self._session
+        return self._holdings.held_bytes(session.bytes_per_block, session.bytes_per_format)
 
     def report_prompt_cache(self, counters: Mapping[str, int]) -> None:
         """Tell the daemon what the worker's prompt cache holds and did (``bytes``, ``blocks``,

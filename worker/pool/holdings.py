@@ -73,15 +73,21 @@ class Holdings:
         if self.owners.get(owner) == {}:
             del self.owners[owner]
 
-    def held_bytes(self, cost: int | Mapping[str, int] | None) -> int:
+    def held_bytes(
+        self,
+        cost: int | Mapping[str, int] | None,
+        per_format: Mapping[str, int | Mapping[str, int]] | None = None,
+    ) -> int:
         """Bytes the blocks held take at ``cost`` bytes per block (for all streams, or per
-        stream); 0 when None."""
-        if cost is None:
-            return 0
-        blocks = list(self.blocks.values())
-        if isinstance(cost, int):
-            return cost * len(blocks)
-        return sum(cost.get(block.stream, 0) for block in blocks)
+        stream; 0 when None), a block of a format ``per_format`` names at that format's (as
+        the daemon charges them)."""
+        n_bytes = 0
+        for block in list(self.blocks.values()):
+            price = cost if per_format is None else per_format.get(block.format, cost)
+            if price is None:
+                continue
+            n_bytes += price if isinstance(price, int) else price.get(block.stream, 0)
+        return n_bytes
 
     def held_blocks(self) -> Iterator[Block]:
         return iter(list(self.blocks.values()))

@@ -3,7 +3,8 @@
 cache list: one row per model: cached bytes and blocks (part of the bytes its workers hold),
 entries, lookups, hits, hit rate, prompt tokens reused from the cache and prefilled, and entries
 evicted, as the workers last reported them in their heartbeat ("-" for a model none of whose
-workers reports a prompt cache).
+workers reports a prompt cache); when some model's blocks are quantized (`vqpool-worker
+--kv-bits`), the blocks and bytes its workers hold per block format (KV FORMATS).
 
 cache drop MODEL: tell every worker of MODEL (its name as `vqpoolctl sessions` shows it, or a
 label naming only it, as in `model list`) to drop its prompt cache. The daemon tells each worker
@@ -19,7 +20,7 @@ from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_action, add_actions, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
-from vqpool.daemon.ctl.summaries import per_model
+from vqpool.daemon.ctl.summaries import formats_text, per_model, shows_formats
 from vqpool.shared.protocol import CACHE_DROP
 
 LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
@@ -35,16 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _list(ctl: Ctl) -> int:
-    models = {
-        name: model["prompt_cache"] for name, model in per_model(ctl.call("sessions")).items()
-    }
+    held = per_model(ctl.call("sessions"))
+    models = {name: model["prompt_cache"] for name, model in held.items()}
     if ctl.as_json:
         ctl.print_json(models)
         return Exit.OK
+    formats = shows_formats(model["formats"] for model in held.values())
     rows = []
     for name, cache in models.items():
+        kv_formats = [formats_text(held[name]["formats"])] if formats else []
         if cache is None:
-            rows.append([name, *["-"] * 9])
+            rows.append([name, *["-"] * 9, *kv_formats])
             continue
         rate = percent(cache["hits"] / cache["lookups"]) if cache["lookups"] else "-"
         rows.append(
@@ -59,6 +61,7 @@ def _list(ctl: Ctl) -> int:
                 cache["tokens_reused"],
                 cache["tokens_prefilled"],
                 cache["evictions"],
+                *kv_formats,
             ]
         )
     headers = [
@@ -72,8 +75,10 @@ def _list(ctl: Ctl) -> int:
         "TOKENS REUSED",
         "PREFILLED",
         "EVICTED",
+        *(["KV FORMATS"] if formats else []),
     ]
-    ctl.print(table(headers, rows, right=set(headers[1:])) if rows else "no worker sessions")
+    right = set(headers[1:]) - {"KV FORMATS"}
+    ctl.print(table(headers, rows, right=right) if rows else "no worker sessions")
     return Exit.OK
 
 

@@ -18,6 +18,10 @@ much of "now" it is, if any), once others return, and at most; and the largest c
 that fits now and ever. --json prints the daemon's answer (the exit status is the verdict's
 all the same).
 
+A worker that quantizes its KV (``--kv-bits``) is priced at its quantized format's bytes per
+block (the line says "KV in q4g64 blocks"); a model the front door serves with ``kv_bits`` set
+is priced so before it is loaded as well.
+
 A model with no worker connected (not loaded) is priced from its files: its weights from its
 safetensors headers (a built-in's config), its KV per token from its config.json, where the
 front door (`vqpool serve`) serves it under that name, else MODEL as a directory, a cached hub id
@@ -38,6 +42,7 @@ from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_json, op_help, positive_int
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.front_client import FrontDoorNotRunning
+from vqpool.shared.kv_formats import parse_format
 from vqpool.shared.kv_size import kv_token_bytes
 from vqpool.shared.model_names import resolve_model
 from vqpool.shared.model_weights import estimate_weights
@@ -122,7 +127,12 @@ def _unpriced_fit(
         weights = estimate_weights(spec)
     except (ValueError, OSError):
         weights = None
-    per_token = kv_token_bytes(spec)
+    fmt = None if row is None else row.get("kv_format")
+    quantization = None if fmt is None else parse_format(fmt)
+    try:
+        per_token = kv_token_bytes(spec, *(quantization or (None,)))
+    except ValueError:  # heads its group does not divide: priced as its worker would fail
+        return None
     if per_token is None:
         return None
     answer: dict[str, Any] = ctl.call(
@@ -133,7 +143,7 @@ def _unpriced_fit(
         weights=0 if weights is None else weights.nbytes,
         bytes_per_token=per_token,
     )
-    return answer
+    return {**answer, "format": fmt}
 
 
 def load_line(answer: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -193,7 +203,8 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
     need, per_sequence = answer["need"], answer["bytes_per_sequence"]
     ctl.print(
         f"{answer['model']}: {args.concurrency} x {args.context} tokens need {format_bytes(need)} "
-        f"({format_bytes(per_sequence)} per sequence)"
+        f"({format_bytes(per_sequence)} per sequence"
+        + (f", KV in {answer['format']} blocks)" if answer.get("format") else ")")
     )
     ctl.print(words)
     own_cache = answer.get("own_cache_now", 0)  # a daemon before this field sends none

@@ -9,7 +9,9 @@ it), its weight (how spare bytes are shared while models wait),
 bytes borrowed (held above the reserve), its entitlement (its fair share now), requests waiting
 for memory (their bytes, and how long the oldest has waited), its sessions, and requests its
 workers run and queue, and where its settings come from (the config file, set live, or the
-defaults). Above the table, the budget line as `vqpoolctl budget` prints it. Model
+defaults); when some model's blocks are quantized (`vqpool-worker --kv-bits`), its blocks and
+bytes per block format (KV FORMATS). Above the table, the budget line as `vqpoolctl budget`
+prints it. Model
 names lose the prefix they do not need (as in `watch`); --json has the full names.
 
 model set NAME [--reserve SIZE] [--limit SIZE|none] [--weight W] [--create]: change the

@@ -2,7 +2,9 @@
 
 Prints the daemon's pid, uptime, boot id and version, the pool's configuration, blocks in use,
 free and total per stream, fragmentation, what the workers of each model hold (blocks and
-bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cache list`; their
+bytes, and how many of those bytes their prompt caches hold: see `vqpoolctl cache list`; when
+some model's blocks are quantized (`vqpool-worker --kv-bits`), its blocks and bytes per block
+format, each block at its format's bytes, as the budget charges it; their
 weights and the memory their processes hold, measured, as `vqpoolctl model list`), and
 the memory budget: the budget, bytes held and free, reserves (lent) and requests waiting,
 reclaims (asked, answered, late, bytes given back, answer p50/p99) and preemptions, and per
@@ -23,7 +25,13 @@ from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.front_door import front_door_or_none, models_table
 from vqpool.daemon.ctl.options import add_json
 from vqpool.daemon.ctl.render import duration, human_bytes, percent, table
-from vqpool.daemon.ctl.summaries import in_use, per_model, pool_line
+from vqpool.daemon.ctl.summaries import (
+    formats_text,
+    in_use,
+    per_model,
+    pool_line,
+    shows_formats,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +87,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
         views = {view["model"]: view for view in listing["models"]}
         # Weights and measured memory when a worker reports them (raw clients report none).
         memory = any(view.get("memory") is not None for view in views.values())
+        formats = shows_formats(m["formats"] for m in models.values())
         rows = [
             [
                 name,
@@ -87,6 +96,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
                 human_bytes(m["bytes_total"]),
                 "-" if m["prompt_cache"] is None else human_bytes(m["prompt_cache"]["bytes"]),
                 *((weights(views.get(name, {})), measured(views.get(name, {}))) if memory else ()),
+                *((formats_text(m["formats"]),) if formats else ()),
             ]
             for name, m in models.items()
         ]
@@ -97,6 +107,7 @@ def run(ctl: Ctl, args: argparse.Namespace) -> int:
             "BYTES HELD",
             "OF WHICH CACHED",
             *(("WEIGHTS", "MEASURED") if memory else ()),
+            *(("KV FORMATS",) if formats else ()),
         ]
         right = {"BYTES HELD", "OF WHICH CACHED", "WEIGHTS", "MEASURED"}
         ctl.print(table(headers, rows, right=right))

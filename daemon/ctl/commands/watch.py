@@ -8,9 +8,10 @@ running and have queued (as the workers last reported them in their heartbeat; "
 worker that does not report them); fragmentation; and the rates of block allocations and of
 refused (exhausted) allocations since the previous refresh; then the memory budget (budget,
 bytes held and free, reserves, requests waiting) and per model its bytes held, reserve, limit,
-weight, bytes borrowed above its reserve and requests waiting for memory with their bytes;
-when a front door (`vqpool serve`) runs on the run directory, its URL and pid and each of its
-models' state and requests running and queued (as `vqpoolctl ps`; --json lines: "front_door").
+weight, bytes borrowed above its reserve and requests waiting for memory with their bytes
+(and, when some model's blocks are quantized, its blocks and bytes per block format); when a
+front door (`vqpool serve`) runs on the run directory, its URL and pid and each of its models'
+state and requests running and queued (as `vqpoolctl ps`; --json lines: "front_door").
 Lines fit the terminal's width;
 model names lose their org or directory prefix, and long ones their middle, keeping the part
 that tells them apart. When stdout is not a terminal (a pipe or a file), each refresh is

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vqpool.daemon.ops.state import DaemonState
-from vqpool.daemon.ops.worker.budget import fit_answer
+from vqpool.daemon.ops.worker.budget import fit_answer, fit_pricing
 from vqpool.shared.protocol import ADMIN_ARGS, FIT
 
 PARAMS = ADMIN_ARGS[FIT]
@@ -16,10 +16,13 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     coord = state.coord
     budget = state.budget
     model = budget.resolve(args["model"]) or args["model"]
-    priced = [s for s in coord.sessions if s.model == model and s.bytes_per_block]
+    priced = [
+        s for s in coord.sessions if s.model == model and (s.bytes_per_block or s.bytes_per_format)
+    ]
     new_weights = 0
+    fmt = None
     if priced:
-        bytes_per_block = priced[0].bytes_per_block
+        fmt, bytes_per_block = fit_pricing(priced[0])
     else:
         # Not loaded: priced as the client says (from the model's config), its weights added.
         per_block = args["bytes_per_block"]
@@ -35,4 +38,4 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     answer = fit_answer(
         state, model, bytes_per_block, args["context"], args["concurrency"], new_weights
     )
-    return {"model": model, **answer}
+    return {"model": model, **answer, "format": fmt}

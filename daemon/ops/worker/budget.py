@@ -10,13 +10,30 @@ from typing import Any
 from vqpool.daemon.core.sessions import Session
 from vqpool.daemon.ops.op_table import Args
 from vqpool.daemon.ops.state import DaemonState
+from vqpool.shared.kv_formats import parse_format
 from vqpool.shared.protocol import INT64_MAX
 
 
 def fit(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> dict[str, Any]:
-    return fit_answer(
-        state, session.model, session.bytes_per_block, args["context"], args["concurrency"]
-    )
+    fmt, bytes_per_block = fit_pricing(session)
+    answer = fit_answer(state, session.model, bytes_per_block, args["context"], args["concurrency"])
+    return {**answer, "format": fmt}
+
+
+def fit_pricing(session: Session) -> tuple[str | None, dict[str, int]]:
+    """The block format a long sequence of ``session``'s worker is held in, and its bytes per
+    block: its quantized format when it declared one (the worker quantizes a sequence once it
+    passes ``--quantized-kv-start``; the most costly, if it declared several), else
+    ``bytes_per_block`` (format None: whatever full precision its blocks are in)."""
+    quantized = [
+        (sum(costs.values()), fmt, costs)
+        for fmt, costs in session.bytes_per_format.items()
+        if parse_format(fmt) is not None
+    ]
+    if not quantized:
+        return None, session.bytes_per_block
+    _, fmt, costs = max(quantized)
+    return fmt, costs
 
 
 def fit_answer(

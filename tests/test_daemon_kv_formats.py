@@ -1,0 +1,286 @@
+"""Blocks of several formats in one vqpoold (fp16 beside 8- and 4-bit quantized ones): the ledger
+charges each block the bytes its session declared for its format (``bytes_per_format`` at hello),
+at every step and through a daemon restart; mixed formats fill a budget to the byte; the views,
+metrics and ``fit`` answer per format. Real daemons, hand-driven PoolClient sessions (no MLX)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from ctl_harness import ctl_json, run_ctl
+from daemon_harness import RawClient, scrape_metrics, wait_until
+from front_harness import FrontDoor
+from vqpool.daemon.front.catalog import entry_from_table
+from vqpool.daemon.front.ledger_calls import LedgerCalls
+from vqpool.shared import AllocationRequest
+from vqpool.shared.errors import BlockPoolExhaustedError
+from vqpool.shared.kv_formats import quantized_format
+from vqpool.shared.kv_size import kv_block_bytes, kv_token_bytes
+from vqpool.worker import PoolClient
+from vqpool.worker.testing.launch import DaemonProcess
+
+BLOCK = 16
+FP16 = {"k": 2048, "v": 2048}
+"""Bytes per block of each stream of the test's model in fp16, and quantized below."""
+Q8 = {"k": 1088, "v": 1088}
+Q4 = {"k": 576, "v": 576}
+PER_FORMAT = {"q8g64": Q8, "q4g64": Q4}
+PRICED: dict[str, dict[str, dict[str, int]]] = {}
+"""Each test session's declared bytes per format, by model name."""
+
+StartDaemon = Callable[..., DaemonProcess]
+
+
+@pytest.fixture
+def pools() -> Iterator[Callable[..., PoolClient]]:
+    opened: list[PoolClient] = []
+
+    def connect(daemon: DaemonProcess, name: str, **hello: Any) -> PoolClient:
+        hello.setdefault("bytes_per_block", FP16)
+        hello.setdefault("bytes_per_format", PER_FORMAT)
+        PRICED[name] = hello["bytes_per_format"] or {}
+        pool = PoolClient(daemon.run_dir, name=name, timeout=10.0, **hello)
+        opened.append(pool)
+        return pool
+
+    yield connect
+    for pool in opened:
+        pool.close()
+
+
+def expected(pool: PoolClient) -> dict[str, dict[str, int]]:
+    """What ``pool`` holds per format, priced as it declared (a format it did not declare at
+    its bytes per block): ``{format: {blocks, bytes}}``."""
+    declared = {"fp16": FP16, **PRICED[pool.name]}
+    held: dict[str, dict[str, int]] = {}
+    for block in pool.held_blocks():
+        row = held.setdefault(block.format, {"blocks": 0, "bytes": 0})
+        row["blocks"] += 1
+        row["bytes"] += declared.get(block.format, FP16)[block.stream]
+    return dict(sorted(held.items()))
+
+
+def check_charges(daemon: DaemonProcess, pools: dict[str, PoolClient]) -> None:
+    """The ledger, the model and session views and the audit agree with the sum over held
+    blocks of their format's bytes."""
+    views = {view["model"]: view for view in daemon.admin("model_list")["models"]}
+    for name, pool in pools.items():
+        want = expected(pool)
+        total = sum(row["bytes"] for row in want.values())
+        assert views[name]["held"] == total == pool.held_bytes(), (name, views[name])
+        assert views[name]["formats"] == want, name
+    sessions = {s["model"]: s for s in daemon.admin("sessions")}
+    for name, pool in pools.items():
+        assert sessions[name]["formats"] == expected(pool)
+        assert sessions[name]["bytes_total"] == pool.held_bytes()
+    daemon.audit()
+
+
+def test_the_ledger_charges_each_block_its_formats_bytes_at_every_step(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    daemon = start_daemon("--n-blocks", "512", "--budget", "1MiB", "--metrics-port", "0")
+    mixed = pools(daemon, "mixed")
+    plain = pools(daemon, "plain", bytes_per_format=None)
+    everyone = {"mixed": mixed, "plain": plain}
+    steps: list[Callable[[], Any]] = [
+        lambda: mixed.allocate("k", 40, "a", "fp16"),
+        lambda: mixed.allocate("v", 40, "a", "fp16"),
+        lambda: mixed.allocate("k", 100, "b", "q4g64"),
+        lambda: mixed.allocate("v", 100, "b", "q4g64"),
+        lambda: mixed.allocate("k", 17, "c", "q8g64"),
+        lambda: mixed.allocate("k", 16, "a", "q8g64"),  # one owner, two formats
+        lambda: plain.allocate("k", 33, "p", "q4g64"),  # not declared: its bytes_per_block
+        lambda: mixed.free(mixed.blocks_for("b")[:3]),
+        lambda: mixed.free([b for b in mixed.blocks_for("a") if b.format == "fp16"][:2]),
+        lambda: mixed.free_all("c"),
+        lambda: mixed.allocate_many(
+            [
+                AllocationRequest("k", 16 * n, f"many{n}", fmt)
+                for n, fmt in enumerate(("q4g64", "q8g64", "fp16"), start=1)
+            ]
+        ),
+    ]
+    for step in steps:
+        step()
+        check_charges(daemon, everyone)
+    formats = {fmt for fmt in expected(mixed)}
+    assert formats == {"fp16", "q8g64", "q4g64"}
+    samples = scrape_metrics(daemon.log())
+    for fmt, row in expected(mixed).items():
+        labels = (("format", fmt), ("model", "mixed"))
+        assert samples[("vqpool_model_kv_bytes", labels)] == row["bytes"]
+        assert samples[("vqpool_model_kv_blocks", labels)] == row["blocks"]
+    held_k = samples[("vqpool_model_bytes_held", (("model", "mixed"), ("stream", "k")))]
+    cost = {"fp16": FP16, **PER_FORMAT}
+    assert held_k == sum(cost[b.format]["k"] for b in mixed.held_blocks() if b.stream == "k")
+    for owner in ("a", "b", "many1", "many2", "many3"):
+        mixed.free_all(owner)
+    plain.free_all("p")
+    check_charges(daemon, everyone)
+    assert daemon.admin("budget")["total_held"] == 0
+
+
+def test_mixed_formats_fill_a_budget_to_the_byte(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    # Two models, one quantizing to 4 bits and one mixing fp16 and 8-bit blocks: 3 fp16 + 5
+    # q8 blocks of one, 7 q4 blocks of the other, to the byte.
+    budget = 3 * 2048 + 5 * 1088 + 7 * 576
+    daemon = start_daemon("--n-blocks", "512", "--budget", str(budget))
+    eight = pools(daemon, "eight")
+    four = pools(daemon, "four", bytes_per_format={"q4g64": Q4})
+    eight.allocate("k", 3 * BLOCK, "fp", "fp16")
+    eight.allocate("v", 5 * BLOCK, "q8", "q8g64")
+    four.allocate("k", 7 * BLOCK, "q4", "q4g64")
+    view = daemon.admin("budget")
+    assert (view["total_held"], view["free"]) == (budget, 0)
+    for pool, fmt in ((eight, "q8g64"), (eight, "fp16"), (four, "q4g64")):
+        with pytest.raises(BlockPoolExhaustedError):
+            pool.allocate("k", 1, "more", fmt)
+    # A freed q4 block makes room for exactly one q4 block, not for a larger one.
+    four.free(four.blocks_for("q4")[:1])
+    with pytest.raises(BlockPoolExhaustedError):
+        eight.allocate("k", 1, "more", "q8g64")
+    eight.allocate("k", 1, "more", "q4g64")
+    assert daemon.admin("budget")["free"] == 0
+    check_charges(daemon, {"eight": eight, "four": four})
+
+
+def test_a_restart_keeps_each_blocks_format_and_charge(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    options = ("--n-blocks", "512", "--budget", "1MiB", "--lease", "30", "--claim-grace", "5")
+    daemon = start_daemon(*options)
+    pool = pools(daemon, "kept")
+    pool.allocate("k", 50, "fp", "fp16")
+    pool.allocate("k", 70, "q4", "q4g64")
+    pool.allocate("v", 70, "q4", "q4g64")
+    pool.allocate("k", 20, "q8", "q8g64")
+    check_charges(daemon, {"kept": pool})
+    before = daemon.admin("model_list")["models"]
+    daemon.stop(signal.SIGKILL)
+    daemon = start_daemon(*options, run_dir=daemon.run_dir)
+    pool.ping()  # re-syncs: hello (with its bytes per format) and claims
+    assert pool.lost_owners() == {}
+    assert daemon.admin("stats")["claims"]["owners_claimed"] == 3
+    after = daemon.admin("model_list")["models"]
+    assert [(v["held"], v["formats"]) for v in after] == [(v["held"], v["formats"]) for v in before]
+    check_charges(daemon, {"kept": pool})
+    pool.free_all("q4")
+    check_charges(daemon, {"kept": pool})
+
+
+def test_fit_prices_a_quantizing_worker_at_its_quantized_format(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    daemon = start_daemon("--n-blocks", "512", "--budget", "1MiB")
+    pool = pools(daemon, "quantized")
+    answer = pool.fit(1000, 2)
+    per_sequence = -(-1000 // BLOCK) * (Q8["k"] + Q8["v"])  # the costlier quantized format
+    assert answer["format"] == "q8g64" and answer["bytes_per_sequence"] == per_sequence
+    assert answer["need"] == 2 * per_sequence
+    admin = daemon.admin("fit", model="quantized", context=1000, concurrency=2)
+    assert (admin["format"], admin["need"]) == ("q8g64", 2 * per_sequence)
+    plain = pools(daemon, "plain", bytes_per_format=None)
+    assert plain.fit(1000)["format"] is None
+    assert plain.fit(1000)["bytes_per_sequence"] == -(-1000 // BLOCK) * 4096
+
+
+def test_vqpoolctl_shows_bytes_per_format(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    daemon = start_daemon("--n-blocks", "512", "--budget", "1MiB")
+    pool = pools(daemon, "mixed")
+    pool.allocate("k", 32, "a", "q4g64")
+    pool.allocate("k", 16, "b", "fp16")
+    status = run_ctl(daemon.run_dir, "status")
+    assert status.returncode == 0, status.stderr
+    assert "KV FORMATS" in status.stdout
+    assert "fp16 1 blk 2.0 KiB, q4g64 2 blk 1.1 KiB" in status.stdout
+    listing = run_ctl(daemon.run_dir, "model", "list")
+    assert "fp16 1 blk 2.0 KiB, q4g64 2 blk 1.1 KiB" in listing.stdout
+    cache = run_ctl(daemon.run_dir, "cache", "list")
+    assert "fp16 1 blk 2.0 KiB, q4g64 2 blk 1.1 KiB" in cache.stdout
+    watch = run_ctl(daemon.run_dir, "watch", "--count", "1")
+    assert "formats fp16 1 blk 2.0 KiB, q4g64 2 blk 1.1 KiB" in watch.stdout, watch.stdout
+    models = ctl_json(daemon.run_dir, "status")["models"]
+    assert models["mixed"]["formats"] == {
+        "fp16": {"blocks": 1, "bytes": 2048},
+        "q4g64": {"blocks": 2, "bytes": 1152},
+    }
+    pool.free_all("a")
+    plain_status = run_ctl(daemon.run_dir, "status")
+    assert "KV FORMATS" not in plain_status.stdout  # only full-precision blocks: as before
+
+
+def test_the_front_door_prices_a_quantized_models_load_and_fit(start_daemon) -> None:
+    spec = "builtin:qwen3"  # one KV head of 32 dims: quantizable in groups of 32
+    entry = entry_from_table("q", {"path": spec, "kv_bits": 4, "kv_group_size": 32}, 60.0)
+    assert entry is not None and entry.kv_quantization() == (4, 32)
+    assert entry.kv_format() == quantized_format(4, 32)
+    assert entry.worker_option("--kv-bits") == "4"
+    for table, message in (
+        ({"path": spec, "kv_bits": 3}, "KV bits must be one of"),
+        ({"path": spec, "kv_bits": 4, "kv_group_size": 48}, "group size must be one of"),
+        ({"path": spec, "kv_group_size": 32}, "needs kv_bits"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            entry_from_table("q", table, 60.0)
+
+    daemon = start_daemon("--n-blocks", "512", "--budget", "64MiB")
+    calls = LedgerCalls(daemon.run_dir)
+    full = asyncio.run(calls.need("q", spec, 0, 2048))
+    quantized = asyncio.run(calls.need("q", spec, 0, 2048, (4, 32)))
+    assert full.kv_min == 128 * kv_block_bytes(spec, BLOCK)  # type: ignore[operator]
+    assert quantized.kv_min == 128 * kv_block_bytes(spec, BLOCK, 4, 32)  # type: ignore[operator]
+    assert quantized.kv_min < full.kv_min / 3
+
+
+def test_vqpoolctl_fit_prices_a_not_loaded_quantized_model(tmp_path) -> None:
+    config = """
+[models."q4"]
+path = "builtin:qwen3"
+kv_bits = 4
+kv_group_size = 32
+"""
+    with FrontDoor(config=config) as front:
+        assert front.row("q4")["kv_format"] == "q4g32"
+        answer = ctl_json(front.run_dir, "fit", "--model", "q4", "--context", "1000")
+        per_token = kv_token_bytes("builtin:qwen3", 4, 32)
+        assert per_token is not None
+        assert answer["format"] == "q4g32"
+        assert answer["bytes_per_sequence"] == -(-1000 // BLOCK) * BLOCK * per_token
+        text = run_ctl(front.run_dir, "fit", "--model", "q4", "--context", "1000")
+        assert "KV in q4g32 blocks" in text.stdout, text.stdout
+
+
+def test_a_parked_allocation_is_charged_its_formats_bytes_when_granted(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    # The budget holds 4 fp16 blocks of "big"; "small" waits for 3 q4 blocks (3 x 576 bytes)
+    # until one fp16 block (2048 bytes) is freed, and is charged exactly its q4 bytes.
+    daemon = start_daemon("--n-blocks", "512", "--budget", str(4 * 2048))
+    big = pools(daemon, "big")
+    big.allocate("k", 2 * BLOCK, "fp", "fp16")
+    big.allocate("v", 2 * BLOCK, "fp", "fp16")
+    small = RawClient(daemon.run_dir)
+    try:
+        small.hello(model="small", bytes_per_block=FP16, bytes_per_format=PER_FORMAT)
+        args = {"stream": "k", "n_tokens": 3 * BLOCK, "owner": "q", "format": "q4g64"}
+        small.send(small.encode("allocate", {**args, "wait": 10.0}))
+        wait_until(lambda: daemon.admin("budget")["waiting"] == 1, timeout=5.0)
+        big.free(big.blocks_for("fp")[:1])
+        reply = small.recv()
+        assert reply["ok"] and len(reply["result"]) == 3, reply
+        held = {view["model"]: view for view in daemon.admin("model_list")["models"]}
+        assert held["small"]["held"] == 3 * Q4["k"]
+        assert held["small"]["formats"] == {"q4g64": {"blocks": 3, "bytes": 3 * Q4["k"]}}
+        assert held["big"]["held"] == 3 * 2048
+        daemon.audit()
+    finally:
+        small.close()
