@@ -91,6 +91,24 @@ class WeightsEstimate:
     source: str
 
 
+MAX_SERVE_CACHE_LIMIT = 64 << 20
+"""The most MLX buffer cache ``vqpool serve`` gives a worker by default: the worker's own
+default (``--mlx-cache-limit``, 64 MiB)."""
+SERVE_CACHE_SHARE = 8
+"""``vqpool serve`` gives a worker an MLX buffer cache of its weights over this by default."""
+
+
+def serve_cache_limit(weights: int | None) -> int:
+    """The MLX buffer-cache limit ``vqpool serve`` gives the worker of a model of ``weights``
+    bytes (None: unknown) when its table sets none: an eighth of the weights, at most 64 MiB.
+    It is charged with the weights (the worker's overhead), so it scales with the model: a
+    decode step's transients, which the cache keeps for reuse, grow with the model too, and a
+    tiny model's few MiB of weights do not carry 64 MiB of idle buffers."""
+    if weights is None:
+        return MAX_SERVE_CACHE_LIMIT
+    return min(MAX_SERVE_CACHE_LIMIT, weights // SERVE_CACHE_SHARE)
+
+
 def estimate_weights(spec: str) -> WeightsEstimate | None:
     """What the weights of the model ``spec`` names cost (see the module docstring); None when
     unknown.

@@ -26,7 +26,7 @@ from test_front_door_swaps import Stream, gone, open_stream
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import kv_token_bytes
-from vqpool.shared.model_weights import estimate_weights
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.testing.model_dirs import write_config_dir
 
@@ -83,10 +83,16 @@ def kv_bytes(path: Path, tokens: int) -> int:
     return math.ceil(tokens / DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE * per_token
 
 
+def overhead(path: Path) -> int:
+    """The overhead the front door charges beside the weights: its worker's MLX buffer-cache
+    limit."""
+    return serve_cache_limit(weights(path))
+
+
 def load_need(path: Path) -> int:
-    """What a load of the model at ``path`` asks the ledger for: its weights and its KV
-    minimum (no reserve configured)."""
-    return weights(path) + kv_bytes(path, LOAD_KV_TOKENS)
+    """What a load of the model at ``path`` asks the ledger for: its weights, its worker's
+    overhead and its KV minimum (no reserve configured)."""
+    return weights(path) + overhead(path) + kv_bytes(path, LOAD_KV_TOKENS)
 
 
 def held_stream_kv(path: Path) -> int:
@@ -312,12 +318,14 @@ def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(
         assert set(answer["models"]) == {"small", "medium"}
         freed = answer["models"]["small"]
         assert freed["idle"] and freed["weights"] == weights(small)
+        assert answer["overhead"] == overhead(large) and freed["overhead"] == overhead(small)
         # The least recently used idle model is the one named; its unload is enough.
         fb = format_bytes
         assert fit.stdout.splitlines()[-1] == (
-            f"loading large needs {fb(weights(large))} of weights and {fb(kv_bytes(large, 32))} "
-            f"of KV; {fb(answer['free'])} free now; unloading idle small "
-            f"({fb(freed['weights'] + freed['held'])}) makes it fit"
+            f"loading large needs {fb(weights(large))} of weights, {fb(overhead(large))} of "
+            f"overhead and {fb(kv_bytes(large, 32))} of KV; {fb(answer['free'])} free now; "
+            f"unloading idle small ({fb(freed['weights'] + freed['overhead'] + freed['held'])}) "
+            "makes it fit"
         )
         # Asking loaded and unloaded nothing.
         assert sorted(s["model"] for s in front.admin("sessions")) == ["medium", "small"]

@@ -76,16 +76,23 @@ def open_pool(
     timeout: float,
     growth_wait: float = DEFAULT_GROWTH_WAIT,
     draft_model: nn.Module | None = None,
+    overhead: int | None = None,
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block (with a draft model: the
-    model's and the draft's, which share each block) and weights (both models'), and its
-    cache source."""
+    model's and the draft's, which share each block), weights (both models') and
+    ``overhead`` (bytes held beyond weights and KV, charged with them; None: not declared),
+    and its cache source."""
     weights = _weights(model, draft_model)
 
     def connect(block_size: int) -> PoolClient:
         per_block = _bytes_per_block(_layout(model, draft_model, block_size))
         return PoolClient(
-            run_dir, name=name, bytes_per_block=per_block, timeout=timeout, weights=weights
+            run_dir,
+            name=name,
+            bytes_per_block=per_block,
+            timeout=timeout,
+            weights=weights,
+            overhead=overhead,
         )
 
     pool = connect(DEFAULT_BLOCK_SIZE)  # ValueError for a model of another shape
@@ -104,6 +111,8 @@ def open_pool(
 
 def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Event) -> int:
     """Load the model, open the pool, serve on ``server`` until ``stop``; the exit status."""
+    # Bounded before loading, whose transients would otherwise fill MLX's buffer cache.
+    apply_cache_limit(args.mlx_cache_limit)
     try:
         loaded = load_model(args.model, seed=args.seed, adapter_path=args.adapter_path)
         draft = _load_draft(args.draft_model, loaded)
@@ -111,8 +120,6 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         log.error("%s", exc)
         return 2
     draft_model = None if draft is None else draft.model
-    # Loading's transients may have filled MLX's buffer cache: bounded from here on.
-    apply_cache_limit(args.mlx_cache_limit)
     memory = MemoryProbe(_weights(loaded.model, draft_model))
     served_name = args.served_model_name or loaded.name
     max_concurrent = args.max_concurrent
@@ -141,6 +148,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 args.pool_timeout,
                 args.growth_wait,
                 draft_model,
+                args.mlx_cache_limit if args.charge_mlx_cache else None,
             )
         except ValueError as exc:
             log.error("%s", exc)

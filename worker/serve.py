@@ -169,10 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_mlx_cache_limit,
         default=DEFAULT_MLX_CACHE_LIMIT,
         metavar="SIZE",
-        help="most bytes of freed buffers MLX keeps for reuse (mx.set_cache_limit, applied after "
-        "the model loads): memory the budget does not charge, so idle buffers cannot grow the "
-        "worker past its model's weights and KV (e.g. 256MiB; 0: no buffer cache) "
-        "(default: 64MiB)",
+        help="most bytes of freed buffers MLX keeps for reuse (mx.set_cache_limit, applied "
+        "before the model loads), so idle buffers cannot grow the worker past its model's "
+        "weights, KV and this (e.g. 256MiB; 0: no buffer cache) (default: 64MiB)",
+    )
+    parser.add_argument(
+        "--charge-mlx-cache",
+        action="store_true",
+        help="declare --mlx-cache-limit to vqpoold as this model's overhead, charged to the "
+        "budget beside its weights (vqpool serve passes it to its workers); without it the "
+        "buffer cache is memory the budget does not count",
     )
     parser.add_argument(
         "--max-tokens",

@@ -79,6 +79,10 @@ class ModelSlot:
     weights: WeightsEstimate | None = None
     """What its weights cost, known before it loads (None: unknown, e.g. a hub id not in the
     local cache); set once at start by :meth:`Supervisor.start`."""
+    cache_limit: int = 0
+    """The MLX buffer-cache limit its worker gets (its table's ``mlx_cache_limit``, else
+    :func:`serve_cache_limit` of its weights): declared to vqpoold as the model's overhead and
+    charged beside its weights; set once at start by :meth:`Supervisor.start`."""
 
     def __post_init__(self) -> None:
         self.keep_alive = self.entry.keep_alive
@@ -172,4 +176,5 @@ class ModelSlot:
             "unload_when_idle": self.unload_when_idle,
             "weights_bytes": None if self.weights is None else self.weights.nbytes,
             "weights_source": None if self.weights is None else self.weights.source,
+            "overhead_bytes": self.cache_limit,
         }

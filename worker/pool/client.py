@@ -87,6 +87,8 @@ class PoolClient:
             stream (map); lets the admin report memory held. None reports 0.
         weights: Bytes of the model's weights as loaded, charged to this session in the
             daemon's budget (None: not declared).
+        overhead: Bytes the worker may hold beyond its weights and KV blocks (its MLX
+            buffer-cache limit), charged with its weights (None: not declared).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
@@ -107,6 +109,7 @@ class PoolClient:
         first_retry: float = FIRST_RETRY_SECONDS,
         on_reclaim: ReclaimHandler | None = None,
         weights: int | None = None,
+        overhead: int | None = None,
     ) -> None:
         self._session = DaemonSession(
             resolve_run_dir(run_dir),
@@ -115,6 +118,7 @@ class PoolClient:
             timeout=timeout,
             first_retry=first_retry,
             weights=weights,
+            overhead=overhead,
         )
         self._lock = self._session.lock
         self._connection = self._session.connection  # the caller's socket (its resend count)
