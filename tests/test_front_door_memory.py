@@ -223,6 +223,40 @@ def test_a_load_short_of_bytes_unloads_the_idle_model_never_the_running_one(
         close(stream)
 
 
+def test_a_load_unloads_only_an_idle_model_that_makes_room_and_charges_the_overhead(
+    models: dict[str, Path],
+) -> None:
+    """An idle model whose unload could not make room stays loaded (unloaded, it would only be
+    reloaded into the bytes it freed); the load waits until an idle model that covers what it
+    lacks is there, unloads that one, and each worker's overhead is charged beside its
+    weights."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = max(load_need(large), load_need(medium) + held_stream_kv(medium))
+    budget += load_need(small) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        assert front.complete("small").status == 200  # the least recently used
+        stream = hold(front, "medium")
+        for name, path in (("small", small), ("medium", medium)):
+            assert front.row(name)["overhead_bytes"] == overhead(path)
+            row = next(r for r in front.admin("model_list")["models"] if r["model"] == name)
+            assert (row["weights"], row["overhead"]) == (weights(path), overhead(path))
+        totals = front.admin("budget")
+        assert totals["total_overhead"] == overhead(small) + overhead(medium)
+        # The small model's unload frees less than the large one lacks.
+        assert totals["free"] + load_need(small) < load_need(large)
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(front.complete, "large")
+            front.wait_state("large", "waiting_for_memory")
+            read_on(stream, 5)
+            close(stream)  # the medium model goes idle, and its unload covers the load
+            assert reply.result(timeout=60).status == 200
+        rows = front.models()
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["state"] == "loaded" and rows["small"]["unloads"] == {}
+        assert rows["small"]["loads"] == rows["large"]["loads"] == 1
+
+
 def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
     models: dict[str, Path],
 ) -> None:

@@ -214,6 +214,7 @@ class Supervisor:
     async def _admit(self, slot: ModelSlot, timeout: float) -> WorkerProcess:
         if self._closing:
             raise overloaded("the server is shutting down")
+        slot.note_request(asyncio.get_running_loop().time())
         if slot.state == LOADED and slot.worker is not None:
             slot.running += 1
             self._touch(slot)
@@ -487,19 +488,22 @@ class Supervisor:
         self, short: int = 0, frees: dict[str, int] | None = None
     ) -> ModelSlot | None:
         """The model to unload for bytes: an idle one, not pinned, loaded at least
-        ``min_residency`` seconds, the least recently used of those whose unload alone frees
-        ``short`` bytes if any does, else the least recently used; None while another unload
-        is under way (one at a time, each verified before the next), or when unloading every
-        one of them would still leave ``short`` uncovered (then an unload frees nothing the
-        load can use now: the model unloaded is likely asked again, and its reload takes the
-        bytes back while the load waits on). ``frees``: what each model's unload frees
-        (:meth:`_unload_frees`); a model it does not name counts as freeing enough."""
+        ``min_residency`` seconds, the least asked for (:attr:`ModelSlot.demand`, then the
+        least recently used) of those whose unload alone frees ``short`` bytes if any does,
+        else the least asked for; None while another unload is under way (one at a time, each
+        verified before the next), or when unloading every one of them would still leave
+        ``short`` uncovered (then an unload frees nothing the load can use now: the model
+        unloaded is likely asked again, and its reload takes the bytes back while the load
+        waits on). ``frees``: what each model's unload frees (:meth:`_unload_frees`); a model
+        it does not name counts as freeing enough."""
         if any(s.state == UNLOADING for s in self.slots.values()):
             return None
         now = asyncio.get_running_loop().time()
+        # NOTE: by demand, not recency alone: a hot model idle between two bursts is the least
+        # recently used for a moment, and its unload costs a reload under its next burst.
         victims = sorted(
             (s for s in self.slots.values() if s.evictable_for_memory(now, self.min_residency)),
-            key=lambda s: s.last_used or 0.0,
+            key=lambda s: (round(s.demand_now(now), 1), s.last_used or 0.0),
         )
         freed = {s.name: (frees or {}).get(s.name, math.inf) for s in victims}
         covering = [s for s in victims if freed[s.name] >= short]
