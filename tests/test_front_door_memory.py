@@ -257,6 +257,24 @@ def test_a_load_unloads_only_an_idle_model_that_makes_room_and_charges_the_overh
         assert rows["small"]["loads"] == rows["large"]["loads"] == 1
 
 
+def test_a_load_unloads_the_least_asked_for_idle_model_not_the_least_recently_used(
+    models: dict[str, Path],
+) -> None:
+    """A model asked often stays loaded over one asked once, though it was used longer ago:
+    by recency alone, a hot model idle between two bursts would go."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = load_need(large) + max(load_need(small), load_need(medium)) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        for _ in range(3):
+            assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200  # the most recently used
+        assert front.complete("large").status == 200
+        rows = front.models()
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["state"] == "loaded" and rows["small"]["unloads"] == {}
+
+
 def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
     models: dict[str, Path],
 ) -> None:

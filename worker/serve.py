@@ -2,7 +2,8 @@
 
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
-                  [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--exit-on-stdin-eof]
+                  [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--charge-mlx-cache]
+                  [--exit-on-stdin-eof]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
