@@ -73,7 +73,7 @@ from bench_front_door import spread, start_front_door
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import VqpoolError
-from vqpool.shared.model_weights import estimate_weights, serve_cache_limit
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.worker.testing.http_client import HttpStatusError, stream_events
 from vqpool.worker.testing.launch import ServeProcess
 from vqpool.worker.testing.model_dirs import write_config_dir, write_model_dir
@@ -243,9 +243,9 @@ class Model:
 
     @property
     def overhead(self) -> int:
-        """Its worker's MLX buffer-cache limit, which the front door charges beside its
-        weights."""
-        return serve_cache_limit(self.weights)
+        """What the front door charges beside its weights: its worker's MLX buffer-cache limit
+        and the runtime's growth."""
+        return worker_overhead(serve_cache_limit(self.weights))
 
     @property
     def name(self) -> str:

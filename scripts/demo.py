@@ -55,7 +55,7 @@ from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.model_weights import estimate_weights, serve_cache_limit
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.worker.models.loading import model_spec_problem
 from vqpool.worker.testing.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.testing.launch import ServeProcess
@@ -518,12 +518,12 @@ def models_fixed_costs(models: list[str]) -> list[int]:
     """Each model's fixed cost in bytes, known before it loads: its weights from its files
     (0 when they cannot tell, e.g. a hub id not downloaded yet: its worker's hello charges them,
     and the KV gets less) and the overhead the front door charges beside them (its worker's MLX
-    buffer-cache limit, an eighth of the weights: a few KiB for a built-in model)."""
+    buffer-cache limit, an eighth of the weights, and 8 MiB for its runtime's growth)."""
     costs = []
     for model in models:
         found = estimate_weights(model)
         weights = None if found is None else found.nbytes
-        costs.append((weights or 0) + serve_cache_limit(weights))
+        costs.append((weights or 0) + worker_overhead(serve_cache_limit(weights)))
     return costs
 
 

@@ -98,6 +98,19 @@ SERVE_CACHE_SHARE = 8
 """``vqpool serve`` gives a worker an MLX buffer cache of its weights over this by default."""
 
 
+RUNTIME_GROWTH = 8 << 20
+"""Bytes a worker's runtime grows by while it serves, beyond its state when idle (Python
+objects, request threads, the allocator's slack): charged in its overhead. scripts/bench_models.py
+measured its workers' memory outside MLX at up to 7 MiB above an idle worker's."""
+
+
+def worker_overhead(cache_limit: int) -> int:
+    """The overhead a worker with an MLX buffer-cache limit of ``cache_limit`` bytes declares
+    (``--charge-mlx-cache``): what it may hold beyond its weights and KV blocks, that limit
+    plus :data:`RUNTIME_GROWTH`."""
+    return cache_limit + RUNTIME_GROWTH
+
+
 def serve_cache_limit(weights: int | None) -> int:
     """The MLX buffer-cache limit ``vqpool serve`` gives the worker of a model of ``weights``
     bytes (None: unknown) when its table sets none: an eighth of the weights, at most 64 MiB.

@@ -26,7 +26,7 @@ from test_front_door_swaps import Stream, gone, open_stream
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import kv_token_bytes
-from vqpool.shared.model_weights import estimate_weights, serve_cache_limit
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.testing.model_dirs import write_config_dir
 
@@ -85,8 +85,8 @@ def kv_bytes(path: Path, tokens: int) -> int:
 
 def overhead(path: Path) -> int:
     """The overhead the front door charges beside the weights: its worker's MLX buffer-cache
-    limit."""
-    return serve_cache_limit(weights(path))
+    limit and its runtime's growth."""
+    return worker_overhead(serve_cache_limit(weights(path)))
 
 
 def load_need(path: Path) -> int:

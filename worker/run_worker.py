@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.model_weights import worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
 from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
@@ -148,7 +149,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 args.pool_timeout,
                 args.growth_wait,
                 draft_model,
-                args.mlx_cache_limit if args.charge_mlx_cache else None,
+                worker_overhead(args.mlx_cache_limit) if args.charge_mlx_cache else None,
             )
         except ValueError as exc:
             log.error("%s", exc)

@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--charge-mlx-cache",
         action="store_true",
-        help="declare --mlx-cache-limit to vqpoold as this model's overhead, charged to the "
-        "budget beside its weights (vqpool serve passes it to its workers); without it the "
-        "buffer cache is memory the budget does not count",
+        help="declare --mlx-cache-limit plus 8 MiB for the runtime's growth while serving to "
+        "vqpoold as this model's overhead, charged to the budget beside its weights (vqpool "
+        "serve passes it to its workers); without it that memory is not counted",
     )
     parser.add_argument(
         "--max-tokens",

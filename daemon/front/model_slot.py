@@ -19,7 +19,7 @@ from typing import Any
 
 from vqpool.daemon.front.catalog import ModelEntry
 from vqpool.daemon.front.worker_process import WorkerProcess
-from vqpool.shared.model_weights import WeightsEstimate
+from vqpool.shared.model_weights import WeightsEstimate, worker_overhead
 
 DEMAND_HALF_LIFE = 30.0
 """Seconds after which a request counts half in a model's demand: long enough to span a chat's
@@ -90,8 +90,9 @@ class ModelSlot:
     demand_at: float = 0.0
     cache_limit: int = 0
     """The MLX buffer-cache limit its worker gets (its table's ``mlx_cache_limit``, else
-    :func:`serve_cache_limit` of its weights): declared to vqpoold as the model's overhead and
-    charged beside its weights; set once at start by :meth:`Supervisor.start`."""
+    :func:`serve_cache_limit` of its weights): with the runtime's growth, declared to vqpoold
+    as the model's overhead (:func:`worker_overhead`) and charged beside its weights; set once
+    at start by :meth:`Supervisor.start`."""
 
     def __post_init__(self) -> None:
         self.keep_alive = self.entry.keep_alive
@@ -194,5 +195,5 @@ class ModelSlot:
             "unload_when_idle": self.unload_when_idle,
             "weights_bytes": None if self.weights is None else self.weights.nbytes,
             "weights_source": None if self.weights is None else self.weights.source,
-            "overhead_bytes": self.cache_limit,
+            "overhead_bytes": worker_overhead(self.cache_limit),
         }

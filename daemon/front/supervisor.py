@@ -63,6 +63,7 @@ from vqpool.shared.model_weights import (
     estimate_weights,
     safetensors_tensor_bytes,
     serve_cache_limit,
+    worker_overhead,
 )
 
 log = logging.getLogger("vqpool.serve")
@@ -435,7 +436,11 @@ class Supervisor:
     async def _reserve_freeing(self, slot: ModelSlot) -> tuple[bool, str | None]:
         weights = None if slot.weights is None else slot.weights.nbytes
         need = await self.ledger.need(
-            slot.name, slot.entry.path, weights, self.load_kv_tokens, slot.cache_limit
+            slot.name,
+            slot.entry.path,
+            weights,
+            self.load_kv_tokens,
+            worker_overhead(slot.cache_limit),
         )
         while True:
             if self._closing or slot.queued <= slot.answered:
