@@ -73,7 +73,7 @@ from bench_front_door import spread, start_front_door
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import VqpoolError
-from vqpool.shared.model_weights import estimate_weights
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.worker.testing.http_client import HttpStatusError, stream_events
 from vqpool.worker.testing.launch import ServeProcess
 from vqpool.worker.testing.model_dirs import write_config_dir, write_model_dir
@@ -242,6 +242,12 @@ class Model:
     weights: int
 
     @property
+    def overhead(self) -> int:
+        """What the front door charges beside its weights: its worker's MLX buffer-cache limit
+        and the runtime's growth."""
+        return worker_overhead(serve_cache_limit(self.weights))
+
+    @property
     def name(self) -> str:
         return self.spec.name
 
@@ -272,8 +278,9 @@ def write_models(base: Path) -> list[Model]:
 
 
 def budget_for(models: Sequence[Model]) -> int:
-    """Weights and fixed KV of the two largest models: what the count cap of 2 needs at most."""
-    costs = sorted((m.weights + m.fixed_kv for m in models), reverse=True)
+    """Weights, overhead and fixed KV of the two largest models: what the count cap of 2 needs
+    at most."""
+    costs = sorted((m.weights + m.overhead + m.fixed_kv for m in models), reverse=True)
     return costs[0] + costs[1]
 
 
@@ -473,6 +480,7 @@ class Sampler(threading.Thread):
         weights = budget.get("total_weights")
         if weights is None:
             weights = sum(r["weights_bytes"] or 0 for r in loaded)
+        weights += budget.get("total_overhead", 0)
         self.peak_declared = max(self.peak_declared, budget["total_held"] + weights)
         return admin
 
@@ -508,7 +516,8 @@ def policy_config(policy: str, models: Sequence[Model], budget: int) -> tuple[st
             lines.append('reserve_mode = "on-demand"')
         else:
             lines.append('reserve_mode = "full"')
-            limit = model.fixed_kv if policy == "count" else budget - model.weights
+            fixed = model.weights + model.overhead
+            limit = model.fixed_kv if policy == "count" else budget - fixed
             lines.append(f'limit = "{limit}B"')
         lines.append("")
     options = ["--budget", f"{budget}B"]

@@ -55,14 +55,15 @@ from vqpool.daemon.ctl.render import bar, human_bytes, table
 from vqpool.daemon.ctl.summaries import per_model
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
-from vqpool.shared.model_weights import estimate_weights
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.worker.models.loading import model_spec_problem
 from vqpool.worker.testing.http_client import HttpStatusError, request_json, stream_events
 from vqpool.worker.testing.launch import ServeProcess
 
 # The front door's configuration: vqpoold's settings and each model's budget, what it serves and
-# its worker's options. The budget counts both models' weights (known before they load) beside
-# their KV; the KV part is below. A built-in model's block holds 4 KiB per stream (K and V apart),
+# its worker's options. The budget counts both models' weights (known before they load) and the
+# overhead the front door charges with them (their MLX buffer-cache limits) beside their KV;
+# the KV part is below. A built-in model's block holds 4 KiB per stream (K and V apart),
 # so the 320 KiB of KV are 40 K + 40 V blocks of 16 token slots (640 tokens per stream), under
 # the 96 block ids (48 K + 48 V): the budget binds. The demo's requests need ~4-13 blocks per
 # stream each and up to 6 run at once, so the two models contend and some requests wait. Each
@@ -513,11 +514,17 @@ def front_door_view(serve: ServeProcess) -> str:
     return table(headers, rows)
 
 
-def models_weights(models: list[str]) -> list[int]:
-    """Each model's weights in bytes, from its files before it loads (0 when they cannot tell,
-    e.g. a hub id not downloaded yet: its worker's hello charges them, and the KV gets less)."""
-    estimates = (estimate_weights(model) for model in models)
-    return [0 if found is None else found.nbytes for found in estimates]
+def models_fixed_costs(models: list[str]) -> list[int]:
+    """Each model's fixed cost in bytes, known before it loads: its weights from its files
+    (0 when they cannot tell, e.g. a hub id not downloaded yet: its worker's hello charges them,
+    and the KV gets less) and the overhead the front door charges beside them (its worker's MLX
+    buffer-cache limit, an eighth of the weights, and 8 MiB for its runtime's growth)."""
+    costs = []
+    for model in models:
+        found = estimate_weights(model)
+        weights = None if found is None else found.nbytes
+        costs.append((weights or 0) + worker_overhead(serve_cache_limit(weights)))
+    return costs
 
 
 def run(args: argparse.Namespace, base: Path) -> bool:
@@ -529,7 +536,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
     run_dir = base / "run"
     config = base / "vqpool.toml"
     kv_budget, reserve = BUILTIN_BUDGET if args.model is None else REAL_MODEL_BUDGET
-    budget = kv_budget + sum(models_weights(models))
+    budget = kv_budget + sum(models_fixed_costs(models))
     load_timeout = 60 if args.model is None else 1800  # real models may download
     first, second = (json.dumps(m) for m in models)  # TOML strings
     config.write_text(

@@ -91,6 +91,37 @@ class WeightsEstimate:
     source: str
 
 
+MAX_SERVE_CACHE_LIMIT = 64 << 20
+"""The most MLX buffer cache ``vqpool serve`` gives a worker by default: the worker's own
+default (``--mlx-cache-limit``, 64 MiB)."""
+SERVE_CACHE_SHARE = 8
+"""``vqpool serve`` gives a worker an MLX buffer cache of its weights over this by default."""
+
+
+RUNTIME_GROWTH = 8 << 20
+"""Bytes a worker's runtime grows by while it serves, beyond its state when idle (Python
+objects, request threads, the allocator's slack): charged in its overhead. scripts/bench_models.py
+measured its workers' memory outside MLX at up to 7 MiB above an idle worker's."""
+
+
+def worker_overhead(cache_limit: int) -> int:
+    """The overhead a worker with an MLX buffer-cache limit of ``cache_limit`` bytes declares
+    (``--charge-mlx-cache``): what it may hold beyond its weights and KV blocks, that limit
+    plus :data:`RUNTIME_GROWTH`."""
+    return cache_limit + RUNTIME_GROWTH
+
+
+def serve_cache_limit(weights: int | None) -> int:
+    """The MLX buffer-cache limit ``vqpool serve`` gives the worker of a model of ``weights``
+    bytes (None: unknown) when its table sets none: an eighth of the weights, at most 64 MiB.
+    It is charged with the weights (the worker's overhead), so it scales with the model: a
+    decode step's transients, which the cache keeps for reuse, grow with the model too, and a
+    tiny model's few MiB of weights do not carry 64 MiB of idle buffers."""
+    if weights is None:
+        return MAX_SERVE_CACHE_LIMIT
+    return min(MAX_SERVE_CACHE_LIMIT, weights // SERVE_CACHE_SHARE)
+
+
 def estimate_weights(spec: str) -> WeightsEstimate | None:
     """What the weights of the model ``spec`` names cost (see the module docstring); None when
     unknown.

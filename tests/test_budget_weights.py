@@ -96,6 +96,38 @@ def test_a_reservation_is_taken_over_by_the_hello_never_counted_twice(
     daemon.audit()
 
 
+def test_an_overhead_is_charged_beside_the_weights_and_shown_apart(
+    daemon: DaemonProcess, raw: RawClient
+) -> None:
+    """A worker's declared overhead (its MLX buffer-cache limit) is part of its model's fixed
+    cost: reserved with the weights, taken over by the hello, kept when the heartbeat's
+    measurement moves the weights, and shown apart from them."""
+    reserved = daemon.admin(
+        "load_reserve", model="m", weights=MIB, overhead=256 * KIB, kv_min=64 * KIB, ttl=60
+    )
+    assert reserved["granted"] and reserved["free"] == 4 * MIB - MIB - 256 * KIB
+    budget = daemon.admin("budget")
+    assert (budget["total_weights"], budget["total_overhead"]) == (MIB, 256 * KIB)
+    assert budget["free"] == 4 * MIB - MIB - 256 * KIB
+    raw.hello(model="m", weights=MIB, overhead=256 * KIB, bytes_per_block=4096)
+    row = model_row(daemon, "m")
+    assert row is not None and (row["weights"], row["overhead"]) == (MIB, 256 * KIB)
+    assert daemon.admin("budget")["free"] == 4 * MIB - MIB - 256 * KIB  # taken over, once
+    memory = {"weights": MIB + KIB, "mlx_active": 0, "mlx_cache": 0, "mlx_peak": 0, "rss": 1}
+    assert raw.call("ping", {"memory": memory})["ok"]
+    budget = daemon.admin("budget")
+    assert (budget["total_weights"], budget["total_overhead"]) == (MIB + KIB, 256 * KIB)
+    assert budget["free"] == 4 * MIB - MIB - KIB - 256 * KIB
+    # A load whose weights fit but not with its overhead is short by the overhead.
+    short = daemon.admin("load_reserve", model="b", weights=2 * MIB, overhead=MIB, kv_min=0, ttl=60)
+    assert not short["granted"] and short["short"] == 2 * MIB + MIB - budget["free"]
+    assert short["overhead"] == MIB
+    assert raw.call("goodbye")["ok"]
+    budget = daemon.admin("budget")
+    assert (budget["total_weights"], budget["total_overhead"], budget["free"]) == (0, 0, 4 * MIB)
+    daemon.audit()
+
+
 def test_a_load_short_of_bytes_says_by_how_much_and_charges_nothing(
     daemon: DaemonProcess,
 ) -> None:
@@ -107,6 +139,7 @@ def test_a_load_short_of_bytes_says_by_how_much_and_charges_nothing(
         "short": MIB + 512 * KIB - MIB,
         "free": MIB,
         "weights": MIB,
+        "overhead": 0,
         "kv_min": 512 * KIB,
         "cached": 0,  # no worker holds a prompt cache
     }
@@ -186,7 +219,7 @@ def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_idle_ones(
         assert fits["need"] == 512 * KIB and fits["available_now"] == 512 * KIB
         assert fits["weights"] == 3 * MIB // 2 and fits["free"] == 2 * MIB
         assert fits["models"] == {
-            "loaded": {"weights": 2 * MIB, "held": 0, "cached": 0, "idle": True}
+            "loaded": {"weights": 2 * MIB, "overhead": 0, "held": 0, "cached": 0, "idle": True}
         }
         more = daemon.admin("fit", concurrency=9, **ask)
         assert more["verdict"] == "after_others_return"

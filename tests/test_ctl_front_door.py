@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from ctl_harness import ctl_json, run_ctl
 from front_harness import FrontDoor
+from vqpool.shared.model_weights import serve_cache_limit, worker_overhead
 from vqpool.worker.testing.launch import DaemonProcess
 from vqpool.worker.testing.model_dirs import write_model_dir
 
@@ -82,7 +83,11 @@ def test_ps_load_and_unload_by_hand(front: FrontDoor) -> None:
     )
     budget = ctl_json(front.run_dir, "budget")["budget"]
     assert llama_json["memory"]["weights"] == llama_json["weights_bytes"]
-    assert llama_json["memory"]["share"] == llama_json["memory"]["weights"] / budget
+    # Its worker's overhead (its MLX buffer-cache limit) is charged, and counts, beside them.
+    overhead = llama_json["memory"]["overhead"]
+    assert overhead == llama_json["overhead_bytes"]
+    assert overhead == worker_overhead(serve_cache_limit(llama_json["weights_bytes"]))
+    assert llama_json["memory"]["share"] == (llama_json["memory"]["weights"] + overhead) / budget
     assert (running, queued, loads, unloads) == ("0", "0", "1", "0")
     assert idle.endswith("s") and left.startswith(("4m", "5m00s"))  # keep_alive = "5m"
     assert after["qwen"][0] == "not_loaded"

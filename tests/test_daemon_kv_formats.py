@@ -235,7 +235,7 @@ def test_the_front_door_prices_a_quantized_models_load_and_fit(start_daemon) -> 
     daemon = start_daemon("--n-blocks", "512", "--budget", "64MiB")
     calls = LedgerCalls(daemon.run_dir)
     full = asyncio.run(calls.need("q", spec, 0, 2048))
-    quantized = asyncio.run(calls.need("q", spec, 0, 2048, (4, 32)))
+    quantized = asyncio.run(calls.need("q", spec, 0, 2048, quantization=(4, 32)))
     assert full.kv_min == 128 * kv_block_bytes(spec, BLOCK)  # type: ignore[operator]
     assert quantized.kv_min == 128 * kv_block_bytes(spec, BLOCK, 4, 32)  # type: ignore[operator]
     assert quantized.kv_min < full.kv_min / 3

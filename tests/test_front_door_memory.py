@@ -26,7 +26,7 @@ from test_front_door_swaps import Stream, gone, open_stream
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import kv_token_bytes
-from vqpool.shared.model_weights import estimate_weights
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.testing.model_dirs import write_config_dir
 
@@ -83,10 +83,16 @@ def kv_bytes(path: Path, tokens: int) -> int:
     return math.ceil(tokens / DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE * per_token
 
 
+def overhead(path: Path) -> int:
+    """The overhead the front door charges beside the weights: its worker's MLX buffer-cache
+    limit and its runtime's growth."""
+    return worker_overhead(serve_cache_limit(weights(path)))
+
+
 def load_need(path: Path) -> int:
-    """What a load of the model at ``path`` asks the ledger for: its weights and its KV
-    minimum (no reserve configured)."""
-    return weights(path) + kv_bytes(path, LOAD_KV_TOKENS)
+    """What a load of the model at ``path`` asks the ledger for: its weights, its worker's
+    overhead and its KV minimum (no reserve configured)."""
+    return weights(path) + overhead(path) + kv_bytes(path, LOAD_KV_TOKENS)
 
 
 def held_stream_kv(path: Path) -> int:
@@ -217,6 +223,58 @@ def test_a_load_short_of_bytes_unloads_the_idle_model_never_the_running_one(
         close(stream)
 
 
+def test_a_load_unloads_only_an_idle_model_that_makes_room_and_charges_the_overhead(
+    models: dict[str, Path],
+) -> None:
+    """An idle model whose unload could not make room stays loaded (unloaded, it would only be
+    reloaded into the bytes it freed); the load waits until an idle model that covers what it
+    lacks is there, unloads that one, and each worker's overhead is charged beside its
+    weights."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = max(load_need(large), load_need(medium) + held_stream_kv(medium))
+    budget += load_need(small) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        assert front.complete("small").status == 200  # the least recently used
+        stream = hold(front, "medium")
+        for name, path in (("small", small), ("medium", medium)):
+            assert front.row(name)["overhead_bytes"] == overhead(path)
+            row = next(r for r in front.admin("model_list")["models"] if r["model"] == name)
+            assert (row["weights"], row["overhead"]) == (weights(path), overhead(path))
+        totals = front.admin("budget")
+        assert totals["total_overhead"] == overhead(small) + overhead(medium)
+        # The small model's unload frees less than the large one lacks.
+        assert totals["free"] + load_need(small) < load_need(large)
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(front.complete, "large")
+            front.wait_state("large", "waiting_for_memory")
+            read_on(stream, 5)
+            close(stream)  # the medium model goes idle, and its unload covers the load
+            assert reply.result(timeout=60).status == 200
+        rows = front.models()
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["state"] == "loaded" and rows["small"]["unloads"] == {}
+        assert rows["small"]["loads"] == rows["large"]["loads"] == 1
+
+
+def test_a_load_unloads_the_least_asked_for_idle_model_not_the_least_recently_used(
+    models: dict[str, Path],
+) -> None:
+    """A model asked often stays loaded over one asked once, though it was used longer ago:
+    by recency alone, a hot model idle between two bursts would go."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = load_need(large) + max(load_need(small), load_need(medium)) + SLACK
+    with FrontDoor(config=config_for(models, budget)) as front:
+        for _ in range(3):
+            assert front.complete("small").status == 200
+        assert front.complete("medium").status == 200  # the most recently used
+        assert front.complete("large").status == 200
+        rows = front.models()
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["state"] == "loaded" and rows["small"]["unloads"] == {}
+
+
 def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
     models: dict[str, Path],
 ) -> None:
@@ -312,12 +370,14 @@ def test_fit_counts_the_weights_of_a_model_not_loaded_and_names_the_unload(
         assert set(answer["models"]) == {"small", "medium"}
         freed = answer["models"]["small"]
         assert freed["idle"] and freed["weights"] == weights(small)
+        assert answer["overhead"] == overhead(large) and freed["overhead"] == overhead(small)
         # The least recently used idle model is the one named; its unload is enough.
         fb = format_bytes
         assert fit.stdout.splitlines()[-1] == (
-            f"loading large needs {fb(weights(large))} of weights and {fb(kv_bytes(large, 32))} "
-            f"of KV; {fb(answer['free'])} free now; unloading idle small "
-            f"({fb(freed['weights'] + freed['held'])}) makes it fit"
+            f"loading large needs {fb(weights(large))} of weights, {fb(overhead(large))} of "
+            f"overhead and {fb(kv_bytes(large, 32))} of KV; {fb(answer['free'])} free now; "
+            f"unloading idle small ({fb(freed['weights'] + freed['overhead'] + freed['held'])}) "
+            "makes it fit"
         )
         # Asking loaded and unloaded nothing.
         assert sorted(s["model"] for s in front.admin("sessions")) == ["medium", "small"]

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.model_weights import worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
 from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
@@ -78,11 +79,13 @@ def open_pool(
     growth_wait: float = DEFAULT_GROWTH_WAIT,
     draft_model: nn.Module | None = None,
     quantization: KVQuantization | None = None,
+    overhead: int | None = None,
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block (with a draft model: the
-    model's and the draft's, which share each block) and weights (both models'), and its
-    cache source. With ``quantization`` (``--kv-bits``) the session also declares the bytes
-    of a block of each format its sequences hold: full precision before
+    model's and the draft's, which share each block), weights (both models') and
+    ``overhead`` (bytes held beyond weights and KV, charged with them; None: not declared),
+    and its cache source. With ``quantization`` (``--kv-bits``) the session also declares the
+    bytes of a block of each format its sequences hold: full precision before
     ``--quantized-kv-start``, quantized after (``bytes_per_format``).
 
     Raises:
@@ -110,6 +113,7 @@ def open_pool(
             bytes_per_format=per_format,
             timeout=timeout,
             weights=weights,
+            overhead=overhead,
         )
 
     pool = connect(DEFAULT_BLOCK_SIZE)  # ValueError for a model of another shape
@@ -128,6 +132,8 @@ def open_pool(
 
 def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Event) -> int:
     """Load the model, open the pool, serve on ``server`` until ``stop``; the exit status."""
+    # Bounded before loading, whose transients would otherwise fill MLX's buffer cache.
+    apply_cache_limit(args.mlx_cache_limit)
     try:
         loaded = load_model(args.model, seed=args.seed, adapter_path=args.adapter_path)
         draft = _load_draft(args.draft_model, loaded)
@@ -135,8 +141,6 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         log.error("%s", exc)
         return 2
     draft_model = None if draft is None else draft.model
-    # Loading's transients may have filled MLX's buffer cache: bounded from here on.
-    apply_cache_limit(args.mlx_cache_limit)
     memory = MemoryProbe(_weights(loaded.model, draft_model))
     served_name = args.served_model_name or loaded.name
     max_concurrent = args.max_concurrent
@@ -166,6 +170,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 args.growth_wait,
                 draft_model,
                 _quantization(args),
+                worker_overhead(args.mlx_cache_limit) if args.charge_mlx_cache else None,
             )
         except ValueError as exc:
             log.error("%s", exc)

@@ -2,8 +2,8 @@
 
     vqpool-worker --model MODEL --port PORT [--served-model-name NAME] [--run-dir DIR]
                   [--max-concurrent N] [--queue-timeout S] [--max-queue N] [--no-pool]
-                  [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--exit-on-stdin-eof]
-                  [--kv-bits 4|8 [--kv-group-size N] [--quantized-kv-start T]]
+                  [--prompt-cache-bytes SIZE] [--mlx-cache-limit SIZE] [--charge-mlx-cache]
+                  [--exit-on-stdin-eof] [--kv-bits 4|8 [--kv-group-size N] [--quantized-kv-start T]]
 
 ``MODEL`` is a Hugging Face id or a local path (``mlx_lm.load``), or ``builtin:NAME`` for a tiny
 offline model (see :mod:`vqpool.worker.models.loading`). The pool is a ``PoolClient`` session on the
@@ -200,10 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_mlx_cache_limit,
         default=DEFAULT_MLX_CACHE_LIMIT,
         metavar="SIZE",
-        help="most bytes of freed buffers MLX keeps for reuse (mx.set_cache_limit, applied after "
-        "the model loads): memory the budget does not charge, so idle buffers cannot grow the "
-        "worker past its model's weights and KV (e.g. 256MiB; 0: no buffer cache) "
-        "(default: 64MiB)",
+        help="most bytes of freed buffers MLX keeps for reuse (mx.set_cache_limit, applied "
+        "before the model loads), so idle buffers cannot grow the worker past its model's "
+        "weights, KV and this (e.g. 256MiB; 0: no buffer cache) (default: 64MiB)",
+    )
+    parser.add_argument(
+        "--charge-mlx-cache",
+        action="store_true",
+        help="declare --mlx-cache-limit plus 8 MiB for the runtime's growth while serving to "
+        "vqpoold as this model's overhead, charged to the budget beside its weights (vqpool "
+        "serve passes it to its workers); without it that memory is not counted",
     )
     parser.add_argument(
         "--max-tokens",

@@ -135,11 +135,14 @@ class BudgetAccounting:
 
     def charge_weights(self, session: Session, n_bytes: int) -> None:
         """Charge ``n_bytes`` of weights to ``session`` (its hello, its heartbeat's measurement:
-        the charge follows the latest). The first charge of a session takes over the oldest
-        pending load reservation of its model in the same step: no double count, no gap."""
+        the charge follows the latest), with the overhead it declared at hello: the ledger
+        charges the sum, the model's fixed cost. The first charge of a session takes over the
+        oldest pending load reservation of its model in the same step: no double count, no
+        gap."""
         ledger = self.ledger
         key = session_key(session)
-        if n_bytes and not ledger.weights_of(session.model, key):
+        fixed = n_bytes + session.overhead if n_bytes else 0
+        if fixed and not ledger.weights_of(session.model, key):
             taken = self.loads.pop_oldest(session.model)
             if taken is not None:
                 ledger.set_weights(session.model, reservation_key(taken.ticket), 0)
@@ -150,14 +153,31 @@ class BudgetAccounting:
                     format_bytes(taken.weights),
                     session.sid,
                 )
-        ledger.set_weights(session.model, key, n_bytes)
+        ledger.set_weights(session.model, key, fixed)
         self.parking.hand_out()
 
+    def charged_weights(self, session: Session) -> int:
+        """Bytes of weights charged to ``session``, its overhead not counted (0: none)."""
+        fixed = self.ledger.weights_of(session.model, session_key(session))
+        return max(0, fixed - session.overhead) if fixed else 0
+
+    def overheads(self) -> dict[str, int]:
+        """Per model, the overhead charged beside its weights: its sessions' with weights
+        charged and its pending load reservations'."""
+        found: dict[str, int] = {}
+        for session in self._coord.sessions:
+            if session.overhead and self.ledger.weights_of(session.model, session_key(session)):
+                found[session.model] = found.get(session.model, 0) + session.overhead
+        for pending in self.loads.pending.values():
+            found[pending.model] = found.get(pending.model, 0) + pending.overhead
+        return found
+
     def reserve_load(
-        self, model: str, weights: int, kv_min: int, ttl: float, now: float
+        self, model: str, weights: int, kv_min: int, ttl: float, now: float, overhead: int = 0
     ) -> dict[str, Any]:
-        """The ``load_reserve`` admin op's answer (see its declaration): the weights charged
-        under a new ticket, or how many bytes are short (with the prompt caches asked back).
+        """The ``load_reserve`` admin op's answer (see its declaration): the weights and
+        overhead charged under a new ticket, or how many bytes are short (with the prompt
+        caches asked back).
 
         Raises:
             ValueError: It can never fit (the message names the numbers), or too many
@@ -165,18 +185,20 @@ class BudgetAccounting:
         """
         self.loads.check_room()
         ticket = self.loads.new_ticket()
-        verdict = self.ledger.reserve_load(model, reservation_key(ticket), weights, kv_min)
+        fixed = weights + overhead
+        verdict = self.ledger.reserve_load(model, reservation_key(ticket), fixed, kv_min)
         if verdict.outcome is LoadOutcome.NEVER:
-            raise ValueError(f"load_reserve: {verdict.message()}")
+            raise ValueError(f"load_reserve: {verdict.message(overhead)}")
         if verdict.outcome is LoadOutcome.GRANT:
-            self.loads.add(ticket, model, weights, kv_min, now + ttl)
-            log.info("load reservation %s: %s (for %gs)", ticket, verdict.message(), ttl)
-            return {"granted": True, "ticket": ticket, "free": verdict.free - weights}
+            self.loads.add(ticket, model, weights, kv_min, now + ttl, overhead)
+            log.info("load reservation %s: %s (for %gs)", ticket, verdict.message(overhead), ttl)
+            return {"granted": True, "ticket": ticket, "free": verdict.free - fixed}
         return {
             "granted": False,
             "short": verdict.short,
             "free": verdict.free,
             "weights": weights,
+            "overhead": overhead,
             "kv_min": kv_min,
             "cached": self.ask_caches(verdict.short),
         }
@@ -402,7 +424,7 @@ class BudgetAccounting:
         memory now drifts from what is declared for it (O(sessions): once per heartbeat)."""
         session.memory = report
         model = session.model
-        if report["weights"] != self.ledger.weights_of(model, session_key(session)):
+        if report["weights"] != self.charged_weights(session):
             self.charge_weights(session, report["weights"])
         memory = model_memory(self._coord.sessions, model, self.ledger.held(model))
         self.drift.check(model, memory, now)
@@ -411,7 +433,8 @@ class BudgetAccounting:
 
     def view(self, now: float, refused: int = 0) -> dict[str, Any]:
         """The ``budget`` admin op's answer, with the reclaim counters."""
-        return {**budget_view(self.ledger, now, refused), "reclaim": self.reclaim.view()}
+        overhead = sum(self.overheads().values())
+        return {**budget_view(self.ledger, now, refused, overhead), "reclaim": self.reclaim.view()}
 
     def model_views(self, now: float) -> list[dict[str, Any]]:
         """The ``model_list`` admin op's views."""
@@ -428,6 +451,7 @@ class BudgetAccounting:
             now,
             self.live.settings_from,
             {name: dict(sorted(held.items())) for name, held in formats.items()},
+            self.overheads(),
         )
 
     def model_view(self, name: str, now: float) -> dict[str, Any]:
@@ -465,10 +489,12 @@ class BudgetAccounting:
         return fit_to_wire(self.ledger, answer, per_sequence)
 
     def loaded_models(self) -> dict[str, dict[str, Any]]:
-        """Per model with weights charged: its weights, KV held, prompt-cache bytes its workers
-        report, and whether it is idle (holds no KV beyond its prompt cache, waits for nothing,
-        runs and queues nothing): what unloading it would free."""
+        """Per model with weights charged: its weights, its workers' overhead, KV held,
+        prompt-cache bytes its workers report, and whether it is idle (holds no KV beyond its
+        prompt cache, waits for nothing, runs and queues nothing): what unloading it would
+        free."""
         snap = self.ledger.snapshot()
+        overheads = self.overheads()
         found: dict[str, dict[str, Any]] = {}
         busy: set[str] = set()
         cached: dict[str, int] = {}
@@ -482,8 +508,10 @@ class BudgetAccounting:
                 continue
             in_cache = min(cached.get(name, 0), view.held)
             idle = view.held <= in_cache and not view.waiting and name not in busy
+            overhead = overheads.get(name, 0)
             found[name] = {
-                "weights": view.weights,
+                "weights": view.weights - overhead,
+                "overhead": overhead,
                 "held": view.held,
                 "cached": in_cache,
                 "idle": idle,

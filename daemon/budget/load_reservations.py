@@ -18,14 +18,15 @@ from vqpool.shared.protocol import MAX_LOAD_RESERVATIONS
 
 @dataclass(frozen=True, slots=True)
 class LoadReservation:
-    """One pending load: ``weights`` bytes of ``model`` charged under its ticket until
-    ``deadline`` (monotonic)."""
+    """One pending load: ``weights`` bytes of ``model`` and its worker's ``overhead`` charged
+    under its ticket until ``deadline`` (monotonic)."""
 
     ticket: str
     model: str
     weights: int
     kv_min: int
     deadline: float
+    overhead: int = 0
 
 
 def reservation_key(ticket: str) -> tuple[str, str]:
@@ -55,11 +56,19 @@ class LoadReservations:
         return ticket
 
     def add(
-        self, ticket: str, model: str, weights: int, kv_min: int, deadline: float
+        self,
+        ticket: str,
+        model: str,
+        weights: int,
+        kv_min: int,
+        deadline: float,
+        overhead: int = 0,
     ) -> LoadReservation:
         """Keep a new pending reservation under ``ticket`` (from :meth:`new_ticket`)."""
         self.check_room()
-        found = self.pending[ticket] = LoadReservation(ticket, model, weights, kv_min, deadline)
+        found = self.pending[ticket] = LoadReservation(
+            ticket, model, weights, kv_min, deadline, overhead
+        )
         return found
 
     def pop(self, ticket: str) -> LoadReservation | None:

@@ -383,12 +383,14 @@ class LoadVerdict:
     others_reserved: int
     limit: int
 
-    def message(self) -> str:
-        """One sentence for a log line or an error reply."""
+    def message(self, overhead: int = 0) -> str:
+        """One sentence for a log line or an error reply; ``overhead``: the part of
+        :attr:`weights` that is the worker's overhead (named apart)."""
         fb = format_bytes
-        need = (
-            f"loading {self.model} needs {fb(self.weights)} of weights and {fb(self.kv_min)} of KV"
-        )
+        fixed = f"{fb(self.weights)} of weights"
+        if overhead:
+            fixed = f"{fb(self.weights - overhead)} of weights, {fb(overhead)} of overhead"
+        need = f"loading {self.model} needs {fixed} and {fb(self.kv_min)} of KV"
         if self.outcome is LoadOutcome.GRANT:
             return f"{need}: granted"
         if self.outcome is LoadOutcome.SHORT:

@@ -42,14 +42,19 @@ def refusal(ledger: BudgetLedger, op: str, verdict: Verdict) -> Exception:
     return BlockPoolExhaustedError(text)
 
 
-def budget_view(ledger: BudgetLedger, now: float, refused: int = 0) -> dict[str, Any]:
-    """The ``budget`` admin op's answer; ``refused``: parked requests a change refused."""
+def budget_view(
+    ledger: BudgetLedger, now: float, refused: int = 0, overhead: int = 0
+) -> dict[str, Any]:
+    """The ``budget`` admin op's answer; ``refused``: parked requests a change refused;
+    ``overhead``: the part of the ledger's weights that is the workers' declared overhead
+    (shown apart: ``total_weights`` is the parameters')."""
     snap = ledger.snapshot(now)
     limited = is_limited(ledger)
     return {
         "budget": snap.budget if limited else None,
         "total_held": snap.total_held,
-        "total_weights": snap.total_weights,
+        "total_weights": snap.total_weights - overhead,
+        "total_overhead": overhead,
         "free": snap.free if limited else None,
         "over_budget": snap.over_budget > 0,
         "reserved": snap.reserved,
@@ -67,13 +72,15 @@ def model_views(
     now: float,
     settings_from: Callable[[str], dict[str, str]] | None = None,
     formats: Mapping[str, dict[str, dict[str, int]]] | None = None,
+    overheads: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One view per model the ledger knows or a live session serves, by name; with
     ``settings_from``, where each of its settings comes from (``live``, ``config``,
     ``default``). ``formats``: per model, its blocks and bytes held per block format
-    (``{format: {"blocks", "bytes"}}``; none: {}). ``memory``: its workers' last memory
-    reports beside what is declared for it (:meth:`ModelMemory.view`), or None when none
-    reported."""
+    (``{format: {"blocks", "bytes"}}``; none: {}). ``overheads``: per model, the part of its
+    charged weights that is its workers' declared overhead (``overhead``, apart from
+    ``weights``). ``memory``: its workers' last memory reports beside what is declared for it
+    (:meth:`ModelMemory.view`), or None when none reported."""
     snap = ledger.snapshot(now)
     sessions = list(sessions)
     load: dict[str, list[int]] = {}
@@ -122,6 +129,8 @@ def model_views(
                 "configured": view.configured,
                 "lent": view.lent,
             }
+        row["overhead"] = (overheads or {}).get(name, 0)
+        row["weights"] -= row["overhead"]
         if not limited and row["limit"] is None:
             row["effective_limit"] = None
         if settings_from is not None:

@@ -64,6 +64,8 @@ class Session:
             evictions; None: never). Its blocks are among the session's blocks.
         memory: What the worker's process holds in bytes, in its last ``ping`` that said
             (weights, mlx_active, mlx_cache, mlx_peak, rss; None: never).
+        overhead: Bytes the worker declared at hello that it may hold beyond its weights and
+            KV blocks (its MLX buffer-cache limit): charged with its weights (0: none declared).
         drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
             answer to its next ping, then cleared.
         release_cache: Bytes of its prompt cache a load asked back (``load_reserve``): said in
@@ -93,6 +95,7 @@ class Session:
     queued: int | None = None
     prompt_cache: dict[str, int] | None = None
     memory: dict[str, int] | None = None
+    overhead: int = 0
     drop_cache: bool = False
     release_cache: int = 0
     cache_used_at: float = 0.0

@@ -88,10 +88,11 @@ def weights(row: dict[str, Any]) -> str:
 def ledger_memory(ctl: Ctl, answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """What vqpoold counts for each served model, by name: ``weights`` (its workers' charge when
     loaded, else the estimate before loading; None when unknown), ``kv_held`` (KV bytes its
-    sessions hold, its prompt cache's among them), ``cached`` (its prompt cache's bytes),
-    ``measured`` (its processes' memory as their heartbeats report it, None before any report)
-    and ``share``
-    (weights and KV held over the budget, None without a budget). Empty when vqpoold does not
+    sessions hold, its prompt cache's among them), ``overhead`` (its workers' declared overhead,
+    charged beside the weights; the front door's figure before loading), ``cached`` (its prompt
+    cache's bytes), ``measured`` (its processes' memory as their heartbeats report it, None
+    before any report) and ``share`` (weights, overhead and KV held over the budget, None
+    without a budget). Empty when vqpoold does not
     answer."""
     try:
         listed = ctl.call("model_list")
@@ -105,17 +106,21 @@ def ledger_memory(ctl: Ctl, answer: dict[str, Any]) -> dict[str, dict[str, Any]]
         name = row["name"]
         daemon_row = rows.get(name, {})
         weights = daemon_row.get("weights") if daemon_row.get("sessions") else None
+        overhead = daemon_row.get("overhead", 0) if weights is not None else None
         if weights is None:
             weights = row.get("weights_bytes")
+        if overhead is None:
+            overhead = row.get("overhead_bytes") or 0
         held = daemon_row.get("held", 0)
         measured = (daemon_row.get("memory") or {}).get("measured")
         cached = sum(
             (s.get("prompt_cache") or {}).get("bytes", 0) for s in sessions if s["model"] == name
         )
         loaded = row["state"] != "not_loaded" or held > 0
-        charged = (weights or 0 if loaded else 0) + held
+        charged = ((weights or 0) + overhead if loaded else 0) + held
         memory[name] = {
             "weights": weights,
+            "overhead": overhead,
             "kv_held": held,
             "cached": cached,
             "measured": measured,

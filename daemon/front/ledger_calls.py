@@ -34,11 +34,13 @@ CACHE_RELEASE_WAIT = 2.0
 
 @dataclass(frozen=True)
 class LoadNeed:
-    """What loading a model asks the ledger for: its weights and its KV minimum (the larger of
-    its reserve and the KV of ``--load-kv-tokens`` tokens, in whole blocks)."""
+    """What loading a model asks the ledger for: its weights, its worker's overhead (its MLX
+    buffer-cache limit) and its KV minimum (the larger of its reserve and the KV of
+    ``--load-kv-tokens`` tokens, in whole blocks)."""
 
     weights: int
     kv_min: int
+    overhead: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ class Shortfall:
     kv_min: int
     cached: int
     """Prompt-cache bytes the daemon just asked workers to release for it."""
+    overhead: int = 0
 
     def message(self, model: str) -> str:
         fb = format_bytes
+        overhead = f", {fb(self.overhead)} of overhead" if self.overhead else ""
         return (
-            f"loading {model} needs {fb(self.weights)} of weights and {fb(self.kv_min)} of KV; "
-            f"{fb(max(0, self.free))} free now, {fb(self.short)} short"
+            f"loading {model} needs {fb(self.weights)} of weights{overhead} and "
+            f"{fb(self.kv_min)} of KV; {fb(max(0, self.free))} free now, {fb(self.short)} short"
         )
 
 
@@ -85,13 +89,14 @@ class LedgerCalls:
         spec: str,
         weights: int | None,
         kv_tokens: int,
+        overhead: int = 0,
         quantization: tuple[int, int] | None = None,
     ) -> LoadNeed:
         """What loading ``model`` (``spec`` names its files) asks for: ``weights`` (unknown: 0,
-        its worker's hello charges them) and its KV minimum: the KV of ``kv_tokens`` tokens (its
-        config priced at the pool's block size, quantized to ``quantization``'s (bits,
-        group_size) when its worker quantizes KV) but no more than its limit at the daemon, or
-        its reserve there if larger.
+        its worker's hello charges them), ``overhead``, and its KV minimum: the KV of
+        ``kv_tokens`` tokens (its config priced at the pool's block size, quantized to
+        ``quantization``'s (bits, group_size) when its worker quantizes KV) but no more than its
+        limit at the daemon, or its reserve there if larger.
 
         Raises:
             VqpoolError: The daemon does not answer.
@@ -105,8 +110,9 @@ class LedgerCalls:
         row = next((m for m in models["models"] if m["model"] == model), None)
         room = -(-kv_tokens // block_size) * block
         if row is None:
-            return LoadNeed(weights or 0, room)
-        return LoadNeed(weights or 0, max(row["reserve"], min(room, row["effective_limit"])))
+            return LoadNeed(weights or 0, room, overhead)
+        kv_min = max(row["reserve"], min(room, row["effective_limit"]))
+        return LoadNeed(weights or 0, kv_min, overhead)
 
     async def reserve(
         self, model: str, need: LoadNeed, ttl: float
@@ -122,12 +128,13 @@ class LedgerCalls:
             "load_reserve",
             model=model,
             weights=need.weights,
+            overhead=need.overhead,
             kv_min=need.kv_min,
             ttl=min(MAX_TICKET_TTL, math.ceil(ttl)),
         )
         if answer["granted"]:
             return str(answer["ticket"]), None
-        fields = ("short", "free", "weights", "kv_min", "cached")
+        fields = ("short", "free", "weights", "overhead", "kv_min", "cached")
         return None, Shortfall(**{name: int(answer[name]) for name in fields})
 
     async def release(self, ticket: str) -> None:
@@ -135,8 +142,8 @@ class LedgerCalls:
         await self.call("load_release", ticket=ticket)
 
     async def budget(self) -> dict[str, Any]:
-        """The ``budget`` op's answer (``budget``, ``total_held``, ``total_weights``, ``free``,
-        ...)."""
+        """The ``budget`` op's answer (``budget``, ``total_held``, ``total_weights``,
+        ``total_overhead``, ``free``, ...)."""
         answer: dict[str, Any] = await self.call("budget")
         return answer
 

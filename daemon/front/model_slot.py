@@ -19,7 +19,12 @@ from typing import Any
 
 from vqpool.daemon.front.catalog import ModelEntry
 from vqpool.daemon.front.worker_process import WorkerProcess
-from vqpool.shared.model_weights import WeightsEstimate
+from vqpool.shared.model_weights import WeightsEstimate, worker_overhead
+
+DEMAND_HALF_LIFE = 30.0
+"""Seconds after which a request counts half in a model's demand: long enough to span a chat's
+pauses and a bursty model's quiet spells, short enough that a model no longer asked for stops
+counting within minutes."""
 
 NOT_LOADED = "not_loaded"
 WAITING_FOR_MEMORY = "waiting_for_memory"
@@ -79,9 +84,27 @@ class ModelSlot:
     weights: WeightsEstimate | None = None
     """What its weights cost, known before it loads (None: unknown, e.g. a hub id not in the
     local cache); set once at start by :meth:`Supervisor.start`."""
+    demand: float = 0.0
+    """Requests that came for it, each counting less as it ages (halved every
+    :data:`DEMAND_HALF_LIFE` seconds), as of :attr:`demand_at`: how much it is asked for."""
+    demand_at: float = 0.0
+    cache_limit: int = 0
+    """The MLX buffer-cache limit its worker gets (its table's ``mlx_cache_limit``, else
+    :func:`serve_cache_limit` of its weights): with the runtime's growth, declared to vqpoold
+    as the model's overhead (:func:`worker_overhead`) and charged beside its weights; set once
+    at start by :meth:`Supervisor.start`."""
 
     def __post_init__(self) -> None:
         self.keep_alive = self.entry.keep_alive
+
+    def demand_now(self, now: float) -> float:
+        """:attr:`demand` aged to monotonic time ``now``."""
+        return self.demand * 0.5 ** (max(0.0, now - self.demand_at) / DEMAND_HALF_LIFE)
+
+    def note_request(self, now: float) -> None:
+        """A request came for it at monotonic time ``now``."""
+        self.demand = self.demand_now(now) + 1.0
+        self.demand_at = now
 
     @property
     def name(self) -> str:
@@ -173,4 +196,5 @@ class ModelSlot:
             "unload_when_idle": self.unload_when_idle,
             "weights_bytes": None if self.weights is None else self.weights.nbytes,
             "weights_source": None if self.weights is None else self.weights.source,
+            "overhead_bytes": worker_overhead(self.cache_limit),
         }

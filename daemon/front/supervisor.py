@@ -12,12 +12,14 @@ can look, and an idle timer that fires finds the model busy again if a request c
   load waits (it never preempts). Loads waiting for room start in the order their first request
   came.
 - A load is an allocation: before its worker starts it asks vqpoold's ledger for the model's
-  weights plus its KV minimum (``load_reserve``; the worker's hello takes the reservation over).
+  weights, its worker's overhead (the MLX buffer-cache limit it gets) and its KV minimum
+  (``load_reserve``; the worker's hello takes the reservation over).
   When bytes are short they are freed in one order, re-asking after each step: the prompt
-  caches the daemon asked to release, then the least recently used idle model that is not
-  pinned and was loaded at least ``min_residency`` seconds (its exit and its session's end
-  verified first); then the load waits for a change. A load that can never fit is refused at
-  once: every request waiting for it gets a 400 naming the numbers.
+  caches the daemon asked to release, then an idle model that is not pinned and was loaded at
+  least ``min_residency`` seconds, the least asked for of those that cover what is short
+  (:meth:`Supervisor._memory_victim`; its exit and its session's end verified first, and the
+  bytes it frees go to that load first); then the load waits for a change. A load that can
+  never fit is refused at once: every request waiting for it gets a 400 naming the numbers.
 - When the daemon shows more held than its budget (lowered live), or a loaded model's requests
   waiting for KV the loaded weights leave no room for, idle models are unloaded in the same order.
 - A failed load answers every request waiting for it with the worker's reason; the next
@@ -53,13 +55,15 @@ from vqpool.daemon.front.model_slot import (
 )
 from vqpool.daemon.front.worker_process import WorkerProcess, WorkerStartError
 from vqpool.shared.admin_client import AdminClient
-from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.byte_sizes import format_bytes, parse_bytes
 from vqpool.shared.errors import UnknownOpError, VqpoolError
 from vqpool.shared.model_weights import (
     ADAPTER_WEIGHTS,
     WeightsEstimate,
     estimate_weights,
     safetensors_tensor_bytes,
+    serve_cache_limit,
+    worker_overhead,
 )
 
 log = logging.getLogger("vqpool.serve")
@@ -103,13 +107,30 @@ def _weights_or_none(entry: ModelEntry) -> WeightsEstimate | None:
         return None
 
 
+def _cache_limit(entry: ModelEntry, weights: WeightsEstimate | None) -> int:
+    """The MLX buffer-cache limit of ``entry``'s worker: its table's ``mlx_cache_limit``, else
+    :func:`serve_cache_limit` of its weights (a bad value fails the worker's start, which
+    names it; the default stands in until then)."""
+    given = entry.worker_option("--mlx-cache-limit")
+    if given is not None:
+        with contextlib.suppress(ValueError):
+            return parse_bytes(given, what="mlx_cache_limit", allow_zero=True)
+    return serve_cache_limit(None if weights is None else weights.nbytes)
+
+
+def fixed_bytes(totals: dict[str, Any]) -> int:
+    """The bytes the ledger charges beside KV (a ``budget`` answer): the loaded models'
+    weights and their workers' overhead."""
+    return int(totals["total_weights"]) + int(totals.get("total_overhead", 0))
+
+
 def kv_blocked_by_weights(totals: dict[str, Any], models: list[dict[str, Any]]) -> int:
     """KV bytes the models' requests wait for at vqpoold that could not be granted even if every
     other model gave back all the KV it holds: more than the budget leaves beside the loaded
     models' weights and the other models' reserves (``budget`` and ``model_list`` answers).
     Only an unload makes room for those; a greedy model's requests that other models' KV holds
     back wait for it (the ledger's fair shares and reclaim), and unload no one."""
-    room = totals["budget"] - totals["total_weights"]
+    room = totals["budget"] - fixed_bytes(totals)
     reserved = sum(row["reserve"] for row in models)
     return max(
         (
@@ -165,6 +186,9 @@ class Supervisor:
         self.metrics = metrics
         self.slots = {name: ModelSlot(entry) for name, entry in catalog.entries.items()}
         self._changed: asyncio.Future[None] | None = None
+        self._freed_for: ModelSlot | None = None
+        """The load an unload under way (or just done) frees bytes for: until it asks again,
+        no other load asks (:meth:`_reserve`)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         metrics.watch(self.slots)
@@ -192,6 +216,7 @@ class Supervisor:
     async def _admit(self, slot: ModelSlot, timeout: float) -> WorkerProcess:
         if self._closing:
             raise overloaded("the server is shutting down")
+        slot.note_request(asyncio.get_running_loop().time())
         if slot.state == LOADED and slot.worker is not None:
             slot.running += 1
             self._touch(slot)
@@ -351,7 +376,7 @@ class Supervisor:
             self._notify()
             return
         slot.state = LOADING
-        worker = WorkerProcess(slot.entry, self.run_dir)
+        worker = WorkerProcess(slot.entry, self.run_dir, slot.cache_limit)
         slot.worker = worker
         started = loop.time()
         log.info("loading %s (%s)", slot.name, slot.entry.path)
@@ -402,17 +427,31 @@ class Supervisor:
         Raises:
             VqpoolError: vqpoold does not answer.
         """
+        try:
+            return await self._reserve_freeing(slot)
+        finally:
+            if self._freed_for is slot:
+                self._freed_for = None
+
+    async def _reserve_freeing(self, slot: ModelSlot) -> tuple[bool, str | None]:
         weights = None if slot.weights is None else slot.weights.nbytes
         need = await self.ledger.need(
             slot.name,
             slot.entry.path,
             weights,
             self.load_kv_tokens,
+            worker_overhead(slot.cache_limit),
             slot.entry.kv_quantization(),
         )
         while True:
             if self._closing or slot.queued <= slot.answered:
                 return False, None
+            claimant = self._freed_for
+            if claimant not in (None, slot) and claimant.state == WAITING_FOR_MEMORY:
+                # Bytes an unload just freed go to the load it was for: asked first, another
+                # load would take them and leave that one short again.
+                await self._wait_for_change(MEMORY_RECHECK)
+                continue
             try:
                 ticket, short = await self.ledger.reserve(slot.name, need, self.load_timeout)
             except UnknownOpError:
@@ -423,6 +462,8 @@ class Supervisor:
                 slot.refuse(reason)
                 log.warning("not loading %s: %s", slot.name, reason)
                 return False, None
+            if self._freed_for is slot:  # it asked: the bytes freed for it are its or gone
+                self._freed_for = None
             if short is None:
                 if ticket is not None and (self._closing or slot.queued <= slot.answered):
                     await self.ledger.release(ticket)  # its requests left while it asked
@@ -435,12 +476,13 @@ class Supervisor:
             if short.cached >= short.short:
                 await self.ledger.cache_released()
                 continue
-            victim = self._memory_victim()
+            victim = self._memory_victim(short.short, await self._unload_frees())
             if victim is not None:
                 log.info(
                     "unloading idle %s to load %s (%s)", victim.name, slot.name, slot.memory_wait
                 )
                 self._start_unload(victim, "memory")
+                self._freed_for = slot
                 while victim.state == UNLOADING:
                     await self._wait_for_change(MEMORY_RECHECK)
                 continue
@@ -449,17 +491,43 @@ class Supervisor:
                 continue
             await self._wait_for_change(MEMORY_RECHECK)
 
-    def _memory_victim(self) -> ModelSlot | None:
-        """The model to unload for bytes: the least recently used idle one, not pinned, loaded
-        at least ``min_residency`` seconds; None while another unload is under way (one at a
-        time, each verified before the next)."""
+    def _memory_victim(
+        self, short: int = 0, frees: dict[str, int] | None = None
+    ) -> ModelSlot | None:
+        """The model to unload for bytes: an idle one, not pinned, loaded at least
+        ``min_residency`` seconds, the least asked for (:attr:`ModelSlot.demand`, then the
+        least recently used) of those whose unload alone frees ``short`` bytes if any does,
+        else the least asked for; None while another unload is under way (one at a time, each
+        verified before the next), or when unloading every one of them would still leave
+        ``short`` uncovered (then an unload frees nothing the load can use now: the model
+        unloaded is likely asked again, and its reload takes the bytes back while the load
+        waits on). ``frees``: what each model's unload frees (:meth:`_unload_frees`); a model
+        it does not name counts as freeing enough."""
         if any(s.state == UNLOADING for s in self.slots.values()):
             return None
         now = asyncio.get_running_loop().time()
-        victims = [
-            s for s in self.slots.values() if s.evictable_for_memory(now, self.min_residency)
-        ]
-        return min(victims, key=lambda s: s.last_used or 0.0) if victims else None
+        # NOTE: by demand, not recency alone: a hot model idle between two bursts is the least
+        # recently used for a moment, and its unload costs a reload under its next burst.
+        victims = sorted(
+            (s for s in self.slots.values() if s.evictable_for_memory(now, self.min_residency)),
+            key=lambda s: (round(s.demand_now(now), 1), s.last_used or 0.0),
+        )
+        freed = {s.name: (frees or {}).get(s.name, math.inf) for s in victims}
+        covering = [s for s in victims if freed[s.name] >= short]
+        if covering:
+            return covering[0]
+        if victims and sum(freed.values()) >= short:
+            return victims[0]
+        return None
+
+    async def _unload_frees(self) -> dict[str, int] | None:
+        """What unloading each model frees at vqpoold: its weights, its workers' overhead and
+        the KV it holds; None when vqpoold does not say."""
+        try:
+            rows = (await self.ledger.call("model_list"))["models"]
+        except VqpoolError:
+            return None
+        return {r["model"]: r["weights"] + r.get("overhead", 0) + r["held"] for r in rows}
 
     async def _watch_budget(self) -> None:
         """Unload idle models while vqpoold holds more than its budget (lowered live), or a
@@ -473,7 +541,7 @@ class Supervisor:
                 totals = listing["budget"]
                 if totals["budget"] is None:
                     continue
-                excess = totals["total_held"] + totals["total_weights"] - totals["budget"]
+                excess = totals["total_held"] + fixed_bytes(totals) - totals["budget"]
                 blocked = kv_blocked_by_weights(totals, listing["models"])
                 if excess <= 0 and blocked <= 0:
                     continue
@@ -596,6 +664,7 @@ class Supervisor:
         the budget for a live change."""
         for slot in self.slots.values():
             slot.weights = await asyncio.to_thread(_weights_or_none, slot.entry)
+            slot.cache_limit = _cache_limit(slot.entry, slot.weights)
         self._start(self._watch_budget())
 
     def views(self) -> list[dict[str, Any]]:

@@ -56,9 +56,12 @@ def last_log_line(path: Path) -> str:
 class WorkerProcess:
     """A started worker: its process, its address once it serves."""
 
-    def __init__(self, entry: ModelEntry, run_dir: Path) -> None:
+    def __init__(self, entry: ModelEntry, run_dir: Path, cache_limit: int | None = None) -> None:
         self.entry = entry
         self.run_dir = run_dir
+        self.cache_limit = cache_limit
+        """Bytes of MLX buffer cache the worker declares as its overhead, charged beside its
+        weights (given as ``--mlx-cache-limit`` unless its entry sets it; None: not charged)."""
         self.log_path = log_path(run_dir, entry.name)
         self.process: asyncio.subprocess.Process | None = None
         self.address = ""
@@ -85,8 +88,16 @@ class WorkerProcess:
             "--run-dir",
             str(self.run_dir),
             "--exit-on-stdin-eof",
+            *self._charged_cache(),
             *self.entry.worker_args,
         ]
+
+    def _charged_cache(self) -> list[str]:
+        if self.cache_limit is None:
+            return []
+        if self.entry.worker_option("--mlx-cache-limit") is not None:
+            return ["--charge-mlx-cache"]
+        return ["--mlx-cache-limit", str(self.cache_limit), "--charge-mlx-cache"]
 
     async def start(self, timeout: float) -> None:
         """Start the worker and wait until it serves.

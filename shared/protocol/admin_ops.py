@@ -215,7 +215,7 @@ ADMIN_OP_SPECS = op_table(
         "and the largest concurrency that fits now and ever. Priced with the bytes per block a "
         "live worker of that model declared, or for a model with no worker connected with "
         "BYTES_PER_TOKEN or BYTES_PER_BLOCK and its WEIGHTS. The answer adds weights, free and, "
-        "per loaded model, {weights, held, cached, idle}: what unloading it would free.",
+        "per loaded model, {weights, overhead, held, cached, idle}: what unloading it would free.",
         (
             MODEL_FIELD,
             *FIT_ARGS,
@@ -237,17 +237,26 @@ ADMIN_OP_SPECS = op_table(
     ),
     OpSpec(
         LOAD_RESERVE,
-        "Before loading MODEL: charge its WEIGHTS to it now if they and KV_MIN bytes of KV fit "
+        "Before loading MODEL: charge its WEIGHTS (and OVERHEAD) to it now if they and KV_MIN "
+        "bytes of KV fit "
         "({granted: true, ticket, free}); the first hello of a worker of MODEL takes the "
         "reservation over (its weights become the session's), or it expires after TTL "
         "seconds, or load_release gives it back. Not now: {granted: false, short, free, "
-        "weights, kv_min, cached}, where cached is the prompt-cache bytes the daemon just "
-        "asked workers to give back (least recently used first, across models, up to short). "
+        "weights, overhead, kv_min, cached}, where cached is the prompt-cache bytes the daemon "
+        "just asked workers to give back (least recently used first, across models, up to short). "
         "Refused (bad request, naming the numbers) when it could never fit, or when "
         f"{MAX_LOAD_RESERVATIONS} reservations are pending.",
         (
             Field("model", check_str, help="the model's full name, as its worker will give it"),
             Field("weights", int_in(0, MAX_BYTES), help="bytes of its weights"),
+            Field(
+                "overhead",
+                int_in(0, MAX_BYTES),
+                required=False,
+                default=0,
+                help="bytes its worker may hold beyond weights and KV (its MLX buffer-cache "
+                "limit), charged beside the weights",
+            ),
             Field(
                 "kv_min",
                 int_in(0, MAX_BYTES),

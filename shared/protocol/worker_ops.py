@@ -129,6 +129,13 @@ WORKER_OP_SPECS = op_table(
                 "budget (taking over a pending load reservation of the model)",
             ),
             Field(
+                "overhead",
+                int_in(0, MAX_BYTES),
+                required=False,
+                help="bytes the worker may hold beyond its weights and KV blocks (its MLX "
+                "buffer-cache limit): charged with its weights, as the model's fixed cost",
+            ),
+            Field(
                 "resumes",
                 int_in(0),
                 required=False,

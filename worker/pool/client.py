@@ -90,6 +90,8 @@ class PoolClient:
         bytes_per_format: Bytes one block of each format holds in this worker (tag -> int or
             map stream -> int, tags of :mod:`vqpool.shared.kv_formats`): the daemon charges
             each block its format's bytes; None: every block costs ``bytes_per_block``.
+        overhead: Bytes the worker may hold beyond its weights and KV blocks (its MLX
+            buffer-cache limit), charged with its weights (None: not declared).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
@@ -111,6 +113,7 @@ class PoolClient:
         on_reclaim: ReclaimHandler | None = None,
         weights: int | None = None,
         bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
+        overhead: int | None = None,
     ) -> None:
         self._session = DaemonSession(
             resolve_run_dir(run_dir),
@@ -120,6 +123,7 @@ class PoolClient:
             first_retry=first_retry,
             weights=weights,
             bytes_per_format=bytes_per_format,
+            overhead=overhead,
         )
         self._lock = self._session.lock
         self._connection = self._session.connection  # the caller's socket (its resend count)

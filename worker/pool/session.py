@@ -59,6 +59,8 @@ class DaemonSession:
             hello (None: every format costs ``bytes_per_block``).
         weights: Bytes of the model's weights as loaded, declared at hello (the daemon charges
             them to the session; None: not declared).
+        overhead: Bytes the worker may hold beyond its weights and KV, declared at hello with
+            the weights (charged beside them; None: not declared).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend.
 
@@ -76,10 +78,12 @@ class DaemonSession:
         first_retry: float,
         weights: int | None = None,
         bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
+        overhead: int | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.bytes_per_format = bytes_per_format
         self.weights = weights
+        self.overhead = overhead
         self.endpoint = endpoint(run_dir, WORKER_SOCKET_NAME)
         self.name = name
         self.bytes_per_block = bytes_per_block
@@ -144,6 +148,8 @@ class DaemonSession:
             }
         if self.weights is not None:
             args["weights"] = self.weights
+            if self.overhead is not None:
+                args["overhead"] = self.overhead
         if resumes is not None:
             args["resumes"] = resumes
         rid = self.next_id()

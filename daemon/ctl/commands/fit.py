@@ -135,14 +135,19 @@ def _unpriced_fit(
         return None
     if per_token is None:
         return None
+    # The front door charges its worker's overhead (its MLX buffer-cache limit) beside them.
+    overhead = 0 if row is None else row.get("overhead_bytes") or 0
+    parameters = 0 if weights is None else weights.nbytes
     answer: dict[str, Any] = ctl.call(
         "fit",
         model=model,
         context=args.context,
         concurrency=args.concurrency,
-        weights=0 if weights is None else weights.nbytes,
+        weights=parameters + overhead,
         bytes_per_token=per_token,
     )
+    if answer.get("weights") == parameters + overhead:
+        answer.update(weights=parameters, overhead=overhead)
     return {**answer, "format": fmt}
 
 
@@ -150,9 +155,12 @@ def load_line(answer: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """What loading a model that is not loaded takes: its weights and KV, what is free, and
     which idle models' unloads (least recently used first, never a pinned one) make it fit."""
     fb = format_bytes
-    weights, kv, free = answer["weights"], answer["need"], max(0, answer["free"])
-    text = f"loading {answer['model']} needs {fb(weights)} of weights and {fb(kv)} of KV; "
-    text += f"{fb(free)} free now"
+    overhead = answer.get("overhead", 0)
+    weights, kv, free = answer["weights"] + overhead, answer["need"], max(0, answer["free"])
+    fixed = f"{fb(answer['weights'])} of weights"
+    if overhead:
+        fixed += f", {fb(overhead)} of overhead"
+    text = f"loading {answer['model']} needs {fixed} and {fb(kv)} of KV; {fb(free)} free now"
     if weights + kv <= free:
         return text + ": it fits"
     served = {row["name"]: row for row in rows}
@@ -166,7 +174,7 @@ def load_line(answer: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for name, model in candidates:
         if free + freed >= weights + kv:
             break
-        size_of = model["weights"] + model["held"]
+        size_of = model["weights"] + model.get("overhead", 0) + model["held"]
         chosen.append(f"{name} ({fb(size_of)})")
         freed += size_of
     if chosen and free + freed >= weights + kv:

@@ -4,18 +4,17 @@ Above the table, the front door's URL, pid and how many models may be loaded at 
 One row per model: its name (without the prefix it does not need, as in `watch`), its state
 (not_loaded, loading, loaded, unloading), its worker's pid and port, requests running and queued
 (waiting for it to load), then its memory as vqpoold counts it: WEIGHTS (what its workers report
-once loaded; before, as known from its safetensors headers or a built-in's config; "?" when
-unknown, e.g. a hub id not downloaded yet), KV HELD (KV bytes its sessions hold, its prompt cache's
-among them), CACHED (its prompt cache's), MEASURED (its processes' memory as their heartbeats
-report it: weights, KV buffers, MLX's buffer cache) and SHARE (its weights and KV held over the
-budget); then how long it has been idle, how long it stays loaded if it stays idle ("pinned" or
-"forever" where no keep-alive applies), how many times it was loaded and unloaded, and its crashes
-and failed loads; below the table, each model's last error and what a load waiting for memory
-needs. --json prints the control socket's answer (full names, unloads by reason: idle, room,
+once loaded; before, as known from its safetensors headers or a built-in's config; "?" when unknown,
+e.g. a hub id not downloaded yet), KV HELD (KV bytes its sessions hold, its prompt cache's among
+them), CACHED (its prompt cache's), MEASURED (its processes' memory as their heartbeats report it:
+weights, KV buffers, MLX's buffer cache) and SHARE (its weights, its workers' overhead and KV held
+over the budget); then how long it has been idle, how long it stays loaded if it stays idle
+("pinned" or "forever" where no keep-alive applies), how many times it was loaded and unloaded, and
+its crashes and failed loads; below the table, each model's last error and what a load waiting for
+memory needs. --json prints the control socket's answer (full names, unloads by reason: idle, room,
 memory, budget, operator, shutdown), each row with ``memory`` (the figures above in bytes, share as
 a fraction; null when vqpoold does not answer). Exits 3 when no `vqpool serve` runs on the run
-directory.
-"""
+directory."""
 
 from __future__ import annotations
 

@@ -14,5 +14,10 @@ PARAMS = ADMIN_ARGS[LOAD_RESERVE]
 
 def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
     return state.budget.reserve_load(
-        args["model"], args["weights"], args["kv_min"], args["ttl"], time.monotonic()
+        args["model"],
+        args["weights"],
+        args["kv_min"],
+        args["ttl"],
+        time.monotonic(),
+        args["overhead"],
     )

@@ -64,6 +64,7 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
     elif session.pid != args["pid"]:
         raise BadRequestError("hello: this nonce belongs to another process's session")
     if args["weights"] is not None:  # a repeated hello charges again: the same bytes
+        session.overhead = args["overhead"] or 0
         state.budget.charge_weights(session, args["weights"])
     session.last_heard = now
     lease = coord.lease
