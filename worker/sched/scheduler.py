@@ -187,6 +187,8 @@ class GenerationJob:
     cancel_reason: str = "cancelled"
     owner: str | None = None
     deadline: float = 0.0
+    queued_at: float = 0.0
+    """When it was submitted, or last preempted (monotonic): its admission wait starts."""
     n_generated: int = 0
     generated: list[int] = field(default_factory=list)
     admission: int = 0  # rank of its first admission (among equals, the newest gives way)
@@ -356,7 +358,8 @@ class Scheduler:
                     f"{len(self._waiting)} requests are already waiting (--max-queue "
                     f"{self.max_queue})"
                 )
-            job.deadline = time.monotonic() + self.queue_timeout
+            job.queued_at = time.monotonic()
+            job.deadline = job.queued_at + self.queue_timeout
             self._waiting.append(job)
             self.stats.add(requests=1, prompt_tokens=len(job.prompt))
             self.stats.set_queue_length(len(self._waiting))
@@ -569,8 +572,12 @@ class Scheduler:
     def _activate(self, job: GenerationJob) -> None:
         self._pop_head(job)
         self.stats.set_blocked(False)
+        waited = time.monotonic() - job.queued_at
         if not job.admission:
             job.admission = next(self._admissions)
+            self.stats.add(admitted=1, admission_wait_seconds=waited)
+        else:
+            self.stats.add(resume_wait_seconds=waited)
         self._active.append(job)
         self.stats.set_active(len(self._active))
 
@@ -651,11 +658,16 @@ class Scheduler:
         """Called by the batch when ``job``'s prefill begins: copy the longest cached prefix of
         ``tokens`` (its prompt, and what it generated if it was preempted) into its cache
         (backed for them already), so only the rest is prefilled."""
+        reused = 0
         if self.prompt_cache is not None and job.cache is not None:
             self._store_prompts_sharing(job, tokens)
             reused = self.prompt_cache.reuse(tokens, job.cache)
             if not job.generated:  # usage reports the prompt tokens of its first start
                 job.cached_tokens = reused
+        prefilled = len(tokens) - reused
+        self.stats.add(
+            prefill_tokens=prefilled, recompute_tokens=prefilled if job.preemptions else 0
+        )
 
     def _store_prompts_sharing(self, job: GenerationJob, tokens: Sequence[int]) -> None:
         """Store the prompt of each job in the batch (not stored yet) that shares more whole
@@ -758,6 +770,12 @@ class Scheduler:
             completion_tokens=len(outcome.tokens),
             draft_accepted=outcome.drafted,
             busy_seconds=time.perf_counter() - started,
+            decode_steps=1 if outcome.decoded_rows else 0,
+            decode_rows=outcome.decoded_rows,
+            decode_slots=outcome.held_slots,
+            token_slots=outcome.token_slots,
+            grow_seconds=outcome.grow_seconds,
+            prefill_seconds=outcome.prefill_seconds,
         )
 
     def _end_failed(self, job: GenerationJob, exc: Exception) -> None:
@@ -827,6 +845,7 @@ class Scheduler:
         job.preemptions += 1
         job.resumed_from = len(job.generated)
         job.deadline = math.inf  # admitted once: the queue timeout is not for it
+        job.queued_at = time.monotonic()
         job.retry_at = 0.0
         job.waited_for_blocks = False
         with self._cond:
