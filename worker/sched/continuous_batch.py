@@ -137,7 +137,8 @@ class ContinuousBatch:
             None: one of its own over ``source``).
         on_preempt: Called with a job about to give way to a refused growth while its row is
             still in the batch (:meth:`row_kv` is valid).
-        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None: one).
+        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None or 0:
+            none).
     """
 
     def __init__(
@@ -262,12 +263,13 @@ class ContinuousBatch:
         if not len(batch):
             return
         # The step writes the batch's next slot: back it before the forward pass.
-        if self.look_ahead is not None:
+        ahead = self.look_ahead() if self.look_ahead is not None else 0
+        if ahead > 0:
             next_slot = batch.prompt_cache[0].size() + 1
             pooled = batch_of(batch.prompt_cache)
             if pooled is not None and pooled.length < next_slot:
                 started = time.perf_counter()
-                self.back_ahead(next_slot + self.look_ahead())
+                self.back_ahead(next_slot + ahead)
                 outcome.grow_seconds += time.perf_counter() - started
         if not self._grow(
             lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome

@@ -13,7 +13,11 @@ read its token ids from the job's event queue. One generation thread does the re
   (see Preemption). With "on-demand", a job starts beside running rows only once those rows are
   backed for their next growth, a look-ahead sized from measured steps between rows ending
   (:mod:`vqpool.worker.sched.growth_forecast`): else admissions are held (``held_for_growth``)
-  rather than set up a preemption a few steps later. If the pool has too few free blocks, the head
+  rather than set up a preemption a few steps later. With "auto", per request: as "on-demand"
+  until this worker's requests are measured to use nearly all their ``max_tokens`` (at least
+  ``WHOLE_WHEN_USED``, a moving average of the requests that ended), then as "full" (growth would
+  free nothing they hold at their end, and costs growth calls and preemptions), and back to
+  "on-demand" when they stop early again. If the pool has too few free blocks, the head
   waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
   retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
   when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
@@ -118,6 +122,11 @@ log = logging.getLogger("vqpool.worker")
 DEFAULT_RETRY_INTERVAL = 0.025
 """Seconds between admission attempts while the pool is exhausted."""
 
+WHOLE_WHEN_USED = 0.9
+"""With ``--reserve auto``, requests reserve prompt + ``max_tokens`` whole once this worker's
+requests use at least this share of their ``max_tokens`` (a moving average): whole reservations
+then hold at most a tenth more than growth would."""
+
 CLEAR_CACHE_EVERY = 256
 """Steps between ``mx.clear_cache()`` calls (as ``generate_step`` does every 256 tokens)."""
 
@@ -195,6 +204,7 @@ class GenerationJob:
     preemptions: int = 0
     resumed_from: int = 0  # tokens it had generated when it was last preempted
     admission_slots: int = 0  # token slots its admission reserves (padding included)
+    whole: bool = False  # with reserve "auto": its admission reserves prompt + max_tokens
     kept_row: tuple[list[Any], list[int]] | None = None
     """A copy of its row's KV and tokens while it gives way, for the prompt cache."""
     waited_for_blocks: bool = False
@@ -223,7 +233,8 @@ class Scheduler:
         queue_timeout: Seconds a job may wait before it is rejected.
         retry_interval: Seconds between admission attempts while the pool is exhausted.
         reserve: What a job reserves at admission: "on-demand" (prompt + ``headroom_slots``),
-            "prompt" (prompt + 1 token) or "full" (prompt + max_tokens); a resumed job's
+            "prompt" (prompt + 1 token), "full" (prompt + max_tokens) or "auto" (per request:
+            "full" while requests use their max_tokens, else "on-demand"); a resumed job's
             generated tokens count as prompt.
         headroom_slots: The on-demand headroom, in token slots (one block of the pool).
         lost_owners: The pool's owners that are no longer this worker's (a daemon restart
@@ -309,7 +320,7 @@ class Scheduler:
                 on_prefill_start=self._reuse_cached_prefix,
                 preemption=self._preemption,
                 on_preempt=self._keep_row,
-                look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
+                look_ahead=self._look_ahead if self._grows else None,
             )
         else:
             self._batch = SpeculativeBatch(
@@ -501,7 +512,7 @@ class Scheduler:
         (:mod:`~vqpool.worker.sched.growth_forecast`) and for ``job``'s tokens, which pad them
         when it joins, so that ``job`` may start beside them; when not, admissions are
         held."""
-        if self.reserve != "on-demand":
+        if not self._grows or self._whole_by_measure():
             return True
         if self._forecast.holds(len(self._active)):
             return False
@@ -575,7 +586,9 @@ class Scheduler:
         waited = time.monotonic() - job.queued_at
         if not job.admission:
             job.admission = next(self._admissions)
-            self.stats.add(admitted=1, admission_wait_seconds=waited)
+            self.stats.add(
+                admitted=1, admission_wait_seconds=waited, reserved_whole=1 if job.whole else 0
+            )
         else:
             self.stats.add(resume_wait_seconds=waited)
         self._active.append(job)
@@ -593,13 +606,19 @@ class Scheduler:
                 self._waiting.popleft()
             self.stats.set_queue_length(len(self._waiting))
 
+    @property
+    def _grows(self) -> bool:
+        """Whether requests may start with less than their whole need and grow on demand, the
+        look-ahead backing the running rows' growth before another starts."""
+        return self.reserve in ("on-demand", "auto")
+
     def _slots_for(self, job: GenerationJob) -> int:
         # generate_step writes the KV of every token it yields, the last one included: a job
         # needs prompt + max_tokens slots in all.
-        if self.reserve == "full":
+        if self.reserve == "full" or job.whole:
             slots = len(job.prompt) + job.max_tokens
         else:
-            headroom = self.headroom_slots if self.reserve == "on-demand" else 1
+            headroom = self.headroom_slots if self._grows else 1
             slots = min(
                 len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
             )
@@ -616,7 +635,7 @@ class Scheduler:
         that its join does not make it, or a running row, give way at once. Not when that
         could never fit alone (then joining is left to growth, as before)."""
         slots = self._slots_for(job)
-        if self.reserve != "on-demand":
+        if not self._grows:
             return slots
         used = self._batch.used_slots()
         if not used:
@@ -627,6 +646,21 @@ class Scheduler:
             return slots
         return joined
 
+    def _whole_by_measure(self) -> bool:
+        """With ``reserve`` "auto": whether requests reserve their whole need (prompt +
+        ``max_tokens``), as with "full" (no look-ahead either), rather than grow on demand:
+        they do once this worker's requests use at least :data:`WHOLE_WHEN_USED` of their
+        ``max_tokens`` (measured, :attr:`GrowthForecast.used
+        <vqpool.worker.sched.growth_forecast.GrowthForecast.used>`). Growth would then free
+        nothing they hold at their end, and it costs growth calls (each a round trip to
+        vqpoold on the generation thread) and preemptions."""
+        used = self._forecast.used
+        return self.reserve == "auto" and used is not None and used >= WHOLE_WHEN_USED
+
+    def _look_ahead(self) -> int:
+        """Slots a decode step's growth asks for ahead (0: none, requests reserve whole)."""
+        return 0 if self._whole_by_measure() else self._forecast.look_ahead_slots()
+
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
@@ -635,6 +669,7 @@ class Scheduler:
             job.cache = self._open_cache(job.owner)
         if job.preemptions and self.prompt_cache is not None:
             self.prompt_cache.touch([*job.prompt, *job.generated])
+        job.whole = self._whole_by_measure()
         job.admission_slots = self._admission_slots(job)
         try:
             self.source.reserve(job.cache, job.admission_slots)
@@ -928,6 +963,8 @@ class Scheduler:
             self.stats.set_active(len(self._active))
             self._forecast.row_ended()
             self._preemption.ended()
+            if reason in ("stop", "length"):
+                self._forecast.request_ended(job.n_generated, job.max_tokens)
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
         job.events.put(

@@ -20,6 +20,7 @@ _COUNTERS = (
     "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
     "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
     "reclaim_preemptions",  # of the preemptions, those that answered a reclaim ask
+    "reserved_whole",  # with --reserve auto: of the admitted, those reserving prompt + max_tokens
     "held_for_growth",  # admissions held: the running rows' next growth could not be backed
     "draft_accepted",  # generated tokens a draft model proposed and the model accepted
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
