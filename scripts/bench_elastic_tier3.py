@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.model_weights import estimate_weights
 from vqpool.worker.testing.http_client import request_json, stream_events
 from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
@@ -60,7 +61,11 @@ def play(
     elastic = policy != "shared today"
     with tempfile.TemporaryDirectory(prefix="vqt3") as base:
         run_dir = Path(base) / "run"
-        daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
+        # The budget charges each worker's weights too (at its hello): the KV budget comes on top.
+        weights = estimate_weights(MODEL)
+        assert weights is not None
+        budget = budget_tokens * BYTES_PER_TOKEN + len(names) * weights.nbytes
+        daemon_args = ["--budget", f"{budget}B", "--log-level", "WARNING"]
         if elastic:
             daemon_args.append("--lend-reserves")
         daemon = DaemonProcess(run_dir, *daemon_args).start()
