@@ -445,6 +445,12 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
             "Preemptions: with --reserve full a request reserves all it needs at its start, so\n"
             "few are preempted: mostly when a reclaim takes their model's bytes back."
         )
+    elif reserve == "auto":
+        preemptions = (
+            f"Preemptions: {preemptions_per_s:.1f}/s. With --reserve auto the workers reserve a\n"
+            "request whole once their requests are seen to run to max_tokens (the built-in\n"
+            "models have no EOS: all do here, unless --stop-early), and grow on demand otherwise."
+        )
     else:
         verdict = (
             "normal for this deliberately small pool"
