@@ -848,18 +848,21 @@ def tier2(rounds: int) -> None:
     )
 
 
-def tier3_run(seed: int, duration: float, load: float) -> None:
+def tier3_run(
+    seed: int, duration: float, load: float, policies: Sequence[str] | None, rounds: int
+) -> None:
     """Tier 3: the tier-1 trace, shortened and scaled to the built-in tiny llama."""
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_elastic_tier3 import LENGTH_SCALE, tier3
+    from bench_elastic_tier3 import LENGTH_SCALE, POLICIES, tier3
 
     trace = make_trace(seed, duration, load)
     for request in trace:
         request.prompt = max(1, request.prompt // LENGTH_SCALE)
         request.output = max(1, request.output // LENGTH_SCALE)
-    tier3(trace, [s.name for s in MODELS], BUDGET // 2048 // LENGTH_SCALE, RESERVES)
+    names = [s.name for s in MODELS]
+    tier3(trace, names, BUDGET // 2048 // LENGTH_SCALE, RESERVES, policies or POLICIES, rounds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -873,6 +876,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tier3-seconds", type=float, default=30.0, help="tier 3 trace length")
     parser.add_argument("--tier3-load", type=float, default=1.0, help="tier 3 load multiplier")
+    parser.add_argument(
+        "--tier3-rounds", type=int, default=1, help="tier 3 plays per policy (alternating)"
+    )
+    parser.add_argument(
+        "--tier3-policies",
+        help="tier 3 policies, comma-separated (default: elastic, elastic full, shared today; "
+        "also: elastic auto)",
+    )
     parser.add_argument("--plot", metavar="PNG", help="also draw attainment against load")
     parser.add_argument(
         "--overload", action="store_true", help="run only the overload variants of elastic"
@@ -890,7 +901,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tier2(10 if args.quick else 100)
         return 0
     if args.tier3:
-        tier3_run(args.seed, 8.0 if args.quick else args.tier3_seconds, args.tier3_load)
+        policies = args.tier3_policies.split(",") if args.tier3_policies else None
+        seconds = 8.0 if args.quick else args.tier3_seconds
+        tier3_run(args.seed, seconds, args.tier3_load, policies, args.tier3_rounds)
         return 0
     if args.overload:
         overload_variants(args.seed, 24.0 if args.quick else 120.0, (1.2, 1.4))

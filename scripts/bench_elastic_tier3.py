@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
+from vqpool.shared.model_weights import estimate_weights
 from vqpool.worker.testing.http_client import request_json, stream_events
 from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 
@@ -60,7 +61,11 @@ def play(
     elastic = policy != "shared today"
     with tempfile.TemporaryDirectory(prefix="vqt3") as base:
         run_dir = Path(base) / "run"
-        daemon_args = ["--budget", f"{budget_tokens * BYTES_PER_TOKEN}B", "--log-level", "WARNING"]
+        # The budget charges each worker's weights too (at its hello): the KV budget comes on top.
+        weights = estimate_weights(MODEL)
+        assert weights is not None
+        budget = budget_tokens * BYTES_PER_TOKEN + len(names) * weights.nbytes
+        daemon_args = ["--budget", f"{budget}B", "--log-level", "WARNING"]
         if elastic:
             daemon_args.append("--lend-reserves")
         daemon = DaemonProcess(run_dir, *daemon_args).start()
@@ -71,7 +76,7 @@ def play(
                     for name in names:
                         reserve = int(budget_tokens * reserves[name]) * BYTES_PER_TOKEN
                         admin.call("model_set", model=name, reserve=reserve, create=True)
-            reserve_mode = "on-demand" if policy == "elastic" else "full"
+            reserve_mode = POLICY_RESERVE[policy]
             for name in names:
                 worker = WorkerProcess(
                     MODEL,
@@ -144,40 +149,99 @@ def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
 
 
+POLICIES = ("elastic", "elastic full", "shared today")
+"""The policies tier 3 plays by default (``POLICY_RESERVE`` has each one's worker --reserve)."""
+POLICY_RESERVE = {
+    "elastic": "on-demand",
+    "elastic auto": "auto",
+    "elastic full": "full",
+    "shared today": "full",
+}
+
+
+def figures(result: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The figures of one play: attainment, TTFTs, tokens, preemptions, reclaims."""
+    played: list[Played] = result["played"]
+    seconds = result["seconds"]
+    tokens = sum(int(s["completion_tokens"]) for s in result["stats"])
+    preemptions = sum(int(s["preemptions"]) for s in result["stats"])
+    p99 = {}
+    for i, name in enumerate(names):
+        p99[name] = _p99([p.ttft for p in played if p.model == i and p.ttft is not None])
+    return {
+        "attainment": sum(
+            1 for p in played if p.ok and p.ttft is not None and p.ttft <= TTFT_OBJECTIVE
+        )
+        / len(played),
+        "failed": sum(1 for p in played if not p.ok),
+        "median_ttft": statistics.median([p.ttft for p in played if p.ttft is not None] or [0.0]),
+        "p99_ttft": p99,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "preemptions": preemptions,
+        "preemptions_per_s": preemptions / seconds,
+        "exhaustions": sum(int(s["exhaustions"]) for s in result["stats"]),
+        "reclaim": result["reclaim"],
+        "blocks_in_use": result["audit"]["blocks_in_use"],
+    }
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def tier3(
-    trace: Sequence[Any], names: Sequence[str], budget_tokens: int, reserves: dict[str, float]
+    trace: Sequence[Any],
+    names: Sequence[str],
+    budget_tokens: int,
+    reserves: dict[str, float],
+    policies: Sequence[str] = POLICIES,
+    rounds: int = 1,
 ) -> None:
-    """Play the scaled ``trace`` under both policies and print the figures."""
+    """Play the scaled ``trace`` under each policy, ``rounds`` times (the order of the policies
+    reversed every other round, so a busy machine's noise falls on all), and print the figures:
+    each play's, then with several rounds the medians (lowest-highest) per policy."""
     print(
         f"tier 3 (real vqpoold + 3 vqpool-workers on {MODEL}, lengths / {LENGTH_SCALE}, budget "
         f"{budget_tokens} tokens, {len(trace)} requests, TTFT objective {TTFT_OBJECTIVE:g} s):"
     )
-    for policy in ("elastic", "elastic full", "shared today"):
-        result = play(policy, trace, names, budget_tokens, reserves)
-        played: list[Played] = result["played"]
-        met = sum(1 for p in played if p.ok and p.ttft is not None and p.ttft <= TTFT_OBJECTIVE)
-        p99s = []
-        for i, name in enumerate(names):
-            ttfts = [p.ttft for p in played if p.model == i and p.ttft is not None]
-            p99s.append(f"{name} {_p99(ttfts):.3f}")
-        failed = sum(1 for p in played if not p.ok)
-        preemptions = sum(int(s["preemptions"]) for s in result["stats"])
-        exhaustions = sum(int(s["exhaustions"]) for s in result["stats"])
-        tokens = sum(int(s["completion_tokens"]) for s in result["stats"])
-        seconds = result["seconds"]
-        reclaim = result["reclaim"]
-        latency = "none"
-        if reclaim["latency_p50_s"] is not None:
-            p50, p99 = reclaim["latency_p50_s"] * 1000, reclaim["latency_p99_s"] * 1000
-            latency = f"p50 {p50:.1f} ms p99 {p99:.1f} ms"
-        median = statistics.median([p.ttft for p in played if p.ttft is not None] or [0.0])
-        print(
-            f"  {policy:<13} attainment {met / len(played):.3f}, failed {failed}, TTFT median "
-            f"{median:.3f} s, p99 TTFT (s): {', '.join(p99s)}; tokens {tokens} in "
-            f"{seconds:.1f} s ({tokens / seconds:.0f}/s); preemptions {preemptions} "
-            f"({preemptions / seconds:.1f}/s), "
-            f"ended for lack of blocks {exhaustions}; reclaims asked {reclaim['asked']}, "
-            f"answered {reclaim['answered']}, late {reclaim['late']}, latency {latency}; "
-            f"audit blocks in use {result['audit']['blocks_in_use']}"
-        )
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    for i in range(rounds):
+        for policy in policies if i % 2 == 0 else policies[::-1]:
+            f = figures(play(policy, trace, names, budget_tokens, reserves), names)
+            runs[policy].append(f)
+            reclaim = f["reclaim"]
+            latency = "none"
+            if reclaim["latency_p50_s"] is not None:
+                p50, p99 = reclaim["latency_p50_s"] * 1000, reclaim["latency_p99_s"] * 1000
+                latency = f"p50 {p50:.1f} ms p99 {p99:.1f} ms"
+            p99s = ", ".join(f"{n} {v:.3f}" for n, v in f["p99_ttft"].items())
+            print(
+                f"  {policy:<13} attainment {f['attainment']:.3f}, failed {f['failed']}, TTFT "
+                f"median {f['median_ttft']:.3f} s, p99 TTFT (s): {p99s}; tokens {f['tokens']} in "
+                f"{f['seconds']:.1f} s ({f['tokens_per_s']:.0f}/s); preemptions "
+                f"{f['preemptions']} ({f['preemptions_per_s']:.1f}/s), ended for lack of blocks "
+                f"{f['exhaustions']}; reclaims asked {reclaim['asked']}, answered "
+                f"{reclaim['answered']}, late {reclaim['late']}, latency {latency}; audit blocks "
+                f"in use {f['blocks_in_use']}",
+                flush=True,
+            )
     print(f"  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    if rounds < 2:
+        return
+    print(f"  medians over {rounds} rounds (lowest-highest):")
+    for policy, fs in runs.items():
+        p99s = ", ".join(f"{n} {_spread([f['p99_ttft'][n] for f in fs])}" for n in names)
+        print(
+            f"  {policy:<13} tokens/s {_spread([f['tokens_per_s'] for f in fs])}, attainment "
+            f"{_spread([f['attainment'] for f in fs])}, preemptions/s "
+            f"{_spread([f['preemptions_per_s'] for f in fs])}, p99 TTFT (s) {p99s}"
+        )
+    if "elastic full" in runs:
+        base = runs["elastic full"]
+        for policy, fs in runs.items():
+            if policy == "elastic full":
+                continue
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(fs, base, strict=True)]
+            print(f"  {policy} / elastic full tokens/s: rounds' ratios {_spread(ratios)}")

@@ -107,6 +107,9 @@ max_concurrent = 3
 queue_timeout = 60
 reserve_mode = "{reserve_mode}"
 """
+EARLY_STOP = "{"
+"""The stop string of ``--stop-early``: about one token in 40 the built-in models sample at the
+demo's temperature (15 and 17 of 600 tokens sampled from llama and qwen3)."""
 TOPICS = [
     "the unified memory of a laptop",
     "two models sharing one pool of blocks",
@@ -129,10 +132,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration", type=float, help="seconds of load (default 25, short 6)")
     parser.add_argument(
         "--reserve",
-        choices=["on-demand", "full"],
+        choices=["on-demand", "auto", "full"],
         default="on-demand",
         help="the workers' --reserve (default on-demand, the worker's own default: requests "
         "grow block by block and their growth waits in the budget's fair queue)",
+    )
+    parser.add_argument(
+        "--stop-early",
+        action="store_true",
+        help=f"requests also stop at {EARLY_STOP!r}: answers end well before max_tokens, as a "
+        "real model's end at its EOS (the built-in byte models have none: without this option "
+        "every answer runs to max_tokens)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the run's figures there (per model: the worker's /v1/stats, p99 TTFT, "
+        "503s; preemptions and seconds under load): scripts/bench_reserve.py reads them",
     )
     args = parser.parse_args()
     if args.model is not None and len(args.model) != 2:
@@ -159,7 +175,7 @@ class ClientTally:
 
 
 def one_request(
-    url: str, model: str, rng: random.Random, stream: bool, max_tokens: int
+    url: str, model: str, rng: random.Random, stream: bool, max_tokens: int, stop_early: bool
 ) -> float | None:
     """One chat request for ``model`` of up to ``max_tokens``; its time to first token when
     streamed; raises on anything but a complete answer."""
@@ -171,6 +187,8 @@ def one_request(
         "max_tokens": rng.randint(max_tokens // 5, max_tokens),
         "temperature": 0.7,
     }
+    if stop_early:
+        body["stop"] = [EARLY_STOP]
     if stream:
         sent = time.monotonic()
         ttft = None
@@ -189,13 +207,21 @@ def one_request(
 
 
 def client_loop(
-    url: str, model: str, seed: int, until: float, max_tokens: int, tally: ClientTally
+    url: str,
+    model: str,
+    seed: int,
+    until: float,
+    max_tokens: int,
+    stop_early: bool,
+    tally: ClientTally,
 ) -> None:
     rng = random.Random(seed)
     n = 0
     while time.monotonic() < until:
         try:
-            ttft = one_request(url, model, rng, stream=n % 2 == 0, max_tokens=max_tokens)
+            ttft = one_request(
+                url, model, rng, stream=n % 2 == 0, max_tokens=max_tokens, stop_early=stop_early
+            )
             with tally.lock:
                 tally.ok += 1
                 if ttft is not None:
@@ -317,15 +343,14 @@ def _percent(value: float | None) -> str:
 
 
 def summary(
-    workers: dict[str, str],
+    all_stats: dict[str, dict[str, Any]],
     tallies: dict[str, ClientTally],
     shrink: list[dict[str, Any]],
     shares: ShareTally,
     views: dict[str, dict[str, Any]],
 ) -> None:
-    all_stats = {m: request_json(url, "GET", "/v1/stats").body for m, url in workers.items()}
     busy_total = sum(s["busy_seconds"] for s in all_stats.values())
-    weight_total = sum(views[m]["weight"] for m in workers if m in views)
+    weight_total = sum(views[m]["weight"] for m in all_stats if m in views)
     headers = [
         "model",
         "reserve",
@@ -347,7 +372,7 @@ def summary(
         "p99 TTFT",
     ]
     rows: list[list[object]] = []
-    for model in workers:
+    for model in all_stats:
         stats = all_stats[model]
         view = views.get(model, {})
         rows.append(
@@ -388,11 +413,16 @@ def summary(
     print(f"\nShrink (vqpoolctl shrink): {retired} blocks retired ({per_stream})")
 
 
-def _p99_seconds(values: list[float]) -> str:
+def _p99(values: list[float]) -> float | None:
     if not values:
-        return "-"
+        return None
     ordered = sorted(values)
-    return f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.2f}s"
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _p99_seconds(values: list[float]) -> str:
+    p99 = _p99(values)
+    return "-" if p99 is None else f"{p99:.2f}s"
 
 
 # The demo's pool is small on purpose, so its preemption rate is high: on a 2-vCPU box runs of
@@ -415,6 +445,12 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
         preemptions = (
             "Preemptions: with --reserve full a request reserves all it needs at its start, so\n"
             "few are preempted: mostly when a reclaim takes their model's bytes back."
+        )
+    elif reserve == "auto":
+        preemptions = (
+            f"Preemptions: {preemptions_per_s:.1f}/s. With --reserve auto the workers reserve a\n"
+            "request whole once their requests are seen to run to max_tokens (the built-in\n"
+            "models have no EOS: all do here, unless --stop-early), and grow on demand otherwise."
         )
     else:
         verdict = (
@@ -581,7 +617,15 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             clients = [
                 threading.Thread(
                     target=client_loop,
-                    args=(serve.url, m, 100 * i + c, until, max_tokens, tallies[m]),
+                    args=(
+                        serve.url,
+                        m,
+                        100 * i + c,
+                        until,
+                        max_tokens,
+                        args.stop_early,
+                        tallies[m],
+                    ),
                 )
                 for i, m in enumerate(models)
                 for c in range(CLIENTS_PER_MODEL)
@@ -620,7 +664,10 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             audit = admin.call("audit")
             shrink = shrink_pool(run_dir, admin)
             views = {v["model"]: v for v in admin.call("model_list")["models"]}
-            summary(workers, tallies, shrink, shares, views)
+            all_stats = {
+                m: request_json(url, "GET", "/v1/stats").body for m, url in workers.items()
+            }
+            summary(all_stats, tallies, shrink, shares, views)
             preempted = reclaim["preemptions"] - reclaim_before["preemptions"]
             asked = reclaim["asked"] - reclaim_before["asked"]
             print(
@@ -633,6 +680,23 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                 f"\nprompt caches dropped (vqpoolctl cache drop): {human_bytes(cached)}; blocks "
                 f"in use after the load: {in_use}; audit: {'ok' if audit['ok'] else audit}"
             )
+            if args.json:
+                figures = {
+                    "reserve": args.reserve,
+                    "seconds": loaded,
+                    "preemptions": preempted,
+                    "reclaim_asks": asked,
+                    "models": {
+                        m: {
+                            "stats": all_stats[m],
+                            "p99_ttft": _p99(tallies[m].ttfts),
+                            "refused": tallies[m].refused,
+                            "ok": tallies[m].ok,
+                        }
+                        for m in models
+                    },
+                }
+                Path(args.json).write_text(json.dumps(figures, indent=1))
             ok = not failures and in_use == 0 and audit["ok"]
             for failure in failures[:10]:
                 print(f"FAILED request: {failure}")

@@ -2,17 +2,24 @@
 only once their next growth is backed (the look-ahead holds it otherwise, preempting nobody), a
 refused growth preempts the started request cheapest to recompute but never one about to
 finish, a preempted row's prompt comes back from the prompt cache on its resume, and every
-request's greedy tokens and logprobs equal those of a run never preempted nor held."""
+request's greedy tokens and logprobs equal those of a run never preempted nor held. With
+``--reserve auto`` requests reserve whole once the worker's requests are measured to use their
+``max_tokens``, and grow on demand while they stop early."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
-from vqpool.worker.sched.growth_forecast import MOST_LOOK_AHEAD_BLOCKS, GrowthForecast
+from vqpool.worker.sched.growth_forecast import (
+    MOST_LOOK_AHEAD_BLOCKS,
+    USED_SMOOTHING,
+    GrowthForecast,
+)
 from vqpool.worker.sched.preemption import NEAR_FINISH_STEPS
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 from vqpool.worker.testing.launch import DaemonProcess
@@ -25,7 +32,12 @@ LONG = [1 + (7 + j * 3) % 200 for j in range(23)]
 
 
 def scheduler_on(
-    source: PooledCacheSource, *, max_concurrent: int, cache_bytes: int = 0, headroom: int = BLOCK
+    source: PooledCacheSource,
+    *,
+    max_concurrent: int,
+    cache_bytes: int = 0,
+    headroom: int = BLOCK,
+    reserve: str = "on-demand",
 ) -> Scheduler:
     prompt_cache = (
         source.attach_prompt_cache(owner_prefix="g", max_bytes=cache_bytes) if cache_bytes else None
@@ -38,7 +50,7 @@ def scheduler_on(
         max_concurrent=max_concurrent,
         max_queue=16,
         queue_timeout=60.0,
-        reserve="on-demand",
+        reserve=reserve,
         headroom_slots=headroom,
         prompt_cache=prompt_cache,
         block_size=BLOCK,
@@ -187,3 +199,55 @@ def test_the_look_ahead_is_measured_and_doubled_after_a_refusal() -> None:
     for _ in range(BLOCK):
         forecast.stepped()
     assert not forecast.holds(running=2)  # a block's worth of steps passed
+
+
+def test_auto_reserves_whole_once_requests_use_their_max_tokens(pooled: Any) -> None:
+    # Nothing measured: the first request starts on demand. It runs to its max_tokens (the
+    # built-in model has no EOS), so the next reserves prompt + max_tokens whole, with no
+    # look-ahead; once requests are measured to stop early, requests grow on demand again.
+    first, second, third = (LONG, 40), (SHORT, 60), (SHORT[:4], 60)
+    reference = alone(pooled, [first, second, third])
+    source, daemon = pooled(256)
+    scheduler = scheduler_on(source, max_concurrent=2, reserve="auto")
+    jobs = [
+        GenerationJob(prompt, n, logprobs=True, top_logprobs=2)
+        for prompt, n in (first, second, third)
+    ]
+
+    def start(job: GenerationJob) -> Any:
+        scheduler.submit(job)
+        scheduler._admit()
+        assert job in scheduler._active and job.cache is not None
+        return job.cache[0].row
+
+    def finish() -> None:
+        while scheduler._active or scheduler._waiting:
+            scheduler._admit()
+            if scheduler._active:
+                scheduler._step()
+
+    assert start(jobs[0]).capacity < len(LONG) + 40 and not jobs[0].whole
+    finish()
+    assert scheduler._forecast.used == 1.0
+    assert start(jobs[1]).capacity >= len(SHORT) + 60 and jobs[1].whole
+    finish()
+    for _ in range(3):  # three requests that stopped at a tenth of their max_tokens
+        scheduler._forecast.request_ended(6, 60)
+    assert start(jobs[2]).capacity < len(SHORT[:4]) + 60 and not jobs[2].whole
+    finish()
+    scheduler.stop()
+    stats = scheduler.stats.snapshot()
+    assert stats["reserved_whole"] == 1 and stats["admitted"] == 3
+    assert_same([drain(job) for job in jobs], reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_the_share_of_max_tokens_used_is_a_moving_average() -> None:
+    forecast = GrowthForecast(BLOCK)
+    assert forecast.used is None
+    forecast.request_ended(10, 10)
+    assert forecast.used == 1.0
+    forecast.request_ended(0, 10)
+    assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING)
+    forecast.request_ended(30, 10)  # never more than all of it
+    assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING + USED_SMOOTHING**2)

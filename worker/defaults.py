@@ -34,7 +34,7 @@ are allocated afresh each chunk: one allocation against a chunk's seconds of com
 DEFAULT_PREFILL_STEP_SIZE = 2048
 """Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
 
-RESERVE_MODES = ("on-demand", "prompt", "full")
+RESERVE_MODES = ("on-demand", "auto", "prompt", "full")
 """What a job reserves at admission (see :mod:`vqpool.worker.sched.scheduler`)."""
 
 DEFAULT_NUM_DRAFT_TOKENS = 3

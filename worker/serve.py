@@ -140,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(RESERVE_MODES),
         default="on-demand",
         help="blocks reserved when a request starts: its prompt's plus one block (on-demand), "
-        "plus one token (prompt), or for prompt + max_tokens (full); requests grow at block "
-        "boundaries, and when the pool refuses, the newest request is preempted and resumed "
-        "later with its tokens recomputed, never ended (default: %(default)s)",
+        "plus one token (prompt), or for prompt + max_tokens (full), or per request (auto: "
+        "full while the worker's requests are measured to use at least 90%% of their "
+        "max_tokens, else on-demand); requests grow at block boundaries, and when the pool "
+        "refuses, the request cheapest to recompute is preempted and resumed later with its "
+        "tokens recomputed, never ended (default: %(default)s)",
     )
     parser.add_argument(
         "--growth-wait",

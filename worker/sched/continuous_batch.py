@@ -84,6 +84,12 @@ class StepOutcome:
             ``KVCache`` copies holding no blocks) and ``response.all_tokens`` its token ids.
         drafted: Tokens of ``tokens`` a draft model proposed and the model accepted
             (speculative decoding only).
+        decoded_rows: Rows of the decode step (0 when none ran).
+        held_slots: Slots its buffers held: rows x the batch's length, left padding included.
+        token_slots: Of those, the slots the rows' own tokens fill.
+        grow_seconds: Seconds its pool calls to grow caches took (waits at the daemon
+            included).
+        prefill_seconds: Seconds its prefill chunk took (its growth included).
     """
 
     evicted: list[Any] = field(default_factory=list)
@@ -92,6 +98,11 @@ class StepOutcome:
     tokens: list[tuple[Any, int, mx.array]] = field(default_factory=list)
     finished: list[tuple[Any, str, GenerationBatch.Response]] = field(default_factory=list)
     drafted: int = 0
+    decoded_rows: int = 0
+    held_slots: int = 0
+    token_slots: int = 0
+    grow_seconds: float = 0.0
+    prefill_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -129,7 +140,8 @@ class ContinuousBatch:
             None: one of its own over ``source``).
         on_preempt: Called with a job about to give way to a refused growth while its row is
             still in the batch (:meth:`row_kv` is valid).
-        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None: one).
+        look_ahead: Slots a decode step's growth asks for ahead of its next slot (None or 0:
+            none).
     """
 
     def __init__(
@@ -244,7 +256,9 @@ class ContinuousBatch:
         wait = self.source.growth_wait
         self._grow_deadline = time.monotonic() + wait if wait > 0 else None
         self._decode(outcome)
+        started = time.perf_counter()
         self._prefill_chunk(outcome)
+        outcome.prefill_seconds = time.perf_counter() - started
         return outcome
 
     def _decode(self, outcome: StepOutcome) -> None:
@@ -252,15 +266,22 @@ class ContinuousBatch:
         if not len(batch):
             return
         # The step writes the batch's next slot: back it before the forward pass.
-        if self.look_ahead is not None:
+        ahead = self.look_ahead() if self.look_ahead is not None else 0
+        if ahead > 0:
             next_slot = batch.prompt_cache[0].size() + 1
             pooled = batch_of(batch.prompt_cache)
             if pooled is not None and pooled.length < next_slot:
-                self.back_ahead(next_slot + self.look_ahead())
+                started = time.perf_counter()
+                self.back_ahead(next_slot + ahead)
+                outcome.grow_seconds += time.perf_counter() - started
         if not self._grow(
             lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome
         ):
             return
+        rows = [self._by_uid[uid] for uid in batch.uids]
+        outcome.decoded_rows = len(rows)
+        outcome.held_slots = len(rows) * (batch.prompt_cache[0].size() + 1)
+        outcome.token_slots = sum(len(job.prompt) + len(job.generated) for job in rows)
         try:
             responses = batch.next()
         except Exception as exc:
@@ -393,19 +414,24 @@ class ContinuousBatch:
                 rows = [self._by_uid[uid] for uid in self._generation.uids]
             if not rows:
                 return False
+            started = time.perf_counter()
             try:
                 failed = self.source.grow(cache(), n_slots(), self._grow_deadline)
             except Exception as exc:
+                outcome.grow_seconds += time.perf_counter() - started
                 log.exception("growing the batch's cache failed")
                 for job in {*rows, *([joining] if joining is not None else [])}:
                     self.leave(job)
                     outcome.failed.append((job, exc))
                 return False
+            outcome.grow_seconds += time.perf_counter() - started
             if not failed:
                 return True
-            started = self._started()
-            started += [j for j in (prefilling, joining) if j is not None and j not in started]
-            victim = self.preemption.growth_victim(started)
+            candidates = self._started()
+            candidates += [
+                j for j in (prefilling, joining) if j is not None and j not in candidates
+            ]
+            victim = self.preemption.growth_victim(candidates)
             if victim is None:
                 for i in failed:
                     self.leave(rows[i])

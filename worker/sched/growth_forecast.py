@@ -19,6 +19,12 @@ look-ahead in the manner of vLLM's watermark, but sized from what this worker me
 * **A refused look-ahead holds admissions** (:meth:`GrowthForecast.hold`) until a running row
   ends, none runs, or a block's worth of steps passed (memory another model frees is seen then).
 
+It also measures how much of their ``max_tokens`` requests use (:attr:`GrowthForecast.used`, a
+moving average over requests that ended by EOS, a stop string or ``max_tokens``): with
+``--reserve auto`` a worker whose requests use nearly all of it reserves them whole, since
+growth would save nothing of what they hold at their end and costs a round trip to vqpoold per
+growth on the generation thread, and preemptions.
+
 Generation-thread only.
 """
 
@@ -32,6 +38,9 @@ large part of the pool ahead of need)."""
 
 SMOOTHING = 0.2
 """Weight of the newest gap between two row endings in the moving average."""
+
+USED_SMOOTHING = 0.1
+"""Weight of the newest request in the moving average of the share of ``max_tokens`` used."""
 
 
 class GrowthForecast:
@@ -50,12 +59,27 @@ class GrowthForecast:
         self._last_end: int | None = None
         self._refused_at: int | None = None
         self._held: tuple[int, int] | None = None  # (running then, step it expires at)
+        self._used: float | None = None  # not measured yet
 
     @property
     def steps_between_ends(self) -> float | None:
         """The measured decode steps between two rows ending (moving average; None before
         two rows ended)."""
         return self._steps_between_ends
+
+    @property
+    def used(self) -> float | None:
+        """The share of their ``max_tokens`` that ended requests generated (moving average;
+        None before one ended)."""
+        return self._used
+
+    def request_ended(self, generated: int, max_tokens: int) -> None:
+        """A request ended by EOS, a stop string or ``max_tokens`` after ``generated`` tokens."""
+        share = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
+        if self._used is None:
+            self._used = share
+        else:
+            self._used += USED_SMOOTHING * (share - self._used)
 
     def stepped(self) -> None:
         """A decode step of the batch ran."""

@@ -13,7 +13,11 @@ read its token ids from the job's event queue. One generation thread does the re
   (see Preemption). With "on-demand", a job starts beside running rows only once those rows are
   backed for their next growth, a look-ahead sized from measured steps between rows ending
   (:mod:`vqpool.worker.sched.growth_forecast`): else admissions are held (``held_for_growth``)
-  rather than set up a preemption a few steps later. If the pool has too few free blocks, the head
+  rather than set up a preemption a few steps later. With "auto", per request: as "on-demand"
+  until this worker's requests are measured to use nearly all their ``max_tokens`` (at least
+  ``WHOLE_WHEN_USED``, a moving average of the requests that ended), then as "full" (growth would
+  free nothing they hold at their end, and costs growth calls and preemptions), and back to
+  "on-demand" when they stop early again. If the pool has too few free blocks, the head
   waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
   retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
   when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
@@ -119,6 +123,11 @@ log = logging.getLogger("vqpool.worker")
 DEFAULT_RETRY_INTERVAL = 0.025
 """Seconds between admission attempts while the pool is exhausted."""
 
+WHOLE_WHEN_USED = 0.9
+"""With ``--reserve auto``, requests reserve prompt + ``max_tokens`` whole once this worker's
+requests use at least this share of their ``max_tokens`` (a moving average): whole reservations
+then hold at most a tenth more than growth would."""
+
 CLEAR_CACHE_EVERY = 256
 """Steps between ``mx.clear_cache()`` calls (as ``generate_step`` does every 256 tokens)."""
 
@@ -188,12 +197,15 @@ class GenerationJob:
     cancel_reason: str = "cancelled"
     owner: str | None = None
     deadline: float = 0.0
+    queued_at: float = 0.0
+    """When it was submitted, or last preempted (monotonic): its admission wait starts."""
     n_generated: int = 0
     generated: list[int] = field(default_factory=list)
     admission: int = 0  # rank of its first admission (among equals, the newest gives way)
     preemptions: int = 0
     resumed_from: int = 0  # tokens it had generated when it was last preempted
     admission_slots: int = 0  # token slots its admission reserves (padding included)
+    whole: bool = False  # with reserve "auto": its admission reserves prompt + max_tokens
     kept_row: tuple[list[Any], list[int]] | None = None
     """A copy of its row's KV and tokens while it gives way, for the prompt cache."""
     waited_for_blocks: bool = False
@@ -222,7 +234,8 @@ class Scheduler:
         queue_timeout: Seconds a job may wait before it is rejected.
         retry_interval: Seconds between admission attempts while the pool is exhausted.
         reserve: What a job reserves at admission: "on-demand" (prompt + ``headroom_slots``),
-            "prompt" (prompt + 1 token) or "full" (prompt + max_tokens); a resumed job's
+            "prompt" (prompt + 1 token), "full" (prompt + max_tokens) or "auto" (per request:
+            "full" while requests use their max_tokens, else "on-demand"); a resumed job's
             generated tokens count as prompt.
         headroom_slots: The on-demand headroom, in token slots (one block of the pool).
         lost_owners: The pool's owners that are no longer this worker's (a daemon restart
@@ -308,7 +321,7 @@ class Scheduler:
                 on_prefill_start=self._reuse_cached_prefix,
                 preemption=self._preemption,
                 on_preempt=self._keep_row,
-                look_ahead=self._forecast.look_ahead_slots if reserve == "on-demand" else None,
+                look_ahead=self._look_ahead if self._grows else None,
             )
         else:
             self._batch = SpeculativeBatch(
@@ -357,7 +370,8 @@ class Scheduler:
                     f"{len(self._waiting)} requests are already waiting (--max-queue "
                     f"{self.max_queue})"
                 )
-            job.deadline = time.monotonic() + self.queue_timeout
+            job.queued_at = time.monotonic()
+            job.deadline = job.queued_at + self.queue_timeout
             self._waiting.append(job)
             self.stats.add(requests=1, prompt_tokens=len(job.prompt))
             self.stats.set_queue_length(len(self._waiting))
@@ -499,7 +513,7 @@ class Scheduler:
         (:mod:`~vqpool.worker.sched.growth_forecast`) and for ``job``'s tokens, which pad them
         when it joins, so that ``job`` may start beside them; when not, admissions are
         held."""
-        if self.reserve != "on-demand":
+        if not self._grows or self._whole_by_measure():
             return True
         if self._forecast.holds(len(self._active)):
             return False
@@ -570,8 +584,14 @@ class Scheduler:
     def _activate(self, job: GenerationJob) -> None:
         self._pop_head(job)
         self.stats.set_blocked(False)
+        waited = time.monotonic() - job.queued_at
         if not job.admission:
             job.admission = next(self._admissions)
+            self.stats.add(
+                admitted=1, admission_wait_seconds=waited, reserved_whole=1 if job.whole else 0
+            )
+        else:
+            self.stats.add(resume_wait_seconds=waited)
         self._active.append(job)
         self.stats.set_active(len(self._active))
 
@@ -587,13 +607,19 @@ class Scheduler:
                 self._waiting.popleft()
             self.stats.set_queue_length(len(self._waiting))
 
+    @property
+    def _grows(self) -> bool:
+        """Whether requests may start with less than their whole need and grow on demand, the
+        look-ahead backing the running rows' growth before another starts."""
+        return self.reserve in ("on-demand", "auto")
+
     def _slots_for(self, job: GenerationJob) -> int:
         # generate_step writes the KV of every token it yields, the last one included: a job
         # needs prompt + max_tokens slots in all.
-        if self.reserve == "full":
+        if self.reserve == "full" or job.whole:
             slots = len(job.prompt) + job.max_tokens
         else:
-            headroom = self.headroom_slots if self.reserve == "on-demand" else 1
+            headroom = self.headroom_slots if self._grows else 1
             slots = min(
                 len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
             )
@@ -610,7 +636,7 @@ class Scheduler:
         that its join does not make it, or a running row, give way at once. Not when that
         could never fit alone (then joining is left to growth, as before)."""
         slots = self._slots_for(job)
-        if self.reserve != "on-demand":
+        if not self._grows:
             return slots
         used = self._batch.used_slots()
         if not used:
@@ -621,6 +647,21 @@ class Scheduler:
             return slots
         return joined
 
+    def _whole_by_measure(self) -> bool:
+        """With ``reserve`` "auto": whether requests reserve their whole need (prompt +
+        ``max_tokens``), as with "full" (no look-ahead either), rather than grow on demand:
+        they do once this worker's requests use at least :data:`WHOLE_WHEN_USED` of their
+        ``max_tokens`` (measured, :attr:`GrowthForecast.used
+        <vqpool.worker.sched.growth_forecast.GrowthForecast.used>`). Growth would then free
+        nothing they hold at their end, and it costs growth calls (each a round trip to
+        vqpoold on the generation thread) and preemptions."""
+        used = self._forecast.used
+        return self.reserve == "auto" and used is not None and used >= WHOLE_WHEN_USED
+
+    def _look_ahead(self) -> int:
+        """Slots a decode step's growth asks for ahead (0: none, requests reserve whole)."""
+        return 0 if self._whole_by_measure() else self._forecast.look_ahead_slots()
+
     def _try_start(self, job: GenerationJob) -> bool:
         """Back the job's prompt with cache memory and queue its prefill; False if the pool
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
@@ -629,6 +670,7 @@ class Scheduler:
             job.cache = self._open_cache(job.owner)
         if job.preemptions and self.prompt_cache is not None:
             self.prompt_cache.touch([*job.prompt, *job.generated])
+        job.whole = self._whole_by_measure()
         job.admission_slots = self._admission_slots(job)
         try:
             self.source.reserve(job.cache, job.admission_slots)
@@ -652,11 +694,16 @@ class Scheduler:
         """Called by the batch when ``job``'s prefill begins: copy the longest cached prefix of
         ``tokens`` (its prompt, and what it generated if it was preempted) into its cache
         (backed for them already), so only the rest is prefilled."""
+        reused = 0
         if self.prompt_cache is not None and job.cache is not None:
             self._store_prompts_sharing(job, tokens)
             reused = self.prompt_cache.reuse(tokens, job.cache)
             if not job.generated:  # usage reports the prompt tokens of its first start
                 job.cached_tokens = reused
+        prefilled = len(tokens) - reused
+        self.stats.add(
+            prefill_tokens=prefilled, recompute_tokens=prefilled if job.preemptions else 0
+        )
 
     def _store_prompts_sharing(self, job: GenerationJob, tokens: Sequence[int]) -> None:
         """Store the prompt of each job in the batch (not stored yet) that shares more whole
@@ -759,6 +806,12 @@ class Scheduler:
             completion_tokens=len(outcome.tokens),
             draft_accepted=outcome.drafted,
             busy_seconds=time.perf_counter() - started,
+            decode_steps=1 if outcome.decoded_rows else 0,
+            decode_rows=outcome.decoded_rows,
+            decode_slots=outcome.held_slots,
+            token_slots=outcome.token_slots,
+            grow_seconds=outcome.grow_seconds,
+            prefill_seconds=outcome.prefill_seconds,
         )
 
     def _end_failed(self, job: GenerationJob, exc: Exception) -> None:
@@ -832,6 +885,7 @@ class Scheduler:
         job.preemptions += 1
         job.resumed_from = len(job.generated)
         job.deadline = math.inf  # admitted once: the queue timeout is not for it
+        job.queued_at = time.monotonic()
         job.retry_at = 0.0
         job.waited_for_blocks = False
         with self._cond:
@@ -914,6 +968,8 @@ class Scheduler:
             self.stats.set_active(len(self._active))
             self._forecast.row_ended()
             self._preemption.ended()
+            if reason in ("stop", "length"):
+                self._forecast.request_ended(job.n_generated, job.max_tokens)
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
         job.events.put(

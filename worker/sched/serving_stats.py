@@ -20,10 +20,22 @@ _COUNTERS = (
     "exhaustions",  # requests ended early because the pool ran out of blocks mid-generation
     "preemptions",  # requests preempted (requeued, recomputed on resume) to make room
     "reclaim_preemptions",  # of the preemptions, those that answered a reclaim ask
+    "reserved_whole",  # with --reserve auto: of the admitted, those reserving prompt + max_tokens
     "held_for_growth",  # admissions held: the running rows' next growth could not be backed
     "draft_accepted",  # generated tokens a draft model proposed and the model accepted
     "queue_timeouts",  # requests rejected after --queue-timeout in the queue
     "rejected_queue_full",  # requests refused at once: the queue was at --max-queue
+    "admitted",  # requests started for the first time (not resumes)
+    "admission_wait_seconds",  # summed over them: seconds from submit to that start
+    "resume_wait_seconds",  # summed over resumes: seconds from a preemption to the resume
+    "prefill_tokens",  # tokens prefilled (what the prompt cache gave is not)
+    "recompute_tokens",  # of those, the tokens of resumed requests (prefilled again)
+    "decode_steps",  # batched decode steps (one token per row)
+    "decode_rows",  # rows decoded, summed over the steps: / decode_steps is the mean batch
+    "decode_slots",  # slots the steps' buffers held (rows x batch length, padding included)
+    "token_slots",  # of those, slots the rows' own tokens fill (the rest is left padding)
+    "grow_seconds",  # of busy_seconds, in pool calls growing caches (daemon waits included)
+    "prefill_seconds",  # of busy_seconds, in prefill chunks (their growth included)
     "ended_stop",
     "ended_length",
     "ended_cancelled",
@@ -114,7 +126,7 @@ class ServingStats:
         second of the generation thread (all requests together)."""
         with self._lock:
             out: dict[str, Any] = {
-                k: (round(v, 3) if k == "busy_seconds" else int(v))
+                k: (round(v, 3) if k.endswith("_seconds") else int(v))
                 for k, v in self._counters.items()
             }
             busy = self._counters["busy_seconds"]

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Growth on demand against whole reservations on the demo's load: ``scripts/demo.py`` run in
+rounds that alternate the workers' ``--reserve`` (ABAB..., the first mode of each round
+alternating too), so that the noise of a shared machine falls on both.
+
+Per mode: medians over the rounds, with the spread (lowest-highest), of tokens generated (both
+models), tokens per second of load, preemptions per second, p99 TTFT per model, and where the
+workers' time went (``GET /v1/stats``: mean batch, busy seconds in growth calls, tokens
+prefilled again after preemptions, admission wait). Then each mode against full: the ratio of
+the medians, the rounds' ratios (median, lowest-highest) and the ratio of the sums.
+
+    .venv/bin/python scripts/bench_reserve.py --rounds 4 --duration 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEMO = Path(__file__).with_name("demo.py")
+
+
+def one_round(mode: str, duration: float, extra: list[str]) -> dict[str, Any]:
+    """One demo run with ``--reserve mode``: its ``--json`` figures."""
+    with tempfile.TemporaryDirectory(prefix="vqreserve-") as tmp:
+        out = Path(tmp) / "figures.json"
+        command = [sys.executable, str(DEMO), "--duration", str(duration), "--reserve", mode]
+        done = subprocess.run(
+            [*command, "--json", str(out), *extra], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0 or not out.exists():
+            sys.stderr.write(done.stdout[-4000:] + done.stderr[-2000:])
+            raise SystemExit(f"demo.py --reserve {mode} failed (exit status {done.returncode})")
+        figures: dict[str, Any] = json.loads(out.read_text())
+        return figures
+
+
+def derived(run: dict[str, Any]) -> dict[str, float]:
+    """The figures of one run that the table shows."""
+    seconds = run["seconds"]
+    models = run["models"]
+    row: dict[str, float] = {
+        "tokens": sum(m["stats"]["completion_tokens"] for m in models.values()),
+        "preemptions/s": run["preemptions"] / seconds,
+    }
+    row["tokens/s"] = row["tokens"] / seconds
+    for name, m in models.items():
+        s = m["stats"]
+        short = name.split(":")[-1]
+        row[f"p99 TTFT {short} s"] = m["p99_ttft"] if m["p99_ttft"] is not None else float("nan")
+        row[f"mean batch {short}"] = s["decode_rows"] / max(1, s["decode_steps"])
+        row[f"grow s {short}"] = s["grow_seconds"]
+        row[f"recomputed {short}"] = s["recompute_tokens"]
+        row[f"admission wait s {short}"] = s["admission_wait_seconds"] / max(1, s["admitted"])
+        row[f"reserved whole {short}"] = s["reserved_whole"] / max(1, s["admitted"])
+        row[f"ended at max_tokens {short}"] = s["ended_length"] / max(
+            1, s["ended_length"] + s["ended_stop"]
+        )
+    return row
+
+
+def spread(values: list[float]) -> str:
+    median = statistics.median(values)
+    return f"{median:,.2f} ({min(values):,.2f}-{max(values):,.2f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
+    parser.add_argument("--duration", type=float, default=25.0, help="demo.py --duration")
+    parser.add_argument(
+        "--modes", default="on-demand,full", help="the --reserve modes to alternate"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write every run's figures there")
+    args, extra = parser.parse_known_args()
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for i in range(args.rounds):
+        order = modes if i % 2 == 0 else modes[::-1]
+        for mode in order:
+            run = one_round(mode, args.duration, extra)
+            runs[mode].append(run)
+            row = derived(run)
+            print(
+                f"round {i + 1} {mode:<9} tokens {row['tokens']:,.0f} ({row['tokens/s']:,.0f}/s) "
+                f"preemptions {row['preemptions/s']:.1f}/s",
+                flush=True,
+            )
+    table = {m: [derived(r) for r in runs[m]] for m in modes}
+    keys = list(table[modes[0]][0])
+    print(
+        f"\nmedians over {args.rounds} rounds (lowest-highest), demo.py --duration "
+        f"{args.duration:g}:"
+    )
+    for key in keys:
+        cells = "  ".join(f"{m}: {spread([r[key] for r in table[m]]):<28}" for m in modes)
+        print(f"  {key:<28} {cells}")
+    if "full" in table:
+        full = table["full"]
+        for mode in modes:
+            if mode == "full":
+                continue
+            rows = table[mode]
+            ratios = [a["tokens"] / b["tokens"] for a, b in zip(rows, full, strict=True)]
+            medians = statistics.median(r["tokens"] for r in rows) / statistics.median(
+                r["tokens"] for r in full
+            )
+            summed = sum(r["tokens"] for r in rows) / sum(r["tokens"] for r in full)
+            print(
+                f"{mode} / full tokens: {medians:.3f} (ratio of medians); rounds' ratios "
+                f"{spread(ratios)}; summed {summed:.3f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
