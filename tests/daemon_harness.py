@@ -68,10 +68,13 @@ class AgentProcess:
     """A ``worker_agent.py`` process: one PoolClient on ``run_dir``, driven op by op (not a
     ``vqpool-worker``; that is :class:`vqpool.worker.testing.launch.WorkerProcess`)."""
 
-    def __init__(self, run_dir: Path, name: str) -> None:
+    def __init__(self, run_dir: Path, name: str, *, quantized_formats: bool = False) -> None:
+        """``quantized_formats``: the agent declares ``AGENT_BYTES_PER_FORMAT`` at hello (its
+        ``fit`` is then priced at the costliest quantized format, as a quantizing worker's)."""
         self.name = name
+        formats = ["--quantized-formats"] if quantized_formats else []
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER_AGENT), str(run_dir), name],
+            [sys.executable, str(WORKER_AGENT), str(run_dir), name, *formats],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

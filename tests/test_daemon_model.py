@@ -105,8 +105,8 @@ class DaemonMachine(RuleBasedStateMachine):
         self.base = short_tmpdir()
         self.daemon = DaemonProcess(self.base / "run", *self.options).start()
         self.sessions: list[Any] = [
-            AgentProcess(self.daemon.run_dir, "w0"),
-            AgentProcess(self.daemon.run_dir, "w1"),
+            AgentProcess(self.daemon.run_dir, "w0", quantized_formats=True),
+            AgentProcess(self.daemon.run_dir, "w1", quantized_formats=True),
             InProcessSession(self.daemon.run_dir),
         ]
         self.owners: dict[Any, OwnerModel] = {}
@@ -257,7 +257,9 @@ class DaemonMachine(RuleBasedStateMachine):
         worker.kill()
         worker.process.wait()
         worker.stop()
-        self.sessions[index] = AgentProcess(self.daemon.run_dir, f"w{index}-again")
+        self.sessions[index] = AgentProcess(
+            self.daemon.run_dir, f"w{index}-again", quantized_formats=True
+        )
         self.models[index] = f"w{index}-again"
         # Its owners are freed within the reaping interval.
         for owner in [o for o, m in self.owners.items() if m.session == index]:

@@ -50,7 +50,8 @@ RECLAIM: list[ReclaimAgent] = []
 
 
 AGENT_BYTES_PER_FORMAT = {"q8g64": 2048, "q4g64": 1024}
-"""Bytes of a block of each quantized format an agent declares (fp16 and any other: 4096)."""
+"""Bytes of a block of each quantized format an agent started with ``--quantized-formats``
+declares (fp16 and any other: 4096)."""
 
 
 def run_op(pool: PoolClient, op: str, args: list[Any]) -> Any:
@@ -123,11 +124,12 @@ def hog_gil(seconds: float) -> float:
 
 def main() -> None:
     run_dir, name = sys.argv[1], sys.argv[2]
+    quantized = "--quantized-formats" in sys.argv[3:]
     pool = PoolClient(
         run_dir,
         name=name,
         bytes_per_block=4096,
-        bytes_per_format=AGENT_BYTES_PER_FORMAT,
+        bytes_per_format=AGENT_BYTES_PER_FORMAT if quantized else None,
         timeout=5.0,
     )
     print(json.dumps({"ok": True, "result": {"sid": pool.session_id}}), flush=True)
