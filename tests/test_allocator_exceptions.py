@@ -60,10 +60,28 @@ def arm_active_owners(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any
     return pool._active_owners
 
 
+class ArmedRecords:
+    """The history and the log of counts folded into it (a one-block allocate() logs its
+    counts, and folds them when it may raise the peak), armed together."""
+
+    def __init__(self, pool: BlockPoolAllocator, exc: type[BaseException]) -> None:
+        history = pool._history
+        pool._history = self.history = armed(deque, ("append", "extend"), exc)(
+            history, history.maxlen
+        )
+        pool._events = self.events = armed(list, ("append",), exc)(pool._events)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.history.armed)
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        self.history.armed = self.events.armed = value
+
+
 def arm_history(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
-    history = pool._history
-    pool._history = armed(deque, ("append",), exc)(history, history.maxlen)
-    return pool._history
+    return ArmedRecords(pool, exc)
 
 
 def arm_free_list(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:

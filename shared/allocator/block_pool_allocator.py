@@ -13,7 +13,13 @@ from operator import is_
 from vqpool.shared.allocator.block_list import BlockList, PoolBlock, new_record
 from vqpool.shared.allocator.claims import RestartClaims
 from vqpool.shared.allocator.state import (
+    ALLOC_ONE,
+    ALLOC_ONE_PARTIAL,
+    FOLD_AT,
+    FRAGMENT,
     FRAGMENTED,
+    FREE_ONE,
+    FREE_ONE_PARTIAL,
     N_ALLOCATIONS,
     N_BLOCKS,
     N_EXHAUSTED,
@@ -22,6 +28,7 @@ from vqpool.shared.allocator.state import (
     N_RETIRED,
     N_REUSED,
     PEAK_IN_USE,
+    UNFRAGMENT,
 )
 from vqpool.shared.errors import BlockPoolExhaustedError, VqpoolError
 from vqpool.shared.pool import AllocationRequest, AllocationResult, Block, Owner
@@ -104,34 +111,26 @@ class BlockPoolAllocator(RestartClaims):
                     chunk._blocks = held
                     active = self._active_owners
                     was_active = owner in active
-                    counts = self._counts
-                    peak = counts[PEAK_IN_USE]
-                    counted = False
+                    events = self._events
+                    logged = False
                     try:
                         self._chunk_of[block_id] = chunk
                         if self._holdings.setdefault(owner, chunk) is not chunk:
                             self._hold_locked(owner, chunk)  # it holds others
                         active.add(owner)
                         recycled.pop()
-                        if n_tokens < block_size:
-                            counts[FRAGMENTED] += 1
-                        counts[N_ALLOCATIONS] += 1
-                        counts[N_REUSED] += 1
-                        in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
-                        if in_use > peak:
-                            counts[PEAK_IN_USE] = in_use
-                        counted = True
-                        self._history.append(tuple(counts))
                         block._chunk = chunk
+                        # Its counters and history row, logged
+                        events.append(ALLOC_ONE_PARTIAL if n_tokens < block_size else ALLOC_ONE)
+                        logged = True
+                        if len(recycled) < free.low:  # past its mark: it may raise the peak
+                            self._fold_locked()  # (all or nothing)
                     except BaseException:
+                        if logged:
+                            events.pop()
                         self._undo_allocate_locked(chunk, was_active)
                         if not recycled or recycled[-1] != block_id:
                             recycled.append(block_id)
-                        if counted:
-                            counts[FRAGMENTED] -= n_tokens < block_size
-                            counts[N_ALLOCATIONS] -= 1
-                            counts[N_REUSED] -= 1
-                            counts[PEAK_IN_USE] = peak
                         raise
                     return chunk
             finally:
@@ -163,6 +162,7 @@ class BlockPoolAllocator(RestartClaims):
         # protocol costs about as much as the bookkeeping itself.
         self._lock.acquire()
         try:
+            self._settle_locked()  # (the counters are read and changed below)
             free = self._free[stream]
             recycled = free.recycled
             claimed = free.claimed
@@ -348,7 +348,7 @@ class BlockPoolAllocator(RestartClaims):
             self._lock.acquire()  # not "with": see allocate()
             try:
                 if blocks.dead or blocks.n_freed:
-                    self._free_ids_locked(blocks.block_ids)
+                    self._free_ids_locked(blocks.block_ids)  # (it folds the events)
                     self._record_history()
                     return
                 # The common case: a whole live allocation none of whose blocks was freed
@@ -370,6 +370,13 @@ class BlockPoolAllocator(RestartClaims):
                     self._active_owners.discard(owner)
                 else:
                     self._drop_chunk_locked(blocks)
+                events = self._events
+                if len(ids) == 1:  # its counters and history row, logged
+                    events.append(FREE_ONE_PARTIAL if blocks.fill else FREE_ONE)
+                    if len(events) >= FOLD_AT:
+                        self._fold_locked()
+                    return
+                self._settle_locked()
                 counts = self._counts
                 counts[N_FREES] += len(ids)
                 if blocks.fill:
@@ -411,6 +418,7 @@ class BlockPoolAllocator(RestartClaims):
             self._record_history()
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
+        self._settle_locked()
         if self._unindexed:
             self._index_locked()
         chunk_of = self._chunk_of
@@ -451,6 +459,7 @@ class BlockPoolAllocator(RestartClaims):
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
         with self._lock:
+            self._settle_locked()
             filed = self._holdings.pop(owner, None)
             if filed is not None:
                 chunk_of = self._chunk_of
@@ -487,6 +496,7 @@ class BlockPoolAllocator(RestartClaims):
             raise ValueError(f"BlockPoolAllocator: target_free must be >= 0, got {target_free}")
         s = self._resolve_stream(stream)
         with self._lock:
+            self._settle_locked()
             free = self._free[s]
             if free.claimed:
                 free.unlist_claimed()
@@ -553,11 +563,19 @@ class BlockPoolAllocator(RestartClaims):
             if fill is None:
                 fill = chunk.fill = {}
             fill[block_id] = n_used
-            self._counts[FRAGMENTED] += not was_partial
+            if was_partial:
+                return
+            code = FRAGMENT
         elif was_partial:
             assert fill is not None
             del fill[block_id]
-            self._counts[FRAGMENTED] -= 1
+            code = UNFRAGMENT
+        else:
+            return
+        events = self._events  # the count, logged as allocate() logs its own
+        events.append(code)
+        if len(events) >= FOLD_AT:
+            self._fold_locked()
 
     def __repr__(self) -> str:
         return f"BlockPoolAllocator({self.stats!r})"
