@@ -365,10 +365,12 @@ class BlockPoolAllocator(RestartClaims):
                     free.recycled.extend(ids)
                 # _drop_chunk_locked(), inlined for an owner of one allocation
                 owner = blocks.owner
-                if self._holdings[owner] is blocks:
-                    del self._holdings[owner]
+                holdings = self._holdings
+                held_now = holdings.pop(owner)
+                if held_now is blocks:
                     self._active_owners.discard(owner)
-                else:
+                else:  # one of several: back as it was
+                    holdings[owner] = held_now
                     self._drop_chunk_locked(blocks)
                 events = self._events
                 if len(ids) == 1:  # its counters and history row, logged

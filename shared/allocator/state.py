@@ -132,10 +132,10 @@ class AllocatorState:
     def _record_history(self) -> None:
         self._history.append(tuple(self._counts))
 
-    def _fold_locked(self) -> None:
+    def _fold_locked(self, mark: bool = True) -> None:
         """Apply the logged codes to the counters, in order, each with the history row its call
-        would have recorded, and set the free lists' marks anew. All or nothing: whatever is
-        raised inside, the counters, the history and the log are as they were.
+        would have recorded, and set the free lists' marks anew (if ``mark``). All or nothing:
+        whatever is raised inside, the counters, the history and the log are as they were.
 
         Only the last ``DEFAULT_HISTORY_SIZE`` rows can be kept: the codes before those are
         applied as their sum (in C). The peak in use needs no scan of them: while logged one-block
@@ -178,6 +178,8 @@ class AllocatorState:
         self._history.extend(rows)
         self._counts[:] = counts
         events.clear()
+        if not mark:
+            return
         # Until the next fold, blocks in use change only by logged calls, each a recycled id
         # taken or given back (a free that gives back a claimed id lists nothing: the count
         # errs high, safe), so each list may lose its share of the headroom before a fold.
@@ -193,7 +195,7 @@ class AllocatorState:
         free lists' marks: that path may change blocks in use without a recycled id (the fresh
         range, growth, claims, retirement), so the next logged allocation folds again."""
         if self._events:
-            self._fold_locked()
+            self._fold_locked(mark=False)
         for free in self._free.values():
             free.low = NO_MARK
 
