@@ -133,18 +133,20 @@ def busy_pool(claimed: bool) -> BlockPoolAllocator:
 @pytest.mark.parametrize("n_tokens", [16, 100], ids=["one-block", "recycled-and-fresh"])
 @pytest.mark.parametrize("owner", ["new", "held", "registered"])
 @pytest.mark.parametrize("claimed", [False, True], ids=["plain", "after-claims"])
+@pytest.mark.parametrize("ids_path", [False, True], ids=["blocks", "ids"])
 def test_allocate_changes_nothing_when_interrupted(
     arm: Callable[[BlockPoolAllocator, type[BaseException]], Any],
     exc: type[BaseException],
     n_tokens: int,
     owner: str,
     claimed: bool,
+    ids_path: bool,
 ) -> None:
     pool, twin = busy_pool(claimed), busy_pool(claimed)
     before = observable(pool)
     container = arm(pool, exc)
     with pytest.raises(exc):
-        pool.allocate("k", n_tokens, owner)
+        (pool.allocate_ids if ids_path else pool.allocate)("k", n_tokens, owner)
     disarm(pool, container)
     pool.check_invariants()
     assert observable(pool) == before

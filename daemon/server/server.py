@@ -79,10 +79,6 @@ Handle = Callable[[bytes, bytes, float], Any]
 :class:`~vqpool.daemon.budget.parking.Parked` request to answer later."""
 
 
-def _input_pending(sock: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
 def describe_pool(config: PoolConfig) -> str:
     """One line on a pool's shape, for the start line."""
     streams = config.streams
@@ -368,14 +364,12 @@ class Server:
         # the next request; one stopped at MAX_MESSAGES_PER_WAKE, or sent on since, is not,
         # and is served without sleeping. Reading a socket's state (ZMQ_EVENTS) or a failed
         # recv costs a system call each: a clean socket whose fd is quiet is not looked at.
-        worker_dirty = admin_dirty = True
+        # Likewise the ZAP socket (auth.serve() ends on a read of its state: clean) and the
+        # guard's monitors (guard.serve() always drains them completely).
+        worker_dirty = admin_dirty = zap_dirty = True
         while self._stop_signal is None:
-            # The ZAP socket is looked at only when its fd says something changed: reading its
-            # state on every request would tax the hot path for a once-per-connection event.
-            # Likewise the guard's monitors, which guard.serve() always drains completely.
-            zap_ready = guard_ready = False
-            busy = worker_dirty or admin_dirty
-            if busy or (zap_ready := _input_pending(zap)):
+            guard_ready = False
+            if worker_dirty or admin_dirty or zap_dirty:
                 timeout_ms = 0
             else:
                 wake_at = next_check
@@ -397,15 +391,16 @@ class Server:
                 elif fd == admin_fd:
                     admin_dirty = True
                 elif fd == zap_fd:
-                    zap_ready = True
+                    zap_dirty = True
                 elif fd in guard_fds:
                     guard_ready = True
             if guard_ready:  # accepted or lost connections: count open files before anything
                 guard.serve()
-            if zap_ready:  # new connections' handshakes, before their requests
+            if zap_dirty:  # new connections' handshakes, before their requests
                 # In batches: a flood's handshakes must not keep the guard from counting.
                 while auth.serve(ZAP_BATCH):
                     guard.serve()
+                zap_dirty = False
             if worker_dirty:
                 worker_dirty = self._serve(worker, handle_worker, coord, "worker")
             if admin_dirty:

@@ -12,6 +12,7 @@ from operator import is_
 
 from vqpool.shared.allocator.block_list import BlockList, PoolBlock, new_record
 from vqpool.shared.allocator.claims import RestartClaims
+from vqpool.shared.allocator.free_list import FreeList
 from vqpool.shared.allocator.state import (
     ALLOC_ONE,
     ALLOC_ONE_PARTIAL,
@@ -109,29 +110,8 @@ class BlockPoolAllocator(RestartClaims):
                     chunk.n_freed = 0
                     chunk.dead = False
                     chunk._blocks = held
-                    active = self._active_owners
-                    was_active = owner in active
-                    events = self._events
-                    logged = False
-                    try:
-                        self._chunk_of[block_id] = chunk
-                        if self._holdings.setdefault(owner, chunk) is not chunk:
-                            self._hold_locked(owner, chunk)  # it holds others
-                        active.add(owner)
-                        recycled.pop()
-                        block._chunk = chunk
-                        # Its counters and history row, logged
-                        events.append(ALLOC_ONE_PARTIAL if n_tokens < block_size else ALLOC_ONE)
-                        logged = True
-                        if len(recycled) < free.low:  # past its mark: it may raise the peak
-                            self._fold_locked()  # (all or nothing)
-                    except BaseException:
-                        if logged:
-                            events.pop()
-                        self._undo_allocate_locked(chunk, was_active)
-                        if not recycled or recycled[-1] != block_id:
-                            recycled.append(block_id)
-                        raise
+                    self._file_one_locked(chunk, block_id, owner, free, n_tokens < block_size)
+                    block._chunk = chunk
                     return chunk
             finally:
                 self._lock.release()
@@ -142,7 +122,55 @@ class BlockPoolAllocator(RestartClaims):
     ) -> tuple[int, ...]:
         """allocate() for callers that need only the ids (the daemon): the same allocation, the
         same errors, but no ``Block`` object is built. Free them with :meth:`free_ids`."""
+        block_size = self._block_size
+        if not self._separate_kv:
+            stream = "kv"
+        elif stream != "k" and stream != "v":
+            return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
+        if 0 < n_tokens <= block_size:
+            # One recycled id, nothing claimed and nothing never used: as allocate()'s
+            self._lock.acquire()  # not "with": see _allocate_chunk()
+            try:
+                free = self._free[stream]
+                if free.recycled and not free.claimed and not free.never_used:
+                    block_id = free.recycled[-1]
+                    chunk = new_record((block_id,), stream, format, owner)
+                    if n_tokens < block_size:
+                        chunk.fill = {block_id: n_tokens}
+                    self._file_one_locked(chunk, block_id, owner, free, n_tokens < block_size)
+                    return chunk.block_ids
+            finally:
+                self._lock.release()
         return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
+
+    def _file_one_locked(
+        self, chunk: BlockList, block_id: int, owner: Owner, free: FreeList, partial: bool
+    ) -> None:
+        """Hand out ``block_id``, the recycled id on top of ``free``, as the one-block allocation
+        ``chunk`` of ``owner`` (made, not filed yet), its counters logged (see ALLOC_ONE). All
+        or nothing: whatever is raised inside, nothing is allocated and no owner registered."""
+        recycled = free.recycled
+        active = self._active_owners
+        was_active = owner in active
+        events = self._events
+        logged = False
+        try:
+            self._chunk_of[block_id] = chunk
+            if self._holdings.setdefault(owner, chunk) is not chunk:
+                self._hold_locked(owner, chunk)  # it holds others
+            active.add(owner)
+            recycled.pop()
+            events.append(ALLOC_ONE_PARTIAL if partial else ALLOC_ONE)
+            logged = True
+            if len(recycled) < free.low:  # past its mark: it may raise the peak
+                self._fold_locked()  # (all or nothing)
+        except BaseException:
+            if logged:
+                events.pop()
+            self._undo_allocate_locked(chunk, was_active)
+            if not recycled or recycled[-1] != block_id:
+                recycled.append(block_id)
+            raise
 
     def _allocate_chunk(
         self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
