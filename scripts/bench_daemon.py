@@ -7,7 +7,9 @@ CPU placement (server on one vCPU, clients on another: where the two processes l
 latency 2x on this machine kind, see FACTS.md). Figures are medians over rounds (5 by default),
 each printed beside the echo's from the same rounds; each ratio is the median of the per-round
 ratios (daemon and echo measured back to back in every round), with its spread (lowest to
-highest round), so a figure that swings between runs shows it.
+highest round), so a figure that swings between runs shows it. The round trip and allocate_many
+are measured side by side by one client, daemon and echo alternating in slices (100 pairs, or one
+allocate_many round), so that a neighbour's burst of load on a shared machine falls on both.
 
 Measured:
 * allocate(1 block) + free round trip (two requests): p50 and p99; target p50 within 1.15x echo;
@@ -156,6 +158,41 @@ def pool_client_pairs(run_dir: str, n: int) -> list[float]:
     return times
 
 
+SLICE = 100
+"""Pairs per slice when a client measures the daemon and the echo side by side."""
+
+
+def side_by_side(args: argparse.Namespace) -> dict[str, Any]:
+    """The daemon (``--endpoint``) and the echo (``--other``) measured by one client in
+    alternating slices (daemon, echo, echo, daemon...): a neighbour's burst of load on the shared
+    machine falls on both alike, not on whichever ran in that second."""
+    sessions = [Session(args.endpoint, args.bytes_per_block), Session(args.other)]
+    for session in sessions:
+        alloc_free_pairs(session, 200)  # warm up
+    print("ready", flush=True)
+    sys.stdin.readline()
+    times: list[list[float]] = [[], []]
+    batches: list[list[tuple[float, float]]] = [[], []]
+    for slice_no in range(max(1, args.count // (SLICE if args.task == "pairs" else 1))):
+        for which in (0, 1) if slice_no % 2 == 0 else (1, 0):
+            if args.task == "pairs":
+                times[which] += alloc_free_pairs(sessions[which], SLICE)
+            else:
+                batches[which].append(batch_vs_single(sessions[which], 1))
+    if args.task == "pairs":
+        return {"times": times[0], "other_times": times[1]}
+    (single, batch), (other_single, other_batch) = (
+        (statistics.mean(s for s, _ in runs), statistics.mean(b for _, b in runs))
+        for runs in batches
+    )
+    return {
+        "single": single,
+        "batch": batch,
+        "other_single": other_single,
+        "other_batch": other_batch,
+    }
+
+
 def client_main(args: argparse.Namespace) -> None:
     """One client process: connect, say ready, wait for "go", measure, print JSON."""
     pin(CLIENT_CPU)
@@ -164,6 +201,9 @@ def client_main(args: argparse.Namespace) -> None:
         sys.stdin.readline()
         pool_client_pairs(args.run_dir, args.count // 10)  # warm up
         print(json.dumps({"times": pool_client_pairs(args.run_dir, args.count)}), flush=True)
+        return
+    if args.other:
+        print(json.dumps(side_by_side(args)), flush=True)
         return
     session = Session(args.endpoint, args.bytes_per_block)
     alloc_free_pairs(session, 200)  # warm up
@@ -195,12 +235,21 @@ def spawn(argv: list[str]) -> subprocess.Popen[str]:
 
 
 def run_clients(
-    endpoint: str, run_dir: str, task: str, count: int, n: int, bytes_per_block: int | None = None
+    endpoint: str,
+    run_dir: str,
+    task: str,
+    count: int,
+    n: int,
+    bytes_per_block: int | None = None,
+    other: str | None = None,
 ) -> list[Any]:
-    """Start ``n`` client processes, release them together, collect their JSON results."""
+    """Start ``n`` client processes, release them together, collect their JSON results; with
+    ``other``, each measures ``endpoint`` and ``other`` side by side (see side_by_side)."""
     argv = ["--client", task, "--endpoint", endpoint, "--run-dir", run_dir, "--count", str(count)]
     if bytes_per_block is not None:
         argv += ["--bytes-per-block", str(bytes_per_block)]
+    if other is not None:
+        argv += ["--other", other]
     clients = [spawn(argv) for _ in range(n)]
     for client in clients:
         assert client.stdin is not None
@@ -250,6 +299,7 @@ def main() -> None:
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--echo", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--other", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bytes-per-block", type=int, help=argparse.SUPPRESS)
@@ -293,18 +343,25 @@ def main() -> None:
     client_p50: list[float] = []
     try:
         for round_no in range(rounds):
+            # The round trip and allocate_many: daemon and echo side by side in one client.
+            (result,) = run_clients(
+                daemon_endpoint, str(run_dir), "pairs", pairs, 1, None, echo_endpoint
+            )
+            for name, times in (("daemon", result["times"]), ("echo", result["other_times"])):
+                p50[name].append(statistics.median(times))
+                p99[name].append(percentile(times, 99))
+            (result,) = run_clients(
+                daemon_endpoint, str(run_dir), "batch", batches, 1, None, echo_endpoint
+            )
+            batch["daemon"].append((result["single"], result["batch"]))
+            batch["echo"].append((result["other_single"], result["other_batch"]))
             # Which goes first alternates, so that neither always meets the other's wake.
             for name, endpoint in sorted(targets.items(), reverse=bool(round_no % 2)):
-                (result,) = run_clients(endpoint, str(run_dir), "pairs", pairs, 1)
-                p50[name].append(statistics.median(result["times"]))
-                p99[name].append(percentile(result["times"], 99))
                 for n in (1, 2, 4):
                     results = run_clients(endpoint, str(run_dir), "throughput", throughput, n)
                     wall = max(r["seconds"] for r in results)
                     total = sum(r["requests"] for r in results)
                     rps.setdefault((name, n), []).append(total / wall)
-                (result,) = run_clients(endpoint, str(run_dir), "batch", batches, 1)
-                batch[name].append((result["single"], result["batch"]))
             (result,) = run_clients(daemon_endpoint, str(run_dir), "poolclient", pairs, 1)
             client_p50.append(statistics.median(result["times"]))
             if budget_daemon is not None:  # side by side: off, on, off, on...

@@ -24,6 +24,7 @@ from vqpool.shared import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
+from vqpool.shared.allocator import BlockList
 
 
 def pool_of(**kwargs: object) -> BlockPoolAllocator:
@@ -862,3 +863,40 @@ def test_whole_allocations_freed_leave_nothing_behind() -> None:
         pool.free_ids(pool.allocate_ids("k", 16 * 4, owner=2))
     assert not pool._unindexed  # nothing kept for allocations that are gone
     pool.check_invariants()
+
+
+def test_logged_counts_fold_into_the_same_counters_and_history() -> None:
+    """The one-block paths log their counts and fold them when read (or the log is long, or
+    the peak may rise): a pool read only at the end agrees with one read after every call,
+    across more calls than the log holds, rises of the peak, mark_used, both streams, and the
+    general paths in between."""
+    rng = random.Random(7)
+    watched, unread = (BlockPoolAllocator(PoolConfig(n_blocks=512)) for _ in range(2))
+    held: list[tuple[BlockList, BlockList]] = []  # each allocation, in both pools
+    longest = 0
+    for step in range(40_000):
+        roll = rng.random()
+        stream = "k" if rng.random() < 0.7 else "v"
+        n_tokens = rng.choice((5, 16))
+        if roll < 0.45 and len(held) < 200 + step // 100 % 50:  # one block, full or partial
+            held.append(
+                (watched.allocate(stream, n_tokens, step), unread.allocate(stream, n_tokens, step))
+            )
+        elif roll < 0.9 and held:
+            ours, theirs = held.pop(rng.randrange(len(held)) if step % 3 else -1)
+            watched.free(ours)
+            unread.free(theirs)
+        elif roll < 0.95 and held:
+            for pool, blocks in zip((watched, unread), held[-1], strict=True):
+                pool.mark_used(blocks[0], n_tokens)
+        if step % 7919 == 0:  # the general path (it folds): several blocks, then free_all
+            for pool in (watched, unread):
+                pool.allocate(stream, 40, "many")
+                pool.free_all("many")
+        assert watched.stats.n_allocations >= 0  # a read folds its log every step
+        longest = max(longest, len(unread._events))
+    assert longest > DEFAULT_HISTORY_SIZE  # folds that summed codes besides the rows they kept
+    assert unread.stats == watched.stats
+    assert list(unread.history) == list(watched.history)
+    unread.check_invariants()
+    watched.check_invariants()

@@ -60,10 +60,28 @@ def arm_active_owners(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any
     return pool._active_owners
 
 
+class ArmedRecords:
+    """The history and the log of counts folded into it (a one-block allocate() logs its
+    counts, and folds them when it may raise the peak), armed together."""
+
+    def __init__(self, pool: BlockPoolAllocator, exc: type[BaseException]) -> None:
+        history = pool._history
+        pool._history = self.history = armed(deque, ("append", "extend"), exc)(
+            history, history.maxlen
+        )
+        pool._events = self.events = armed(list, ("append",), exc)(pool._events)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.history.armed)
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        self.history.armed = self.events.armed = value
+
+
 def arm_history(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
-    history = pool._history
-    pool._history = armed(deque, ("append",), exc)(history, history.maxlen)
-    return pool._history
+    return ArmedRecords(pool, exc)
 
 
 def arm_free_list(pool: BlockPoolAllocator, exc: type[BaseException]) -> Any:
@@ -115,18 +133,20 @@ def busy_pool(claimed: bool) -> BlockPoolAllocator:
 @pytest.mark.parametrize("n_tokens", [16, 100], ids=["one-block", "recycled-and-fresh"])
 @pytest.mark.parametrize("owner", ["new", "held", "registered"])
 @pytest.mark.parametrize("claimed", [False, True], ids=["plain", "after-claims"])
+@pytest.mark.parametrize("ids_path", [False, True], ids=["blocks", "ids"])
 def test_allocate_changes_nothing_when_interrupted(
     arm: Callable[[BlockPoolAllocator, type[BaseException]], Any],
     exc: type[BaseException],
     n_tokens: int,
     owner: str,
     claimed: bool,
+    ids_path: bool,
 ) -> None:
     pool, twin = busy_pool(claimed), busy_pool(claimed)
     before = observable(pool)
     container = arm(pool, exc)
     with pytest.raises(exc):
-        pool.allocate("k", n_tokens, owner)
+        (pool.allocate_ids if ids_path else pool.allocate)("k", n_tokens, owner)
     disarm(pool, container)
     pool.check_invariants()
     assert observable(pool) == before

@@ -79,10 +79,6 @@ Handle = Callable[[bytes, bytes, float], Any]
 :class:`~vqpool.daemon.budget.parking.Parked` request to answer later."""
 
 
-def _input_pending(sock: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
 def describe_pool(config: PoolConfig) -> str:
     """One line on a pool's shape, for the start line."""
     streams = config.streams
@@ -350,6 +346,8 @@ class Server:
         admin, handle_admin = admin_side
         zap = auth.socket
         zap_fd = cast(int, zap.getsockopt(zmq.FD))
+        worker_fd = cast(int, worker.getsockopt(zmq.FD))
+        admin_fd = cast(int, admin.getsockopt(zmq.FD))
         guard_fds = {cast(int, sock.getsockopt(zmq.FD)) for sock in guard.sockets}
         poller = select.poll()
         for sock in (worker, admin, zap, *guard.sockets):
@@ -360,14 +358,18 @@ class Server:
         budget = state.budget
         parking = budget.parking
         reclaim = budget.reclaim
+        # Whether a socket may have input its fd does not tell of. ZeroMQ's fd is
+        # edge-triggered, and any recv or send may take the signal of a request arriving: a
+        # socket served until recv said EAGAIN (its last call) is clean, and its fd signals
+        # the next request; one stopped at MAX_MESSAGES_PER_WAKE, or sent on since, is not,
+        # and is served without sleeping. Reading a socket's state (ZMQ_EVENTS) or a failed
+        # recv costs a system call each: a clean socket whose fd is quiet is not looked at.
+        # Likewise the ZAP socket (auth.serve() ends on a read of its state: clean) and the
+        # guard's monitors (guard.serve() always drains them completely).
+        worker_dirty = admin_dirty = zap_dirty = True
         while self._stop_signal is None:
-            # ZeroMQ's fd is edge-triggered: sleep only if neither socket has input pending.
-            # The ZAP socket is looked at only when its fd says something changed: reading its
-            # state on every request would tax the hot path for a once-per-connection event.
-            # Likewise the guard's monitors, which guard.serve() always drains completely.
-            zap_ready = guard_ready = False
-            busy = _input_pending(worker) or _input_pending(admin)
-            if busy or (zap_ready := _input_pending(zap)):
+            guard_ready = False
+            if worker_dirty or admin_dirty or zap_dirty:
                 timeout_ms = 0
             else:
                 wake_at = next_check
@@ -384,18 +386,25 @@ class Server:
                 if fd == wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_fd, 512)
+                elif fd == worker_fd:
+                    worker_dirty = True
+                elif fd == admin_fd:
+                    admin_dirty = True
                 elif fd == zap_fd:
-                    zap_ready = True
+                    zap_dirty = True
                 elif fd in guard_fds:
                     guard_ready = True
             if guard_ready:  # accepted or lost connections: count open files before anything
                 guard.serve()
-            if zap_ready:  # new connections' handshakes, before their requests
+            if zap_dirty:  # new connections' handshakes, before their requests
                 # In batches: a flood's handshakes must not keep the guard from counting.
                 while auth.serve(ZAP_BATCH):
                     guard.serve()
-            self._serve(worker, handle_worker, coord, "worker")
-            self._serve(admin, handle_admin, coord, "admin")
+                zap_dirty = False
+            if worker_dirty:
+                worker_dirty = self._serve(worker, handle_worker, coord, "worker")
+            if admin_dirty:
+                admin_dirty = self._serve(admin, handle_admin, coord, "admin")
             if parking.parked:
                 parking.expire(time.monotonic())
                 parking.hand_out()
@@ -403,6 +412,7 @@ class Server:
                 reclaim.tick(time.monotonic())
             if parking.outbox:
                 self._send_late_replies(worker, parking.outbox, coord)
+                worker_dirty = True
             coord.history_clock.stamp(coord.allocator)  # one look when nothing changed
             if self._metrics is not None:
                 self._metrics.publish_if_wanted()
@@ -418,8 +428,9 @@ class Server:
 
     def _serve(
         self, sock: zmq.Socket[bytes], handle: Handle, coord: Coordinator, name: str
-    ) -> None:
-        """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``."""
+    ) -> bool:
+        """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``. Returns whether
+        more may wait (it stopped at the limit), False once recv said EAGAIN."""
         peer = self._peers[name]  # given each request's routing-id frame while it is handled
         recv = sock.recv
         getsockopt = sock.getsockopt
@@ -431,7 +442,7 @@ class Server:
                 # properties (the peer's pid, which hello checks: daemon/net/peer_process.py).
                 routing_id = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             # The rest as bytes (a message arrives whole; a ROUTER always has a part after the
             # routing id). recv_multipart by hand: it costs ~0.8 us less per request.
             frames = [routing_id.bytes, recv(zmq.NOBLOCK)]
@@ -455,6 +466,7 @@ class Server:
                 send(envelope, zmq.NOBLOCK)
             except zmq.ZMQError:  # EAGAIN: peer's queue full; EHOSTUNREACH: peer gone
                 coord.n_replies_dropped += 1
+        return True
 
     @staticmethod
     def _send_late_replies(

@@ -26,7 +26,10 @@ costs grew with the pool, with the order of frees, and with every block it hande
   ``free_all`` hands whole allocations back and leaves their dict entries behind, stale: an
   entry counts only while its allocation is not dead, and a new allocation overwrites it.
 * History keeps a tuple of counters per mutating call; ``AllocationStats`` objects are built
-  only when someone reads ``history`` (``state``).
+  only when someone reads ``history`` (``state``). The commonest calls (a one-block allocate of
+  a recycled id, the free of such an allocation, mark_used) do not even update the counters:
+  each logs a code, and the log is folded into the counters and their history rows, in order,
+  before anything reads or changes them otherwise (``state.ALLOC_ONE``).
 
 The class is built in layers, one job each: ``state.AllocatorState`` (the bookkeeping, its
 reads, the owner registry, the audit), ``claims.RestartClaims`` (claim by id after a daemon

@@ -12,8 +12,15 @@ from operator import is_
 
 from vqpool.shared.allocator.block_list import BlockList, PoolBlock, new_record
 from vqpool.shared.allocator.claims import RestartClaims
+from vqpool.shared.allocator.free_list import FreeList
 from vqpool.shared.allocator.state import (
+    ALLOC_ONE,
+    ALLOC_ONE_PARTIAL,
+    FOLD_AT,
+    FRAGMENT,
     FRAGMENTED,
+    FREE_ONE,
+    FREE_ONE_PARTIAL,
     N_ALLOCATIONS,
     N_BLOCKS,
     N_EXHAUSTED,
@@ -22,6 +29,7 @@ from vqpool.shared.allocator.state import (
     N_RETIRED,
     N_REUSED,
     PEAK_IN_USE,
+    UNFRAGMENT,
 )
 from vqpool.shared.errors import BlockPoolExhaustedError, VqpoolError
 from vqpool.shared.pool import AllocationRequest, AllocationResult, Block, Owner
@@ -102,37 +110,8 @@ class BlockPoolAllocator(RestartClaims):
                     chunk.n_freed = 0
                     chunk.dead = False
                     chunk._blocks = held
-                    active = self._active_owners
-                    was_active = owner in active
-                    counts = self._counts
-                    peak = counts[PEAK_IN_USE]
-                    counted = False
-                    try:
-                        self._chunk_of[block_id] = chunk
-                        if self._holdings.setdefault(owner, chunk) is not chunk:
-                            self._hold_locked(owner, chunk)  # it holds others
-                        active.add(owner)
-                        recycled.pop()
-                        if n_tokens < block_size:
-                            counts[FRAGMENTED] += 1
-                        counts[N_ALLOCATIONS] += 1
-                        counts[N_REUSED] += 1
-                        in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
-                        if in_use > peak:
-                            counts[PEAK_IN_USE] = in_use
-                        counted = True
-                        self._history.append(tuple(counts))
-                        block._chunk = chunk
-                    except BaseException:
-                        self._undo_allocate_locked(chunk, was_active)
-                        if not recycled or recycled[-1] != block_id:
-                            recycled.append(block_id)
-                        if counted:
-                            counts[FRAGMENTED] -= n_tokens < block_size
-                            counts[N_ALLOCATIONS] -= 1
-                            counts[N_REUSED] -= 1
-                            counts[PEAK_IN_USE] = peak
-                        raise
+                    self._file_one_locked(chunk, block_id, owner, free, n_tokens < block_size)
+                    block._chunk = chunk
                     return chunk
             finally:
                 self._lock.release()
@@ -143,7 +122,55 @@ class BlockPoolAllocator(RestartClaims):
     ) -> tuple[int, ...]:
         """allocate() for callers that need only the ids (the daemon): the same allocation, the
         same errors, but no ``Block`` object is built. Free them with :meth:`free_ids`."""
+        block_size = self._block_size
+        if not self._separate_kv:
+            stream = "kv"
+        elif stream != "k" and stream != "v":
+            return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
+        if 0 < n_tokens <= block_size:
+            # One recycled id, nothing claimed and nothing never used: as allocate()'s
+            self._lock.acquire()  # not "with": see _allocate_chunk()
+            try:
+                free = self._free[stream]
+                if free.recycled and not free.claimed and not free.never_used:
+                    block_id = free.recycled[-1]
+                    chunk = new_record((block_id,), stream, format, owner)
+                    if n_tokens < block_size:
+                        chunk.fill = {block_id: n_tokens}
+                    self._file_one_locked(chunk, block_id, owner, free, n_tokens < block_size)
+                    return chunk.block_ids
+            finally:
+                self._lock.release()
         return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
+
+    def _file_one_locked(
+        self, chunk: BlockList, block_id: int, owner: Owner, free: FreeList, partial: bool
+    ) -> None:
+        """Hand out ``block_id``, the recycled id on top of ``free``, as the one-block allocation
+        ``chunk`` of ``owner`` (made, not filed yet), its counters logged (see ALLOC_ONE). All
+        or nothing: whatever is raised inside, nothing is allocated and no owner registered."""
+        recycled = free.recycled
+        active = self._active_owners
+        was_active = owner in active
+        events = self._events
+        logged = False
+        try:
+            self._chunk_of[block_id] = chunk
+            if self._holdings.setdefault(owner, chunk) is not chunk:
+                self._hold_locked(owner, chunk)  # it holds others
+            active.add(owner)
+            recycled.pop()
+            events.append(ALLOC_ONE_PARTIAL if partial else ALLOC_ONE)
+            logged = True
+            if len(recycled) < free.low:  # past its mark: it may raise the peak
+                self._fold_locked()  # (all or nothing)
+        except BaseException:
+            if logged:
+                events.pop()
+            self._undo_allocate_locked(chunk, was_active)
+            if not recycled or recycled[-1] != block_id:
+                recycled.append(block_id)
+            raise
 
     def _allocate_chunk(
         self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
@@ -163,6 +190,7 @@ class BlockPoolAllocator(RestartClaims):
         # protocol costs about as much as the bookkeeping itself.
         self._lock.acquire()
         try:
+            self._settle_locked()  # (the counters are read and changed below)
             free = self._free[stream]
             recycled = free.recycled
             claimed = free.claimed
@@ -348,7 +376,7 @@ class BlockPoolAllocator(RestartClaims):
             self._lock.acquire()  # not "with": see allocate()
             try:
                 if blocks.dead or blocks.n_freed:
-                    self._free_ids_locked(blocks.block_ids)
+                    self._free_ids_locked(blocks.block_ids)  # (it folds the events)
                     self._record_history()
                     return
                 # The common case: a whole live allocation none of whose blocks was freed
@@ -365,11 +393,20 @@ class BlockPoolAllocator(RestartClaims):
                     free.recycled.extend(ids)
                 # _drop_chunk_locked(), inlined for an owner of one allocation
                 owner = blocks.owner
-                if self._holdings[owner] is blocks:
-                    del self._holdings[owner]
+                holdings = self._holdings
+                held_now = holdings.pop(owner)
+                if held_now is blocks:
                     self._active_owners.discard(owner)
-                else:
+                else:  # one of several: back as it was
+                    holdings[owner] = held_now
                     self._drop_chunk_locked(blocks)
+                events = self._events
+                if len(ids) == 1:  # its counters and history row, logged
+                    events.append(FREE_ONE_PARTIAL if blocks.fill else FREE_ONE)
+                    if len(events) >= FOLD_AT:
+                        self._fold_locked()
+                    return
+                self._settle_locked()
                 counts = self._counts
                 counts[N_FREES] += len(ids)
                 if blocks.fill:
@@ -411,6 +448,7 @@ class BlockPoolAllocator(RestartClaims):
             self._record_history()
 
     def _free_ids_locked(self, ids: Iterable[int]) -> None:
+        self._settle_locked()
         if self._unindexed:
             self._index_locked()
         chunk_of = self._chunk_of
@@ -451,6 +489,7 @@ class BlockPoolAllocator(RestartClaims):
     def free_all(self, owner: Owner) -> None:
         """Free every block ``owner`` holds and release the owner id. O(blocks held)."""
         with self._lock:
+            self._settle_locked()
             filed = self._holdings.pop(owner, None)
             if filed is not None:
                 chunk_of = self._chunk_of
@@ -487,6 +526,7 @@ class BlockPoolAllocator(RestartClaims):
             raise ValueError(f"BlockPoolAllocator: target_free must be >= 0, got {target_free}")
         s = self._resolve_stream(stream)
         with self._lock:
+            self._settle_locked()
             free = self._free[s]
             if free.claimed:
                 free.unlist_claimed()
@@ -553,11 +593,19 @@ class BlockPoolAllocator(RestartClaims):
             if fill is None:
                 fill = chunk.fill = {}
             fill[block_id] = n_used
-            self._counts[FRAGMENTED] += not was_partial
+            if was_partial:
+                return
+            code = FRAGMENT
         elif was_partial:
             assert fill is not None
             del fill[block_id]
-            self._counts[FRAGMENTED] -= 1
+            code = UNFRAGMENT
+        else:
+            return
+        events = self._events  # the count, logged as allocate() logs its own
+        events.append(code)
+        if len(events) >= FOLD_AT:
+            self._fold_locked()
 
     def __repr__(self) -> str:
         return f"BlockPoolAllocator({self.stats!r})"

@@ -107,6 +107,7 @@ class RestartClaims(AllocatorState):
                 if n_used < block_size:
                     fill[block_id] = n_used
         with self._lock:
+            self._settle_locked()  # (the counters are read and changed below)
             free = self._free[s]
             lo, hi, claimed = free.fresh_lo, free.fresh_hi, free.claimed
             gap_lo, gap_taken = self._gap_lo, self._gap_taken

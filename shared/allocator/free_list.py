@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
+
+NO_MARK = sys.maxsize
+"""A FreeList's ``low`` when its mark is not known: the next one-block allocate() folds."""
 
 
 class FreeList:
@@ -24,6 +28,7 @@ class FreeList:
         "claimed",
         "fresh_hi",
         "fresh_lo",
+        "low",
         "never_used",
         "recycled",
         "recycled_index",
@@ -36,6 +41,10 @@ class FreeList:
         self.recycled: list[int] = []
         self.claimed: set[int] = set()
         self.total = hi - lo
+        # The allocator's mark (see AllocatorState._fold_locked): a one-block allocate() that
+        # leaves fewer recycled ids than this may raise the peak in use, so it folds the logged
+        # counts at once. NO_MARK until the allocator sets it.
+        self.low = NO_MARK
         # Ids on the recycled stack that were never handed out (added by growth, or moved off
         # the fresh range by unlist_claimed): their first allocation is not a reuse.
         self.never_used: set[int] = set()

@@ -15,7 +15,7 @@ from operator import itemgetter
 from typing import cast
 
 from vqpool.shared.allocator.block_list import BlockList, PoolBlock
-from vqpool.shared.allocator.free_list import FreeList
+from vqpool.shared.allocator.free_list import NO_MARK, FreeList
 from vqpool.shared.errors import OwnerAlreadyActiveError
 from vqpool.shared.pool import Block, Owner, PoolConfig
 from vqpool.shared.stats import AllocationStats
@@ -37,6 +37,35 @@ DEFAULT_HISTORY_SIZE: int = 256
     PEAK_IN_USE,
     FRAGMENTED,
 ) = range(9)
+
+# What the commonest calls did to the counters, logged instead of applied (``_events``): a code
+# per call, folded into the counters and their history rows, in order, by _fold_locked().
+# Applied inline, the counters and a history row cost a quarter of a one-block allocate + free
+# (each counter past 256 is a new int object, each row a new tuple); a logged code costs one
+# list append. A code is its call's changes as base-128 digits: allocations (each a reuse),
+# frees, blocks made partial, blocks made full; so the sum of up to 127 codes is all of their
+# changes at once (one C-level sum() of ints of one machine digit, no carries).
+_DIGIT = 7
+_DIGIT_MASK = (1 << _DIGIT) - 1
+ALLOC_ONE = 1  # a one-block allocation of a recycled id, the block full
+FREE_ONE = 1 << _DIGIT  # the free of a one-block allocation whole, the block full
+FRAGMENT = 1 << 2 * _DIGIT  # mark_used() making a held block partial (no history row)
+UNFRAGMENT = 1 << 3 * _DIGIT  # mark_used() making a held partial block full (no history row)
+ALLOC_ONE_PARTIAL = ALLOC_ONE + FRAGMENT
+FREE_ONE_PARTIAL = FREE_ONE + UNFRAGMENT
+# Per code: blocks allocated, blocks freed, change of partial blocks (the tail of a fold).
+_CHANGES = {
+    ALLOC_ONE: (1, 0, 0),
+    ALLOC_ONE_PARTIAL: (1, 0, 1),
+    FREE_ONE: (0, 1, 0),
+    FREE_ONE_PARTIAL: (0, 1, -1),
+    FRAGMENT: (0, 0, 1),
+    UNFRAGMENT: (0, 0, -1),
+}
+_ROW_CODES = frozenset((ALLOC_ONE, ALLOC_ONE_PARTIAL, FREE_ONE, FREE_ONE_PARTIAL))
+# Codes logged before a free() or mark_used() folds them: bounds the log of a pool no one reads
+# (allocations alone are bounded by the recycled ids, see FreeList.low).
+FOLD_AT = 16384
 
 
 class AllocatorState:
@@ -94,24 +123,99 @@ class AllocatorState:
         # row is one C-level tuple() copy (a stats object's nine attributes cost ~6x that).
         self._counts = [self._next_block_id, 0, 0, 0, 0, 0, 0, 0, 0]
         self._history: deque[tuple[int, ...]] = deque(maxlen=DEFAULT_HISTORY_SIZE)
+        # Codes of the calls whose counter changes are not applied yet (see ALLOC_ONE): every
+        # path that reads or changes the counters or the history folds them first.
+        self._events: list[int] = []
 
     # -- history -------------------------------------------------------------------------------
 
     def _record_history(self) -> None:
         self._history.append(tuple(self._counts))
 
+    def _fold_locked(self, mark: bool = True) -> None:
+        """Apply the logged codes to the counters, in order, each with the history row its call
+        would have recorded, and set the free lists' marks anew (if ``mark``). All or nothing:
+        whatever is raised inside, the counters, the history and the log are as they were.
+
+        Only the last ``DEFAULT_HISTORY_SIZE`` rows can be kept: the codes before those are
+        applied as their sum (in C). The peak in use needs no scan of them: while logged one-block
+        allocations take no more recycled ids from the free lists than the headroom below the
+        peak (each list's ``low`` mark, their shares summing to it), none of them can raise it;
+        the one that takes more folds at once, so it is always among the last rows.
+        """
+        events = self._events
+        counts = self._counts[:]  # applied to a copy, committed at the end: all or nothing
+        start = 0
+        if len(events) > DEFAULT_HISTORY_SIZE:
+            n_rows = 0
+            start = len(events)
+            while start and n_rows < DEFAULT_HISTORY_SIZE:
+                start -= 1
+                if events[start] in _ROW_CODES:
+                    n_rows += 1
+            for lo in range(0, start, _DIGIT_MASK):  # sums of at most 127 codes
+                total = sum(events[lo : min(start, lo + _DIGIT_MASK)])
+                allocated = total & _DIGIT_MASK
+                counts[N_ALLOCATIONS] += allocated
+                counts[N_REUSED] += allocated
+                counts[N_FREES] += (total >> _DIGIT) & _DIGIT_MASK
+                counts[FRAGMENTED] += ((total >> 2 * _DIGIT) & _DIGIT_MASK) - (total >> 3 * _DIGIT)
+        rows = []
+        for code in events[start:] if start else events:
+            allocated, freed, fragmented = _CHANGES[code]
+            if fragmented:
+                counts[FRAGMENTED] += fragmented
+            if allocated:  # as allocate() applied it
+                counts[N_ALLOCATIONS] += 1
+                counts[N_REUSED] += 1
+                in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
+                if in_use > counts[PEAK_IN_USE]:
+                    counts[PEAK_IN_USE] = in_use
+                rows.append(tuple(counts))
+            elif freed:  # as free() applied it
+                counts[N_FREES] += 1
+                rows.append(tuple(counts))
+        self._history.extend(rows)
+        self._counts[:] = counts
+        events.clear()
+        if not mark:
+            return
+        # Until the next fold, blocks in use change only by logged calls, each a recycled id
+        # taken or given back (a free that gives back a claimed id lists nothing: the count
+        # errs high, safe), so each list may lose its share of the headroom before a fold.
+        headroom = counts[PEAK_IN_USE] - (counts[N_ALLOCATIONS] - counts[N_FREES])
+        free_lists = list(self._free.values())
+        share = headroom // len(free_lists)
+        for free in free_lists:
+            free.low = len(free.recycled) - share
+        free_lists[0].low -= headroom - share * len(free_lists)
+
+    def _settle_locked(self) -> None:
+        """Fold the logged codes before a path that changes the counters itself, and clear the
+        free lists' marks: that path may change blocks in use without a recycled id (the fresh
+        range, growth, claims, retirement), so the next logged allocation folds again."""
+        if self._events:
+            self._fold_locked(mark=False)
+        for free in self._free.values():
+            free.low = NO_MARK
+
     @property
     def stats(self) -> AllocationStats:
         """The counters now, as one consistent snapshot (taken under the lock, so never half
         way through another thread's update)."""
         with self._lock:
+            if self._events:
+                self._fold_locked()
             return AllocationStats(*self._counts)
 
     @property
     def history_rows(self) -> deque[tuple[int, ...]]:
         """The live history deque itself (each row the counts tuple of one snapshot, a new
-        tuple per row), no lock and no copy: for a caller on the thread that mutates the pool
-        to notice new rows cheaply (the daemon stamps them with a time). Do not modify it."""
+        tuple per row), no copy: for a caller on the thread that mutates the pool to notice new
+        rows cheaply (the daemon stamps them with a time). Do not modify it."""
+        if self._events:
+            with self._lock:
+                self._fold_locked()
         return self._history
 
     @property
@@ -119,6 +223,8 @@ class AllocatorState:
         """The last ``DEFAULT_HISTORY_SIZE`` stats snapshots, oldest first, one per mutating call
         (allocate, including a failed one; free; free_all; a shrink that retired blocks)."""
         with self._lock:
+            if self._events:
+                self._fold_locked()
             rows = list(self._history)
         return deque((AllocationStats(*row) for row in rows), maxlen=DEFAULT_HISTORY_SIZE)
 
@@ -333,6 +439,7 @@ class AllocatorState:
         """
         with self._lock:
             self._index_locked()
+            self._fold_locked()
             held: dict[int, BlockList] = {}
             n_partial = 0
             for owner, filed in self._holdings.items():
