@@ -106,9 +106,11 @@ def test_a_growth_below_its_share_is_granted_by_reclaim(stack: ServingStack) -> 
     # daemon asked back from small, which is above its share.
     assert stats["preemptions"] == 0, (stats, stack.logs())
     assert view["answered"] >= 2 and view["late"] == 0, view
-    # Big's rows hold 2 x 9 blocks per stream (36 ids) in the end, 8 were free: at least four
-    # of small's owners (8 ids each) came back.
-    assert view["bytes_reclaimed"] >= 4 * 8 * BLOCK_BYTES, view
+    # One row alone ends holding 9 blocks per stream (18 ids) and 8 were free: at least two of
+    # small's owners (8 ids each) came back. (Four when both rows run at once, but the worker's
+    # look-ahead admission may hold the second row back until the first ends: measured 1 run in
+    # 5 on a loaded machine; the claim here holds either way.)
+    assert view["bytes_reclaimed"] >= 2 * 8 * BLOCK_BYTES, view
     stack.wait_for_no_blocks()
 
 
