@@ -63,7 +63,7 @@ class Session:
         memory: What the worker's process holds in bytes, in its last ``ping`` that said
             (weights, mlx_active, mlx_cache, mlx_peak, rss; None: never).
         drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
-            answer to its next ping, then cleared.
+            answer to its next ping, then cleared; ``drop_disk``: its disk tier too.
         release_cache: Bytes of its prompt cache a load asked back (``load_reserve``): said in
             the answer to its next ping, then cleared.
         cache_used_at: Monotonic time its prompt cache was last looked up (its reported
@@ -92,6 +92,7 @@ class Session:
     prompt_cache: dict[str, int] | None = None
     memory: dict[str, int] | None = None
     drop_cache: bool = False
+    drop_disk: bool = False
     release_cache: int = 0
     cache_used_at: float = 0.0
     resumes: int | None = None

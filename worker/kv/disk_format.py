@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,7 +110,7 @@ def write_entry(
     """Write an entry file at ``path`` (temporary name, fsync, rename); its size in bytes.
     ``arrays`` must be evaluated (their bytes are read as they are). ``before_rename`` (tests)
     is called with the temporary path once it is written and synced."""
-    views = {name: memoryview(array).cast("B") for name, array in arrays.items()}
+    views = {name: _bytes_of(array) for name, array in arrays.items()}
     checksum = 0
     for view in views.values():
         checksum = zlib.crc32(view, checksum)
@@ -161,6 +161,14 @@ def _sync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _bytes_of(array: mx.array) -> memoryview:
+    """The bytes of an evaluated array, row-major (MLX arrays export the buffer protocol)."""
+    view = memoryview(cast(Any, array))
+    if not view.c_contiguous:
+        view = memoryview(cast(Any, mx.contiguous(array)))
+    return view.cast("B")
 
 
 def read_header(path: Path) -> EntryHeader:
@@ -276,11 +284,9 @@ def model_fingerprint(model: nn.Module, layout: KVLayout, separate_kv: bool) -> 
             sort_keys=True,
         ).encode()
     )
-    for name, param in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
-        view = memoryview(param)
-        if not view.c_contiguous:
-            view = memoryview(mx.contiguous(param))
-        raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    for name, param in sorted(params, key=lambda item: item[0]):
+        raw = np.frombuffer(_bytes_of(param), dtype=np.uint8)
         middle = max(0, raw.size // 2 - _SAMPLE_BYTES // 2)
         samples = (raw[:_SAMPLE_BYTES], raw[middle : middle + _SAMPLE_BYTES], raw[-_SAMPLE_BYTES:])
         crcs = [zlib.crc32(sample.tobytes()) for sample in samples]
