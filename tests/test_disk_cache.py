@@ -184,9 +184,9 @@ def put_entry(store: DiskStore, tokens: list[int], seed: int) -> dict[str, mx.ar
 
 def test_corrupt_truncated_and_foreign_files_are_misses_and_removed(disk_dir: Path) -> None:
     store = DiskStore(disk_dir, 1 << 30, "fp", BS)
-    prompts = [[n] * 40 + list(range(24)) for n in (1, 2, 3, 4)]
+    prompts = [[n] * 40 + list(range(24)) for n in (1, 2, 3, 4, 5)]
     arrays = [put_entry(store, prompt, seed) for seed, prompt in enumerate(prompts)]
-    corrupt, truncated, foreign, good = (store.path_for(p) for p in prompts)
+    corrupt, truncated, foreign, good, relabelled = (store.path_for(p) for p in prompts)
     data = bytearray(corrupt.read_bytes())
     data[-100] ^= 0x40  # one bit of the payload
     corrupt.write_bytes(bytes(data))
@@ -199,14 +199,21 @@ def test_corrupt_truncated_and_foreign_files_are_misses_and_removed(disk_dir: Pa
     assert not corrupt.exists() and store.match(prompts[0] + [9], 64) == (None, 0)
 
     truncated.write_bytes(truncated.read_bytes()[:-7])
-    foreign_header = read_header(foreign)
-    foreign.write_bytes(foreign.read_bytes().replace(b'"fp"', b'"xx"', 1))
-    assert read_header(foreign).fingerprint == "xx" != foreign_header.fingerprint
-    # A restart finds the truncated, foreign and garbage files: removed, never indexed.
+    # Another model's file (written by a store of another fingerprint) in this directory.
+    foreign.unlink()
+    put_entry(DiskStore(disk_dir / "other", 1 << 30, "xx", BS), prompts[2], 2)
+    (written,) = (disk_dir / "other").glob("*.kv")
+    written.rename(foreign)
+    assert read_header(foreign).fingerprint == "xx"
+    (disk_dir / "other").rmdir()
+    # A header whose token ids changed: its payload's checksum holds, the header's does not.
+    relabelled.write_bytes(relabelled.read_bytes().replace(b"[5,5,5", b"[6,5,5", 1))
+    # A restart finds the truncated, foreign, relabelled and garbage files: removed, never
+    # indexed.
     restarted = DiskStore(disk_dir, 1 << 30, "fp", BS)
     assert sorted(disk_dir.iterdir()) == [good]
-    assert restarted.snapshot()["removed_bad"] == 3
-    for prompt in prompts[:3]:
+    assert restarted.snapshot()["removed_bad"] == 4
+    for prompt in [*prompts[:3], prompts[4], [6] + prompts[4][1:]]:
         assert restarted.match(prompt + [9], 64) == (None, 0)
     entry, _ = restarted.match(prompts[3] + [9], 64)
     assert entry is not None

@@ -5,10 +5,12 @@ One file holds one cached token sequence: its token ids and the arrays the stora
 its blocks, by name (``keys.0``, ``values.0``, ...; whatever arrays a block format has), each
 as raw bytes with its dtype and shape::
 
-    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | payload
+    MAGIC (8 bytes) | header length, header CRC-32 (4 bytes each, little endian) | header (JSON)
+    | payload
 
 The header says the format version, the model fingerprint, the token ids, each array's name,
-dtype and shape, the payload's length and its CRC-32. A file is written to a temporary name in
+dtype and shape, the payload's length and its CRC-32; its own CRC-32 covers it (a damaged token
+id must not make a file answer for tokens it was not computed from). A file is written to a temporary name in
 the same directory, flushed, fsynced and renamed, so a writer killed at any point leaves either
 no file under the final name or a whole one. A reader checks everything before it trusts a file
 (:func:`read_entry` raises :class:`DiskEntryError`): magic, version, lengths (a truncated file),
@@ -43,7 +45,7 @@ MAGIC = b"VQKVDSK\x00"
 FORMAT_VERSION = 1
 ENTRY_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
-_LENGTH = struct.Struct("<I")
+_LENGTH = struct.Struct("<II")  # header length, header CRC-32
 _MAX_HEADER_BYTES = 64 << 20
 _SAMPLE_BYTES = 4096
 
@@ -132,7 +134,7 @@ def write_entry(
     try:
         with open(temp, "wb") as out:
             out.write(MAGIC)
-            out.write(_LENGTH.pack(len(header)))
+            out.write(_LENGTH.pack(len(header), zlib.crc32(header)))
             out.write(header)
             for view in views.values():
                 out.write(view)
@@ -182,13 +184,15 @@ def read_header(path: Path) -> EntryHeader:
         head = src.read(len(MAGIC) + _LENGTH.size)
         if len(head) < len(MAGIC) + _LENGTH.size or head[: len(MAGIC)] != MAGIC:
             raise DiskEntryError("not an entry file (bad magic or too short)")
-        (length,) = _LENGTH.unpack(head[len(MAGIC) :])
+        length, header_crc = _LENGTH.unpack(head[len(MAGIC) :])
         if length > _MAX_HEADER_BYTES:
             raise DiskEntryError(f"header of {length} bytes")
         raw = src.read(length)
         size = os.fstat(src.fileno()).st_size
     if len(raw) < length:
         raise DiskEntryError("truncated header")
+    if zlib.crc32(raw) != header_crc:
+        raise DiskEntryError("header checksum mismatch (corrupt header)")
     header = _parse_header(raw, len(head) + length)
     if size != header.payload_offset + header.payload_bytes:
         raise DiskEntryError(
