@@ -213,8 +213,8 @@ def test_corrupt_truncated_and_foreign_files_are_misses_and_removed(disk_dir: Pa
     restarted = DiskStore(disk_dir, 1 << 30, "fp", BS)
     assert sorted(disk_dir.iterdir()) == [good]
     assert restarted.snapshot()["removed_bad"] == 4
-    for prompt in [*prompts[:3], prompts[4], [6] + prompts[4][1:]]:
-        assert restarted.match(prompt + [9], 64) == (None, 0)
+    for prompt in [*prompts[:3], prompts[4], [6, *prompts[4][1:]]]:
+        assert restarted.match([*prompt, 9], 64) == (None, 0)
     entry, _ = restarted.match(prompts[3] + [9], 64)
     assert entry is not None
     loaded_back = restarted.load(entry)

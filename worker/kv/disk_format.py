@@ -10,12 +10,13 @@ as raw bytes with its dtype and shape::
 
 The header says the format version, the model fingerprint, the token ids, each array's name,
 dtype and shape, the payload's length and its CRC-32; its own CRC-32 covers it (a damaged token
-id must not make a file answer for tokens it was not computed from). A file is written to a temporary name in
-the same directory, flushed, fsynced and renamed, so a writer killed at any point leaves either
-no file under the final name or a whole one. A reader checks everything before it trusts a file
-(:func:`read_entry` raises :class:`DiskEntryError`): magic, version, lengths (a truncated file),
-fingerprint (another model, version, layout, dtype, block size or format), the token ids the
-caller expects, every array's dtype, shape and size, and the checksum (a corrupted payload).
+id must not make a file answer for tokens it was not computed from). A file is written to a
+temporary name in the same directory, flushed, fsynced and renamed, so a writer killed at any
+point leaves either no file under the final name or a whole one. A reader checks everything
+before it trusts a file (:func:`read_entry` raises :class:`DiskEntryError`): magic, version,
+lengths (a truncated file), both checksums (a corrupted header or payload), the fingerprint
+(another model, version, layout, dtype, block size or format), the token ids the caller
+expects, and every array's dtype, shape and size.
 
 The fingerprint (:func:`model_fingerprint`) is a SHA-256 of the model's configuration, a sample
 of every weight (name, shape, dtype and CRC-32s of its first, middle and last 4 KiB: another
