@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from ctl_harness import ctl_json, run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
@@ -373,15 +374,18 @@ def test_unload_reload_and_a_restart_of_worker_and_daemon_hit_from_disk(disk_dir
         assert again["cached"] > 0
         assert (again["text"], again["logprobs"]) == (recomputed["text"], recomputed["logprobs"])
         wait_until(lambda: disk_figures(front, "llama").get("disk_reads") == 1, 30)
-        figures = disk_figures(front, "llama")
+        figures = ctl_json(front.run_dir, "cache", "list")["llama"]
         assert figures["disk_hit_tokens"] == again["cached"]
         assert figures["disk_entries"] == 1 and figures["disk_bytes"] > 0
+        table = run_ctl(front.run_dir, "cache", "list").stdout
+        assert "ON DISK" in table and "DISK TOKENS" in table
     # Everything stops (daemon and workers) and starts again on another run directory.
     with FrontDoor(config=config) as front:
         after = ask(front, "llama", prompt)
         assert after["cached"] > 0
         assert (after["text"], after["logprobs"]) == (recomputed["text"], recomputed["logprobs"])
 
-        front.admin("cache_drop", model="llama", disk=True)
+        dropped = run_ctl(front.run_dir, "cache", "drop", "llama", "--disk")
+        assert dropped.returncode == 0 and "disk tier" in dropped.stdout, dropped
         wait_until(lambda: entry_files(disk_dir) == [], 30)
         wait_until(lambda: disk_figures(front, "llama").get("disk_entries") == 0, 30)
