@@ -26,6 +26,7 @@ from ctl_harness import ctl_json, run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
+from vqpool.daemon.front.catalog import catalog_from_config
 from vqpool.shared import BlockPoolAllocator, PoolConfig
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.kv.disk_format import model_fingerprint, read_header
@@ -389,3 +390,15 @@ def test_unload_reload_and_a_restart_of_worker_and_daemon_hit_from_disk(disk_dir
         assert dropped.returncode == 0 and "disk tier" in dropped.stdout, dropped
         wait_until(lambda: entry_files(disk_dir) == [], 30)
         wait_until(lambda: disk_figures(front, "llama").get("disk_entries") == 0, 30)
+
+
+def test_serve_gives_every_model_the_disk_tier_unless_its_table_sets_its_own() -> None:
+    models = {
+        "a": {"path": "builtin:llama"},
+        "b": {"path": "builtin:qwen3", "kv_disk_bytes": "1GiB", "kv_disk_dir": "/tmp/b"},
+    }
+    catalog = catalog_from_config(models, [], 300.0, {"--kv-disk-bytes": "8GiB"})
+    assert catalog.entries["a"].worker_args == ("--kv-disk-bytes", "8GiB")
+    assert catalog.entries["b"].worker_option("--kv-disk-bytes") == "1GiB"
+    assert catalog.entries["b"].worker_option("--kv-disk-dir") == "/tmp/b"
+    assert catalog_from_config(models, [], 300.0).entries["a"].worker_args == ()
