@@ -35,46 +35,15 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
+from bench_vs_mlx_server import MODELS
 from vqpool.worker.kv.disk_format import read_entry, read_header
 from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.testing.http_client import stream_events
 from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
-_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 16384,
-    "tie_word_embeddings": False,
-}
-# name -> (config.json args apart from the vocabulary, weight dtype), as bench_vs_mlx_server.py.
-MODELS: dict[str, tuple[dict[str, Any], mx.Dtype]] = {
-    "small": (
-        {
-            **_LLAMA,
-            "hidden_size": 256,
-            "num_hidden_layers": 4,
-            "intermediate_size": 704,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-        },
-        mx.float32,
-    ),
-    "medium": (
-        {
-            **_LLAMA,
-            "hidden_size": 1024,
-            "num_hidden_layers": 8,
-            "intermediate_size": 2816,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-        },
-        mx.bfloat16,
-    ),
-}
 NEW_TOKENS = 32
 STOP_TIMEOUT = 300.0
 
@@ -84,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lookups", type=int, default=1000)
-    parser.add_argument("--model", choices=sorted(MODELS), default="medium")
+    parser.add_argument(
+        "--model", choices=["small", "medium"], default="medium", help="bench_vs_mlx_server's"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -27,14 +27,11 @@ from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
 from vqpool.daemon.front.catalog import catalog_from_config
-from vqpool.shared import BlockPoolAllocator, PoolConfig
-from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.kv.disk_format import model_fingerprint, read_header
 from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import LoadedModel, load_model
-from vqpool.worker.sched.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +59,9 @@ def start_disk_worker(
     writer: DiskWriter | None = None,
 ) -> Worker:
     """A scheduler whose prompt cache has a disk tier in ``directory``."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4096))
-    source = PooledCacheSource(loaded.model, pool)
     if writer is None:
         writer = DiskWriter(DiskStore(directory, disk_bytes, fingerprint_of(loaded), BS))
-    cache = source.attach_prompt_cache(owner_prefix="d", max_bytes=cache_bytes, disk=writer)
-    scheduler = Scheduler(
-        loaded.model,
-        source,
-        owner_prefix="d",
-        eos_token_ids=frozenset(),
-        max_concurrent=4,
-        max_queue=16,
-        queue_timeout=30.0,
-        prompt_cache=cache,
-    )
-    scheduler.start()
-    return Worker(scheduler, pool, source, cache)
+    return start_worker(loaded, cache_bytes, disk=writer)
 
 
 def stop(worker: Worker) -> None:
@@ -91,6 +74,17 @@ def entry_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.kv"))
 
 
+def spill_to_disk(worker: Worker, directory: Path) -> Path:
+    """Drop the worker's cached memory (its one entry goes to disk) and wait for the write;
+    the entry's file."""
+    assert worker.cache is not None and worker.cache.disk is not None
+    worker.cache.drop()
+    assert worker.cache.disk.flush(60)
+    assert worker.cache.snapshot()["entries"] == 0
+    (path,) = entry_files(directory)
+    return path
+
+
 def test_a_turn_read_back_from_disk_matches_one_recomputed(
     loaded: LoadedModel, disk_dir: Path
 ) -> None:
@@ -100,11 +94,8 @@ def test_a_turn_read_back_from_disk_matches_one_recomputed(
     worker = start_disk_worker(loaded, disk_dir)
     try:
         first, _, _ = worker.run(turn1)
+        spill_to_disk(worker, disk_dir)  # memory given back: the entry goes to disk instead
         assert worker.cache is not None
-        worker.cache.drop()  # memory given back: the entry goes to disk instead
-        assert worker.cache._disk is not None and worker.cache._disk.flush(60)
-        assert len(entry_files(disk_dir)) == 1
-        assert worker.cache.snapshot()["entries"] == 0
 
         turn2 = turn1 + [t.token for t in first] + random_tokens(rng, 29, loaded.vocab_size)
         from_disk, cached, _ = worker.run(turn2)
@@ -234,10 +225,8 @@ def test_a_truncated_file_read_by_a_worker_is_a_miss_not_an_error(
     worker = start_disk_worker(loaded, disk_dir)
     try:
         worker.run(prompt)
-        assert worker.cache is not None and worker.cache._disk is not None
-        worker.cache.drop()
-        assert worker.cache._disk.flush(60)
-        (path,) = entry_files(disk_dir)
+        path = spill_to_disk(worker, disk_dir)
+        assert worker.cache is not None
         path.write_bytes(path.read_bytes()[:-1000])  # truncated after the worker indexed it
         tokens, cached, end = worker.run(prompt)
         assert (cached, end.finish_reason) == (0, "length")

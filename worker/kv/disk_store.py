@@ -34,7 +34,7 @@ from vqpool.worker.kv.disk_format import (
     read_header,
     write_entry,
 )
-from vqpool.worker.kv.prefix_index import block_keys, longest_match
+from vqpool.worker.kv.prefix_index import block_keys, index_add, index_remove, longest_match
 
 log = logging.getLogger("vqpool.worker")
 
@@ -194,18 +194,12 @@ class DiskStore:
 
     def _add(self, entry: DiskEntry) -> None:
         self._lru[entry.path] = entry
-        for key in entry.keys:
-            self._index.setdefault(key, {})[entry] = None
+        index_add(self._index, entry, entry.keys)
         self.nbytes += entry.nbytes
 
     def _remove(self, entry: DiskEntry) -> None:
         del self._lru[entry.path]
-        for key in entry.keys:
-            holders = self._index.get(key)
-            if holders is not None:
-                holders.pop(entry, None)
-                if not holders:
-                    del self._index[key]
+        index_remove(self._index, entry, entry.keys)
         self.nbytes -= entry.nbytes
 
     def _evict_to(self, n_bytes: int) -> None:

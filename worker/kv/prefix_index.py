@@ -34,6 +34,22 @@ def block_keys(tokens: Sequence[int], n_blocks: int, block_size: int) -> list[in
     return keys
 
 
+def index_add(index: dict[int, dict[EntryT, None]], entry: EntryT, keys: list[int]) -> None:
+    """Index ``entry`` under each of its whole blocks' ``keys``."""
+    for key in keys:
+        index.setdefault(key, {})[entry] = None
+
+
+def index_remove(index: dict[int, dict[EntryT, None]], entry: EntryT, keys: list[int]) -> None:
+    """Take ``entry`` out of ``index`` (keys no entry holds any more go)."""
+    for key in keys:
+        holders = index.get(key)
+        if holders is not None:
+            holders.pop(entry, None)
+            if not holders:
+                del index[key]
+
+
 def longest_match(
     index: Mapping[int, Mapping[EntryT, None]],
     tokens: Sequence[int],

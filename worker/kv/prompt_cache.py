@@ -58,7 +58,7 @@ from vqpool.worker.kv.cache import PooledSequence
 from vqpool.worker.kv.disk_format import DiskEntryError
 from vqpool.worker.kv.disk_store import DiskEntry
 from vqpool.worker.kv.disk_writer import DiskWriter
-from vqpool.worker.kv.prefix_index import block_keys, longest_match
+from vqpool.worker.kv.prefix_index import block_keys, index_add, index_remove, longest_match
 from vqpool.worker.kv.storage import MLXBlockStorage, SequenceBuffers
 
 log = logging.getLogger("vqpool.worker")
@@ -148,6 +148,11 @@ class PromptCache:
         one whole block) and that prefix's length; (None, 0) when none. The caller holds the
         lock."""
         return longest_match(self._index, tokens, max_tokens, self.block_size)
+
+    @property
+    def disk(self) -> DiskWriter | None:
+        """The disk tier's writer (its ``store`` holds the files), or None."""
+        return self._disk
 
     def prefetch(self, prompt: Sequence[int]) -> int:
         """Before a request is queued (on its HTTP thread): when the disk tier holds a longer
@@ -305,8 +310,7 @@ class PromptCache:
         keys = block_keys(tokens, n // self.block_size, self.block_size)
         entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
         self._lru[number] = entry
-        for key in keys:
-            self._index.setdefault(key, {})[entry] = None
+        index_add(self._index, entry, keys)
         self.nbytes += need
         self.counters["stores"] += 1
         # Entries whose tokens are a prefix of these answer no lookup the new one does not.
@@ -326,12 +330,7 @@ class PromptCache:
     def _remove(self, entry: CacheEntry) -> int:
         """Forget ``entry`` and give its blocks back; its bytes. The caller holds the lock."""
         del self._lru[entry.number]
-        for key in entry.keys:
-            holders = self._index.get(key)
-            if holders is not None:
-                holders.pop(entry, None)
-                if not holders:
-                    del self._index[key]
+        index_remove(self._index, entry, entry.keys)
         self.nbytes -= entry.nbytes
         try:
             entry.sequence.release()
