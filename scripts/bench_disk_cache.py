@@ -9,7 +9,8 @@ round on a history of its own):
 * (a) **memory**: the worker with the disk tier serves the history (1 token), then the next
   turn (history + 32 new tokens): its TTFT, the history found in pool blocks;
 * (b) **disk after reload**: that worker is stopped (SIGTERM: it writes its entries to disk) and
-  started again (the model loads again, its memory is empty), then serves the next turn
+  started again (the model loads again, its memory is empty), serves a 4-token warm-up request
+  (a new process's first forward pass costs extra, whatever the cache), then the next turn
   (another 32 new tokens): its TTFT, the history read from disk into pool blocks;
 * (c) **recomputed**: a worker without prompt cache serves the same next turn: its TTFT.
 
@@ -45,6 +46,7 @@ from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
 NEW_TOKENS = 32
+WARM_UP_PROMPT = [5, 6, 7, 8]
 STOP_TIMEOUT = 300.0
 
 
@@ -127,6 +129,13 @@ class Stack:
     def reload(self) -> None:
         self.disk.stop(timeout=STOP_TIMEOUT)
         self.disk = self._start_disk_worker()
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One short request per worker: a fresh process's first forward pass pays one-time
+        costs (MLX's first evaluations) that are neither the disk's nor the prefill's."""
+        ttft(self.disk.url, WARM_UP_PROMPT)
+        ttft(self.plain.url, WARM_UP_PROMPT, "plain")
 
     def close(self) -> None:
         for process in (self.disk, self.plain):
@@ -170,6 +179,7 @@ def bench_turns(args: argparse.Namespace, base: Path) -> None:
     model_args, dtype = MODELS[args.model]
     model_dir = write_config_dir(base / args.model, model_args, 0, dtype)
     stack = Stack(base, model_dir)
+    stack.warm_up()
     rng = random.Random(0)
     results: dict[int, dict[str, list[float]]] = {}
     try:

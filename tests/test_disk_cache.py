@@ -326,6 +326,9 @@ kv_disk_dir = "{disk}"
 [models."plain"]
 path = "builtin:llama"
 prompt_cache_bytes = 0
+
+[models."qwen"]
+path = "builtin:qwen3"
 """
 
 
@@ -352,7 +355,12 @@ def disk_figures(front: FrontDoor, model: str) -> dict[str, int]:
 def test_unload_reload_and_a_restart_of_worker_and_daemon_hit_from_disk(disk_dir: Path) -> None:
     config = LLAMA_CONFIG.format(disk=disk_dir)
     prompt = "The history of a long chat, told once and then continued. " * 5
-    with FrontDoor(config=config) as front:
+    with FrontDoor("--kv-disk-bytes", "64MiB", config=config) as front:
+        # [serve]'s kv_disk_bytes reaches a model whose table sets none: its default directory.
+        ask(front, "qwen", prompt)
+        assert front.control().unload("qwen", wait=60)["unloaded"]
+        assert len(entry_files(front.run_dir / "kv-disk" / "qwen")) == 1
+
         first = ask(front, "llama", prompt)
         recomputed = ask(front, "plain", prompt)
         assert first["cached"] == 0
