@@ -32,6 +32,11 @@ keys and values a request computed already. :class:`PromptCache` keeps them and 
   calls it (``MLXBlockStorage.reclaim``) when an allocation of this worker is refused, before
   the allocation is retried, waits or fails: cached memory goes first. :meth:`follow_advice`
   obeys the daemon's answer to a load report (``drop_cache``, ``release_bytes``).
+* **Disk tier** (``disk``, optional; docs/cache.md "The disk tier"). Evicted entries are queued
+  for the disk writer (``disk_writer.py``) instead of dropped, and the entries a stopping worker
+  holds are written by :meth:`close`. :meth:`prefetch`, when a request is submitted, reads a
+  longer prefix than memory holds back from disk (``disk_store.py``) into a new entry, on a
+  reader thread of its own, so the request's :meth:`reuse` finds it in memory.
 
 Thread-safe: one lock around every entry change; the generation thread reuses and stores, the
 admission and heartbeat threads may release. Entries whose owner the pool lost (a daemon
