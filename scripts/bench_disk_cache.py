@@ -144,7 +144,8 @@ class Stack:
 
 
 def dd_read_rate(directory: Path, n_bytes: int) -> tuple[float, str]:
-    """Bytes per second ``dd`` reads a freshly written file of ``n_bytes`` at, and how."""
+    """Bytes per second ``dd`` reads a freshly written file of ``n_bytes`` at (the median of
+    three reads), and how."""
     path = directory / "dd-probe.bin"
     mib = max(1, n_bytes >> 20)
     subprocess.run(
@@ -153,26 +154,34 @@ def dd_read_rate(directory: Path, n_bytes: int) -> tuple[float, str]:
         capture_output=True,
     )
     for flags, how in ((["iflag=direct"], "O_DIRECT"), ([], "page cache")):
-        start = time.perf_counter()
-        done = subprocess.run(
-            ["dd", f"if={path}", "of=/dev/null", "bs=4M", *flags], capture_output=True
-        )
-        if done.returncode == 0:
-            seconds = time.perf_counter() - start
+        rates = []
+        for _ in range(3):
+            start = time.perf_counter()
+            done = subprocess.run(
+                ["dd", f"if={path}", "of=/dev/null", "bs=4M", *flags], capture_output=True
+            )
+            if done.returncode != 0:
+                break
+            rates.append((mib << 20) / (time.perf_counter() - start))
+        if rates:
             path.unlink()
-            return (mib << 20) / seconds, how
+            return statistics.median(rates), how
     path.unlink()
     raise RuntimeError("dd could not read its file")
 
 
 def restore_rate(directory: Path) -> tuple[float, int]:
-    """Bytes per second the largest entry file restores at (read, checksum, arrays), its size."""
+    """Bytes per second the largest entry file restores at (read, checksum, arrays; the median
+    of five after one uncounted), and its size."""
     path = max(directory.glob("*.kv"), key=lambda p: p.stat().st_size)
     header = read_header(path)
-    start = time.perf_counter()
-    _, arrays = read_entry(path, header.fingerprint, header.tokens)
-    mx.eval(list(arrays.values()))
-    return path.stat().st_size / (time.perf_counter() - start), path.stat().st_size
+    rates = []
+    for _ in range(6):
+        start = time.perf_counter()
+        _, arrays = read_entry(path, header.fingerprint, header.tokens)
+        mx.eval(list(arrays.values()))
+        rates.append(path.stat().st_size / (time.perf_counter() - start))
+    return statistics.median(rates[1:]), path.stat().st_size
 
 
 def bench_turns(args: argparse.Namespace, base: Path) -> None:

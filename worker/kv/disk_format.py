@@ -49,6 +49,7 @@ TEMP_SUFFIX = ".tmp"
 _LENGTH = struct.Struct("<II")  # header length, header CRC-32
 _MAX_HEADER_BYTES = 64 << 20
 _SAMPLE_BYTES = 4096
+_READ_CHUNK = 4 << 20
 
 # Array dtypes a file may hold, by name: read as unsigned ints of the same size, then viewed.
 _DTYPES: dict[str, mx.Dtype] = {
@@ -248,12 +249,19 @@ def read_entry(
     if header.tokens != tuple(tokens):
         raise DiskEntryError("its token ids are not the ones indexed")
     payload = bytearray(header.payload_bytes)
+    view = memoryview(payload)
+    checksum = 0
+    done = 0
     with open(path, "rb") as src:
         src.seek(header.payload_offset)
-        got = src.readinto(payload)
-    if got != header.payload_bytes:
-        raise DiskEntryError("truncated payload")
-    if zlib.crc32(payload) != header.checksum:
+        # In chunks, each checksummed while it is still in the CPU's caches.
+        while done < header.payload_bytes:
+            got = src.readinto(view[done : done + _READ_CHUNK])
+            if not got:
+                raise DiskEntryError("truncated payload")
+            checksum = zlib.crc32(view[done : done + got], checksum)
+            done += got
+    if checksum != header.checksum:
         raise DiskEntryError("checksum mismatch (corrupt payload)")
     arrays: dict[str, mx.array] = {}
     offset = 0
