@@ -32,6 +32,7 @@ from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import LoadedModel, load_model
+from vqpool.worker.testing.launch import DaemonProcess
 
 
 @pytest.fixture(scope="module")
@@ -399,3 +400,35 @@ def test_serve_gives_every_model_the_disk_tier_unless_its_table_sets_its_own() -
     assert catalog.entries["b"].worker_option("--kv-disk-bytes") == "1GiB"
     assert catalog.entries["b"].worker_option("--kv-disk-dir") == "/tmp/b"
     assert catalog_from_config(models, [], 300.0).entries["a"].worker_args == ()
+
+
+def test_a_disk_directory_that_cannot_be_made_stops_the_worker_with_one_line(
+    disk_dir: Path,
+) -> None:
+    not_a_dir = disk_dir / "file"
+    not_a_dir.write_text("")
+    with DaemonProcess(disk_dir / "run").start() as daemon:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vqpool.worker.serve",
+                "--model",
+                "builtin:llama",
+                "--port",
+                "0",
+                "--run-dir",
+                str(daemon.run_dir),
+                "--kv-disk-bytes",
+                "1MiB",
+                "--kv-disk-dir",
+                str(not_a_dir / "llama"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2, result.stderr
+        (line,) = [x for x in result.stderr.splitlines() if " ERROR " in x]
+        assert "--kv-disk-dir" in line and str(not_a_dir) in line
+        assert daemon.admin("sessions") == []  # its session went with it

@@ -187,6 +187,12 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         and args.prompt_cache_bytes
     ):
         pooled, client = source, pool
+        try:
+            disk = open_disk_tier(args, served_name, loaded.model, source.layout, pool)
+        except OSError as exc:  # the directory cannot be made or read: say so in one line
+            log.error("--kv-disk-dir: %s", exc)
+            pool.close()
+            return 2
 
         def report_cache(counters: dict[str, int]) -> None:
             client.report_prompt_cache(counters)
@@ -198,9 +204,14 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
             max_bytes=args.prompt_cache_bytes,
             report=report_cache,
             lost_owners=pool.lost_owners,
-            disk=open_disk_tier(args, served_name, loaded.model, source.layout, pool),
+            disk=disk,
         )
         pool.on_advice = prompt_cache.follow_advice
+    elif args.kv_disk_bytes:
+        log.warning(
+            "--kv-disk-bytes ignored: the disk tier keeps prompt-cache entries and this worker "
+            "has no prompt cache (--prompt-cache-bytes 0, --no-pool or --draft-model)"
+        )
     scheduler = Scheduler(
         loaded.model,
         source,
