@@ -34,7 +34,13 @@ from vqpool.worker.kv.disk_format import (
     read_header,
     write_entry,
 )
-from vqpool.worker.kv.prefix_index import block_keys, index_add, index_remove, longest_match
+from vqpool.worker.kv.prefix_index import (
+    block_keys,
+    index_add,
+    index_remove,
+    longest_match,
+    prefixes_of,
+)
 
 log = logging.getLogger("vqpool.worker")
 
@@ -178,15 +184,9 @@ class DiskStore:
                 self._remove(older)
             self._add(entry)
             self.counters["writes"] += 1
-            for depth, key in enumerate(entry.keys, start=1):
-                for prefix in list(self._index.get(key, ())):
-                    if (
-                        prefix is not entry
-                        and len(prefix.keys) == depth
-                        and prefix.tokens == kept[: len(prefix.tokens)]
-                    ):
-                        self._remove(prefix)
-                        prefix.path.unlink(missing_ok=True)
+            for prefix in prefixes_of(self._index, kept, entry.keys, self.block_size):
+                self._remove(prefix)
+                prefix.path.unlink(missing_ok=True)
             self._evict_to(self.max_bytes)
         return True
 

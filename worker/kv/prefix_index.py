@@ -50,6 +50,24 @@ def index_remove(index: dict[int, dict[EntryT, None]], entry: EntryT, keys: list
                 del index[key]
 
 
+def prefixes_of(
+    index: Mapping[int, Mapping[EntryT, None]],
+    tokens: tuple[int, ...],
+    keys: list[int],
+    block_size: int,
+) -> list[EntryT]:
+    """The indexed entries (other than one holding exactly ``tokens``) whose tokens are a
+    prefix of ``tokens`` (``keys``: its whole blocks' keys): an entry for ``tokens`` answers
+    every lookup they answer."""
+    found: list[EntryT] = []
+    for depth, key in enumerate(keys, start=1):
+        for other in index.get(key, ()):
+            held = other.tokens
+            if len(held) // block_size == depth and held != tokens and held == tokens[: len(held)]:
+                found.append(other)
+    return found
+
+
 def longest_match(
     index: Mapping[int, Mapping[EntryT, None]],
     tokens: Sequence[int],

@@ -63,7 +63,13 @@ from vqpool.worker.kv.cache import PooledSequence
 from vqpool.worker.kv.disk_format import DiskEntryError
 from vqpool.worker.kv.disk_store import DiskEntry
 from vqpool.worker.kv.disk_writer import DiskWriter
-from vqpool.worker.kv.prefix_index import block_keys, index_add, index_remove, longest_match
+from vqpool.worker.kv.prefix_index import (
+    block_keys,
+    index_add,
+    index_remove,
+    longest_match,
+    prefixes_of,
+)
 from vqpool.worker.kv.storage import MLXBlockStorage, SequenceBuffers
 
 log = logging.getLogger("vqpool.worker")
@@ -319,15 +325,9 @@ class PromptCache:
         self.nbytes += need
         self.counters["stores"] += 1
         # Entries whose tokens are a prefix of these answer no lookup the new one does not.
-        for depth, key in enumerate(keys, start=1):
-            for older in list(self._index.get(key, ())):
-                if (
-                    older is not entry
-                    and len(older.keys) == depth
-                    and older.tokens == tokens[: len(older.tokens)]
-                ):
-                    self._remove(older)
-                    self.counters["superseded"] += 1
+        for older in prefixes_of(self._index, tokens, keys, self.block_size):
+            self._remove(older)
+            self.counters["superseded"] += 1
         return True
 
     # -- giving memory back ----------------------------------------------------------------------
