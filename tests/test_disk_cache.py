@@ -407,7 +407,7 @@ def test_a_disk_directory_that_cannot_be_made_stops_the_worker_with_one_line(
 ) -> None:
     not_a_dir = disk_dir / "file"
     not_a_dir.write_text("")
-    with DaemonProcess(disk_dir / "run").start() as daemon:
+    with DaemonProcess(disk_dir / "run") as daemon:
         result = subprocess.run(
             [
                 sys.executable,
