@@ -18,6 +18,7 @@ from vqpool.shared import BlockPoolAllocator, PoolConfig
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.worker.kv.cache import PooledSequence, make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
+from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
@@ -52,13 +53,18 @@ class Worker:
 
 
 def start_worker(
-    loaded: LoadedModel, cache_bytes: int, n_blocks: int = 4096, max_concurrent: int = 4
+    loaded: LoadedModel,
+    cache_bytes: int,
+    n_blocks: int = 4096,
+    max_concurrent: int = 4,
+    disk: DiskWriter | None = None,
 ) -> Worker:
+    """A worker; ``disk``: its prompt cache's disk tier (tests/test_disk_cache.py)."""
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
     source = PooledCacheSource(loaded.model, pool)
     cache = None
     if cache_bytes:
-        cache = source.attach_prompt_cache(owner_prefix="w", max_bytes=cache_bytes)
+        cache = source.attach_prompt_cache(owner_prefix="w", max_bytes=cache_bytes, disk=disk)
     scheduler = Scheduler(
         loaded.model,
         source,

@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from vqpool.shared.config import resolve_run_dir
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.model_weights import worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
@@ -23,6 +26,9 @@ from vqpool.worker.api.openai_api import ServedOptions
 from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
 from vqpool.worker.kv.batch_probe import batching_problem
 from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
+from vqpool.worker.kv.disk_format import model_fingerprint
+from vqpool.worker.kv.disk_store import DiskStore
+from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.draft_kv import DraftCacheSource, PairedLayout, paired_layout
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.kv.quantized import KVQuantization, QuantizedKVLayout
@@ -211,6 +217,12 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         and args.prompt_cache_bytes
     ):
         pooled, client = source, pool
+        try:
+            disk = open_disk_tier(args, served_name, loaded.model, source.layout, pool)
+        except OSError as exc:  # the directory cannot be made or read: say so in one line
+            log.error("--kv-disk-dir: %s", exc)
+            pool.close()
+            return 2
 
         def report_cache(counters: dict[str, int]) -> None:
             client.report_prompt_cache(counters)
@@ -222,8 +234,14 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
             max_bytes=args.prompt_cache_bytes,
             report=report_cache,
             lost_owners=pool.lost_owners,
+            disk=disk,
         )
         pool.on_advice = prompt_cache.follow_advice
+    elif args.kv_disk_bytes:
+        log.warning(
+            "--kv-disk-bytes ignored: the disk tier keeps prompt-cache entries and this worker "
+            "has no prompt cache (--prompt-cache-bytes 0, --no-pool or --draft-model)"
+        )
     scheduler = Scheduler(
         loaded.model,
         source,
@@ -281,6 +299,8 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         server.shutdown()
         serving.join()
         scheduler.stop()
+        if prompt_cache is not None:  # writes the entries its disk tier lacks
+            prompt_cache.close()
         if pool is not None:  # its goodbye frees the prompt cache's blocks too
             pool.close()
     return 0
@@ -292,6 +312,39 @@ def _quantization(args: argparse.Namespace) -> KVQuantization | None:
     if args.kv_bits is None:
         return None
     return KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+
+
+def open_disk_tier(
+    args: argparse.Namespace, served_name: str, model: nn.Module, layout: KVLayout, pool: PoolClient
+) -> DiskWriter | None:
+    """The prompt cache's disk tier (``--kv-disk-bytes``, ``--kv-disk-dir``), or None."""
+    if not args.kv_disk_bytes:
+        return None
+    directory = (
+        Path(args.kv_disk_dir).expanduser()
+        if args.kv_disk_dir
+        else resolve_run_dir(args.run_dir) / "kv-disk" / _safe_name(served_name)
+    )
+    quantization = _quantization(args)
+    fingerprint = model_fingerprint(
+        model,
+        layout,
+        pool.config.separate_kv,
+        None if quantization is None else quantization.format,
+    )
+    store = DiskStore(directory, args.kv_disk_bytes, fingerprint, layout.block_size)
+    log.info(
+        "prompt cache on disk: up to %d bytes in %s (model fingerprint %s)",
+        args.kv_disk_bytes,
+        directory,
+        fingerprint[:16],
+    )
+    return DiskWriter(store)
+
+
+def _safe_name(name: str) -> str:
+    """``name`` as one path component (a hub id's ``/`` and other odd characters become ``_``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "model"
 
 
 def _load_draft(spec: str | None, loaded: LoadedModel) -> LoadedModel | None:

@@ -198,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1GiB)",
     )
     parser.add_argument(
+        "--kv-disk-bytes",
+        type=_kv_disk_bytes,
+        default=0,
+        metavar="SIZE",
+        help="most bytes of prompt-cache entries kept on disk: entries evicted from the pool are "
+        "written there instead of dropped, and a prompt found there is read back instead of "
+        "recomputed, across unloads and restarts (e.g. 20GiB; default 0: no disk tier)",
+    )
+    parser.add_argument(
+        "--kv-disk-dir",
+        metavar="DIR",
+        help="this model's directory for --kv-disk-bytes (default: RUN_DIR/kv-disk/NAME, NAME "
+        "the served model name)",
+    )
+    parser.add_argument(
         "--mlx-cache-limit",
         type=_mlx_cache_limit,
         default=DEFAULT_MLX_CACHE_LIMIT,
@@ -278,6 +293,13 @@ def _growth_wait(text: str) -> float:
 def _cache_bytes(text: str) -> int:
     try:
         return parse_bytes(text, what="--prompt-cache-bytes", allow_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_disk_bytes(text: str) -> int:
+    try:
+        return parse_bytes(text, what="--kv-disk-bytes", allow_zero=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -67,7 +67,7 @@ class Session:
         overhead: Bytes the worker declared at hello that it may hold beyond its weights and
             KV blocks (its MLX buffer-cache limit): charged with its weights (0: none declared).
         drop_cache: ``cache_drop`` asked this worker to drop its prompt cache: said in the
-            answer to its next ping, then cleared.
+            answer to its next ping, then cleared; ``drop_disk``: its disk tier too.
         release_cache: Bytes of its prompt cache a load asked back (``load_reserve``): said in
             the answer to its next ping, then cleared.
         cache_used_at: Monotonic time its prompt cache was last looked up (its reported
@@ -97,6 +97,7 @@ class Session:
     memory: dict[str, int] | None = None
     overhead: int = 0
     drop_cache: bool = False
+    drop_disk: bool = False
     release_cache: int = 0
     cache_used_at: float = 0.0
     resumes: int | None = None

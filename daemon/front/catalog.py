@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vqpool.shared.kv_formats import DEFAULT_GROUP_SIZE, quantized_format
@@ -41,6 +41,8 @@ WORKER_OPTIONS: dict[str, tuple[type, ...]] = {
     "reserve_mode": (str,),
     "growth_wait": (int, float),
     "prompt_cache_bytes": (int, str),
+    "kv_disk_bytes": (int, str),
+    "kv_disk_dir": (str,),
     "mlx_cache_limit": (int, str),
     "max_tokens": (int,),
     "max_tokens_limit": (int,),
@@ -236,9 +238,14 @@ class Catalog:
 
 
 def catalog_from_config(
-    models_table: Mapping[str, Any], model_paths: Sequence[str], keep_alive: float
+    models_table: Mapping[str, Any],
+    model_paths: Sequence[str],
+    keep_alive: float,
+    worker_defaults: Mapping[str, str] | None = None,
 ) -> Catalog:
-    """The catalog of a settings file's ``[models]`` tables plus the ``--model`` paths.
+    """The catalog of a settings file's ``[models]`` tables plus the ``--model`` paths;
+    ``worker_defaults`` (flag -> value, e.g. ``[serve]``'s ``kv_disk_bytes``) go to every
+    model's worker whose table does not set the flag.
 
     Raises:
         ValueError: A bad table, or no model at all.
@@ -255,4 +262,13 @@ def catalog_from_config(
         if path not in served:
             served.add(path)
             entries.append(ModelEntry(path, path, keep_alive=keep_alive))
+    for i, entry in enumerate(entries):
+        extra = [
+            arg
+            for flag, value in (worker_defaults or {}).items()
+            if entry.worker_option(flag) is None
+            for arg in (flag, value)
+        ]
+        if extra:
+            entries[i] = replace(entry, worker_args=entry.worker_args + tuple(extra))
     return Catalog(entries)

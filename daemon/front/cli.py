@@ -90,6 +90,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "swap_grace": DEFAULT_SWAP_GRACE,
     "min_residency": DEFAULT_MIN_RESIDENCY,
     "load_kv_tokens": DEFAULT_LOAD_KV_TOKENS,
+    "kv_disk_bytes": None,
     "budget": None,
     "log_level": "INFO",
     # Bounds on client connections (client_limits.py says why these values); hidden options.
@@ -111,6 +112,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "swap_grace": (int, float),
     "min_residency": (int, float),
     "load_kv_tokens": (int,),
+    "kv_disk_bytes": (int, str),
     "budget": (int, str),
     "log_level": (str,),
     "head_timeout": (int, float),
@@ -187,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of KV a load asks room for beside the model's weights (at most its limit; "
         "its reserve if larger): a load that leaves less free waits, or unloads an idle model "
         f"(default: {DEFAULT_LOAD_KV_TOKENS})",
+    )
+    serve.add_argument(
+        "--kv-disk-bytes",
+        metavar="SIZE",
+        help="each model's prompt-cache disk tier, in RUN_DIR/kv-disk/NAME, unless its table "
+        "sets kv_disk_bytes (a vqpool-worker option): entries evicted from memory, an unloaded "
+        "model's included, are kept there and read back instead of recomputed (default: none)",
     )
     serve.add_argument(
         "--keep-alive",
@@ -463,8 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         file = read_config(getattr(args, "config", None))
         options = serve_options(args, file.get("serve", {}))
         file_budget = budget_in_file(getattr(args, "config", None))
+        disk = options["kv_disk_bytes"]
         catalog = catalog_from_config(
-            file.get("models", {}), getattr(args, "model", []), options["keep_alive"]
+            file.get("models", {}),
+            getattr(args, "model", []),
+            options["keep_alive"],
+            worker_defaults=None if disk is None else {"--kv-disk-bytes": str(disk)},
         )
         run_dir = resolve_run_dir(getattr(args, "run_dir", None))
         socket_path(run_dir, FRONT_SOCKET_NAME)  # refuses a path too long for a socket

@@ -283,7 +283,16 @@ ADMIN_OP_SPECS = op_table(
         "next load report (its heartbeat, within a quarter of the lease), so the bytes come "
         "back within that time; the answer says how many sessions were told and the cached "
         "bytes they last reported.",
-        (MODEL_FIELD,),
+        (
+            MODEL_FIELD,
+            Field(
+                "disk",
+                check_bool,
+                required=False,
+                default=False,
+                help="remove the entries of their disk tier (--kv-disk-bytes) too",
+            ),
+        ),
     ),
 )
 """Every admin op, by name."""

@@ -45,6 +45,18 @@ PROMPT_CACHE_FIGURES: tuple[ReportedFigure, ...] = (
         "Prompt tokens prefilled by requests that looked up a prompt cache.",
     ),
     ReportedFigure("evictions", True, "Prompt-cache entries given back."),
+    ReportedFigure("disk_bytes", False, "Bytes of prompt-cache entries on disk (--kv-disk-bytes)."),
+    ReportedFigure("disk_entries", False, "Prompt-cache entries on disk."),
+    ReportedFigure("disk_reads", True, "Prompt-cache entries read back from disk."),
+    ReportedFigure("disk_writes", True, "Evicted prompt-cache entries written to disk."),
+    ReportedFigure(
+        "disk_dropped_writes",
+        True,
+        "Evicted prompt-cache entries not written: the disk writer's queue was full.",
+    ),
+    ReportedFigure(
+        "disk_hit_tokens", True, "Prompt tokens of lookups answered by an entry read from disk."
+    ),
 )
 """What a worker's load report may say of its prompt cache (``ping``'s ``prompt_cache``)."""
 

@@ -58,6 +58,7 @@ from vqpool.worker.kv.batch_cache import (
     batch_of,
     make_row_cache,
 )
+from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.kv_probe import unpoolable_reason
 from vqpool.worker.kv.prompt_cache import PromptCache
 from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage, QuantizedKVLayout
@@ -158,6 +159,7 @@ class PooledCacheSource:
         max_bytes: int,
         report: Callable[[dict[str, int]], None] | None = None,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
+        disk: DiskWriter | None = None,
     ) -> PromptCache:
         """A prompt cache for this model's requests, its entries in a storage of their own
         (requests' memory is the batch buffers), whose memory goes first when an allocation of
@@ -176,6 +178,7 @@ class PooledCacheSource:
             max_bytes=max_bytes,
             report=report,
             lost_owners=lost_owners,
+            disk=disk,
         )
         self.reclaim = cache.release_bytes
         return cache

@@ -32,6 +32,11 @@ keys and values a request computed already. :class:`PromptCache` keeps them and 
   calls it (``MLXBlockStorage.reclaim``) when an allocation of this worker is refused, before
   the allocation is retried, waits or fails: cached memory goes first. :meth:`follow_advice`
   obeys the daemon's answer to a load report (``drop_cache``, ``release_bytes``).
+* **Disk tier** (``disk``, optional; docs/cache.md "The disk tier"). Evicted entries are queued
+  for the disk writer (``disk_writer.py``) instead of dropped, and the entries a stopping worker
+  holds are written by :meth:`close`. :meth:`prefetch`, when a request is submitted, reads a
+  longer prefix than memory holds back from disk (``disk_store.py``) into a new entry, on a
+  reader thread of its own, so the request's :meth:`reuse` finds it in memory.
 
 Thread-safe: one lock around every entry change; the generation thread reuses and stores, the
 admission and heartbeat threads may release. Entries whose owner the pool lost (a daemon
@@ -46,6 +51,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +60,16 @@ from vqpool.shared.pool import BlockPool
 from vqpool.shared.protocol import PROMPT_CACHE_COUNTERS
 from vqpool.worker.defaults import DEFAULT_PROMPT_CACHE_BYTES
 from vqpool.worker.kv.cache import PooledSequence
+from vqpool.worker.kv.disk_format import DiskEntryError
+from vqpool.worker.kv.disk_store import DiskEntry
+from vqpool.worker.kv.disk_writer import DiskWriter
+from vqpool.worker.kv.prefix_index import (
+    block_keys,
+    index_add,
+    index_remove,
+    longest_match,
+    prefixes_of,
+)
 from vqpool.worker.kv.quantized import (
     KVBuffer,
     QuantizedBlockStorage,
@@ -61,19 +77,9 @@ from vqpool.worker.kv.quantized import (
     buffer_write,
     prefix,
 )
-from vqpool.worker.kv.storage import MLXBlockStorage
+from vqpool.worker.kv.storage import MLXBlockStorage, SequenceBuffers
 
 log = logging.getLogger("vqpool.worker")
-
-
-def block_keys(tokens: Sequence[int], n_blocks: int, block_size: int) -> list[int]:
-    """The chain keys of the first ``n_blocks`` whole blocks of ``tokens``."""
-    keys: list[int] = []
-    key = 0
-    for i in range(n_blocks):
-        key = hash((key, tuple(tokens[i * block_size : (i + 1) * block_size])))
-        keys.append(key)
-    return keys
 
 
 @dataclass(eq=False)
@@ -102,6 +108,8 @@ class PromptCache:
         lost_owners: The pool's owners that are no longer this worker's (``PoolClient``).
         quantized_storage: Where entries of quantized KV (``--kv-bits``) live, in blocks of the
             quantized format; None when the model's KV is never quantized.
+        disk: The disk tier (``--kv-disk-dir``): evicted entries are written there, and a
+            prompt that misses here and hits there is loaded back (:meth:`prefetch`).
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class PromptCache:
         report: Callable[[dict[str, int]], None] | None = None,
         lost_owners: Callable[[], Mapping[Any, str]] | None = None,
         quantized_storage: QuantizedBlockStorage | None = None,
+        disk: DiskWriter | None = None,
     ) -> None:
         if max_bytes < 0:
             raise ValueError(f"PromptCache: max_bytes must be >= 0, got {max_bytes}")
@@ -140,50 +149,89 @@ class PromptCache:
                 "stores",
                 "stores_skipped",
                 "superseded",
+                "disk_hit_tokens",
             ),
             0,
+        )
+        self._disk = disk
+        # Disk loads evaluate MLX arrays on a thread of their own, never the generation thread
+        # nor the short-lived HTTP threads (MLX wants a thread's streams cleared before it ends).
+        self._reader = (
+            None
+            if disk is None
+            else ThreadPoolExecutor(max_workers=1, thread_name_prefix="vqpool-kv-disk-reader")
         )
 
     # -- lookups ---------------------------------------------------------------------------------
 
     def _match(self, tokens: Sequence[int], max_tokens: int) -> tuple[CacheEntry | None, int]:
-        """The entry holding the longest prefix of ``tokens`` (at most ``max_tokens``) and that
-        prefix's length; (None, 0) when none. The caller holds the lock.
+        """The entry holding the longest prefix of ``tokens`` (at most ``max_tokens``, at least
+        one whole block) and that prefix's length; (None, 0) when none. The caller holds the
+        lock."""
+        return longest_match(self._index, tokens, max_tokens, self.block_size)
 
-        Whole blocks are found by key; then, among the entries holding them, the one whose next
-        (possibly partial) block shares the most tokens with ``tokens`` extends the match token
-        by token. At least one whole block must match.
-        """
-        bs = self.block_size
-        key = 0
-        holders: dict[CacheEntry, None] | None = None
-        depth = 0
-        for i in range(max_tokens // bs):
-            key = hash((key, tuple(tokens[i * bs : (i + 1) * bs])))
-            found = self._index.get(key)
-            if not found:
-                break
-            holders, depth = found, i + 1
-        if holders is None:
-            return None, 0
-        start = depth * bs
-        wanted = tuple(tokens[start:max_tokens])
-        best: CacheEntry | None = None
-        best_n = -1
-        for entry in reversed(holders):  # the most recently stored first among equals
-            tail = entry.tokens[start : start + bs]
-            n = 0
-            for mine, theirs in zip(tail, wanted, strict=False):
-                if mine != theirs:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_n = entry, n
-        assert best is not None
-        n_tokens = start + best_n
-        if best.tokens[:n_tokens] != tuple(tokens[:n_tokens]):
-            return None, 0  # a hash collision: a miss, never a wrong hit
-        return best, n_tokens
+    @property
+    def disk(self) -> DiskWriter | None:
+        """The disk tier's writer (its ``store`` holds the files), or None."""
+        return self._disk
+
+    def prefetch(self, prompt: Sequence[int]) -> int:
+        """Before a request is queued (on its HTTP thread): when the disk tier holds a longer
+        prefix of ``prompt`` than memory does, read it back into a new entry in pool blocks,
+        so that the request's :meth:`reuse` finds it. Returns the tokens loaded (0: none). The
+        read runs on the disk reader thread; the generation thread never waits for it. A file
+        that fails its checks, or a pool too short for the entry, is a miss, never an error."""
+        if self._disk is None or self._reader is None or self.max_bytes == 0:
+            return 0
+        max_tokens = len(prompt) - 1
+        with self._lock:
+            self._drop_lost()
+            _, in_memory = self._match(prompt, max_tokens)
+        found, n = self._disk.store.match(prompt, max_tokens)
+        if found is None or n <= in_memory:
+            return 0
+        try:
+            loaded = self._reader.submit(self._load_from_disk, found).result()
+        except Exception:
+            log.exception("prompt cache: loading an entry from disk failed")
+            return 0
+        if not loaded:
+            return 0
+        with self._lock:
+            self.counters["disk_hit_tokens"] += n
+        self.report()
+        return n
+
+    def _load_from_disk(self, found: DiskEntry) -> bool:
+        """The disk reader thread's half of :meth:`prefetch`: whether ``found`` is in memory
+        now."""
+        assert self._disk is not None
+        arrays = self._disk.store.load(found)
+        if arrays is None:
+            return False
+        mx.eval(list(arrays.values()))
+        tokens = found.tokens
+        n_blocks = -(-len(tokens) // self.block_size)
+        storage = self.storage
+        if any(name.count(".") == 2 for name in arrays):  # (packed, scales, biases) parts
+            if self.quantized_storage is None:
+                return False  # written by a worker that quantized: not this one's KV
+            storage = self.quantized_storage
+        need = n_blocks * (storage.bytes_per_block("k") + storage.bytes_per_block("v"))
+        if need > self.max_bytes:
+            return False
+        with self._lock:
+            entry, held = self._match(tokens, len(tokens))
+            if entry is not None and held == len(tokens):
+                self._lru.move_to_end(entry.number)
+                return True
+            while self._lru and self.nbytes + need > self.max_bytes:
+                self._evict(next(iter(self._lru.values())))
+            created = self._create(
+                tokens, n_blocks, need, storage, lambda buffers: _install(buffers, arrays)
+            )
+        self.report()
+        return created
 
     def cached_prefix_length(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` (at most all but the last) :meth:`reuse` would
@@ -260,7 +308,9 @@ class PromptCache:
                 return False
             while self._lru and self.nbytes + need > self.max_bytes:
                 self._evict(next(iter(self._lru.values())))
-            created = self._create(kept, n_blocks, need, layers, storage)
+            created = self._create(
+                kept, n_blocks, need, storage, lambda buffers: _copy(buffers, layers, n)
+            )
         self.report()
         return created
 
@@ -269,11 +319,11 @@ class PromptCache:
         tokens: tuple[int, ...],
         n_blocks: int,
         need: int,
-        layers: Sequence[tuple[KVBuffer, KVBuffer]],
         storage: MLXBlockStorage,
+        fill: Callable[[SequenceBuffers], None],
     ) -> bool:
-        """A new entry for ``tokens`` with a copy of their KV in ``storage``; the caller holds
-        the lock."""
+        """A new entry for ``tokens`` in ``storage``, its buffers filled by ``fill`` (a copy of
+        their KV, or arrays read from disk); the caller holds the lock."""
         n = len(tokens)
         number = next(self._numbers)
         try:
@@ -282,12 +332,7 @@ class PromptCache:
             try:
                 # Never waits and never reclaims: an entry takes no memory from anyone.
                 sequence.reserve_exactly(n_blocks)
-                buffers = sequence.buffers
-                slots = (Ellipsis, slice(0, n), slice(None))
-                for i, (layer_keys, layer_values) in enumerate(layers):
-                    buffer_write(buffers.keys[i], slots, prefix(layer_keys, n))
-                    buffer_write(buffers.values[i], slots, prefix(layer_values, n))
-                mx.eval(buffers.keys, buffers.values)
+                fill(sequence.buffers)
                 sequence.offsets = [n] * len(sequence.offsets)
                 sequence.sync_usage(n)  # the last block's fill, when partial
             except BaseException:
@@ -300,20 +345,13 @@ class PromptCache:
         keys = block_keys(tokens, n // self.block_size, self.block_size)
         entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
         self._lru[number] = entry
-        for key in keys:
-            self._index.setdefault(key, {})[entry] = None
+        index_add(self._index, entry, keys)
         self.nbytes += need
         self.counters["stores"] += 1
         # Entries whose tokens are a prefix of these answer no lookup the new one does not.
-        for depth, key in enumerate(keys, start=1):
-            for older in list(self._index.get(key, ())):
-                if (
-                    older is not entry
-                    and len(older.keys) == depth
-                    and older.tokens == tokens[: len(older.tokens)]
-                ):
-                    self._remove(older)
-                    self.counters["superseded"] += 1
+        for older in prefixes_of(self._index, tokens, keys, self.block_size):
+            self._remove(older)
+            self.counters["superseded"] += 1
         return True
 
     # -- giving memory back ----------------------------------------------------------------------
@@ -321,12 +359,7 @@ class PromptCache:
     def _remove(self, entry: CacheEntry) -> int:
         """Forget ``entry`` and give its blocks back; its bytes. The caller holds the lock."""
         del self._lru[entry.number]
-        for key in entry.keys:
-            holders = self._index.get(key)
-            if holders is not None:
-                holders.pop(entry, None)
-                if not holders:
-                    del self._index[key]
+        index_remove(self._index, entry, entry.keys)
         self.nbytes -= entry.nbytes
         try:
             entry.sequence.release()
@@ -335,7 +368,11 @@ class PromptCache:
         return entry.nbytes
 
     def _evict(self, entry: CacheEntry) -> int:
+        """Give ``entry`` back, written to the disk tier first (unless it holds its tokens)."""
         self.counters["evictions"] += 1
+        if self._disk is not None and not self._disk.store.holds(entry.tokens):
+            # The arrays stay alive (not charged) until written: the queue bounds them.
+            self._disk.submit(entry.tokens, named_arrays(entry.sequence.buffers), entry.nbytes)
         return self._remove(entry)
 
     def release_bytes(self, n_bytes: int) -> int:
@@ -350,19 +387,45 @@ class PromptCache:
             self.report()
         return freed
 
-    def drop(self) -> int:
-        """Give back every entry; the bytes freed."""
+    def drop(self, disk: bool = False) -> int:
+        """Give back every entry (written to the disk tier, unless ``disk``: then the disk
+        tier's entries are removed too); the bytes of memory freed."""
         with self._lock:
-            freed = sum(self._evict(entry) for entry in list(self._lru.values()))
+            if disk and self._disk is not None:
+                freed = sum(self._remove(entry) for entry in list(self._lru.values()))
+            else:
+                freed = sum(self._evict(entry) for entry in list(self._lru.values()))
+        if disk and self._disk is not None:
+            self._disk.flush()
+            self._disk.store.drop()
         self.report()
         return freed
+
+    def close(self, timeout: float = 120.0) -> None:
+        """The worker stops: write every entry the disk tier lacks (least recently used first,
+        so the newest stay under its cap), then end the disk threads. Nothing without one."""
+        if self._disk is None or self._reader is None:
+            return
+        with self._lock:
+            entries = list(self._lru.values())
+        self._disk.flush(timeout)
+        for entry in entries:
+            if not self._disk.store.holds(entry.tokens):
+                try:
+                    arrays = named_arrays(entry.sequence.buffers)
+                    self._disk.store.put(entry.tokens, arrays, entry.nbytes)
+                except Exception as exc:
+                    log.warning("prompt cache: writing an entry at exit failed: %s", exc)
+        self._disk.close(timeout)
+        self._reader.submit(mx.clear_streams).result()
+        self._reader.shutdown()
 
     def follow_advice(self, advice: Mapping[str, Any]) -> None:
         """What the daemon's answer to a load report asks: ``drop_cache`` (``vqpoolctl cache
         drop``) gives every entry back, ``release_bytes`` (memory is wanted elsewhere) that many
         bytes, least recently used first."""
         if advice.get("drop_cache"):
-            freed = self.drop()
+            freed = self.drop(disk=bool(advice.get("drop_disk")))
             log.info("prompt cache dropped on the daemon's request: %d bytes freed", freed)
         elif isinstance(advice.get("release_bytes"), int) and advice["release_bytes"] > 0:
             self.release_bytes(advice["release_bytes"])
@@ -391,10 +454,91 @@ class PromptCache:
                 "entries": len(self._lru),
                 "max_bytes": self.max_bytes,
                 **self.counters,
+                **self._disk_snapshot(),
             }
+
+    def _disk_snapshot(self) -> dict[str, int]:
+        if self._disk is None:
+            return dict.fromkeys(DISK_FIGURES, 0)
+        store = self._disk.store.snapshot()
+        return {
+            "disk_bytes": store["bytes"],
+            "disk_entries": store["entries"],
+            "disk_max_bytes": self._disk.store.max_bytes,
+            "disk_reads": store["reads"],
+            "disk_writes": store["writes"],
+            "disk_dropped_writes": self._disk.dropped,
+            "disk_removed_bad": store["removed_bad"],
+            "disk_evictions": store["evictions"],
+        }
 
     def report(self) -> None:
         """Pass the counters the daemon shows to ``report`` (if any)."""
         if self._report is not None:
             snapshot = self.snapshot()
             self._report({name: snapshot[name] for name in PROMPT_CACHE_COUNTERS})
+
+
+DISK_FIGURES = (
+    "disk_bytes",
+    "disk_entries",
+    "disk_max_bytes",
+    "disk_reads",
+    "disk_writes",
+    "disk_dropped_writes",
+    "disk_removed_bad",
+    "disk_evictions",
+)
+"""What :meth:`PromptCache.snapshot` says of the disk tier (zeros without one)."""
+
+# The arrays a sequence's buffers hold for its blocks, one per layer each; a block format with
+# more arrays per block lists them here, and the disk tier writes and reads them all by name.
+BUFFER_FIELDS = ("keys", "values")
+
+
+def named_arrays(buffers: SequenceBuffers) -> dict[str, mx.array]:
+    """Every array of ``buffers``, by name: ``keys.0``, ``values.0``, ... per layer, and
+    ``keys.0.0``, ``keys.0.1``, ``keys.0.2`` for the (packed, scales, biases) parts of a
+    quantized layer."""
+    named: dict[str, mx.array] = {}
+    for field in BUFFER_FIELDS:
+        for i, buf in enumerate(getattr(buffers, field)):
+            if isinstance(buf, tuple):
+                named.update((f"{field}.{i}.{j}", part) for j, part in enumerate(buf))
+            else:
+                named[f"{field}.{i}"] = buf
+    return named
+
+
+def _copy(buffers: SequenceBuffers, layers: Sequence[tuple[KVBuffer, KVBuffer]], n: int) -> None:
+    """Fill an entry's fresh buffers with the KV of its ``n`` tokens, position i holding token
+    i."""
+    slots = (Ellipsis, slice(0, n), slice(None))
+    for i, (layer_keys, layer_values) in enumerate(layers):
+        buffer_write(buffers.keys[i], slots, prefix(layer_keys, n))
+        buffer_write(buffers.values[i], slots, prefix(layer_values, n))
+    mx.eval(buffers.keys, buffers.values)
+
+
+def _install(buffers: SequenceBuffers, arrays: Mapping[str, mx.array]) -> None:
+    """Make arrays read from disk an entry's fresh buffers (same names, shapes and dtypes).
+
+    Raises:
+        DiskEntryError: They do not match (the fingerprint should have said so).
+    """
+    expected = named_arrays(buffers)
+    if expected.keys() != arrays.keys():
+        raise DiskEntryError(f"arrays {sorted(arrays)} where {sorted(expected)} were expected")
+    for name, array in arrays.items():
+        if array.shape != expected[name].shape or array.dtype != expected[name].dtype:
+            want = expected[name]
+            raise DiskEntryError(
+                f"{name} is {array.shape} {array.dtype}, not {want.shape} {want.dtype}"
+            )
+    for field in BUFFER_FIELDS:
+        layers = getattr(buffers, field)
+        for i, buf in enumerate(layers):
+            if isinstance(buf, tuple):
+                layers[i] = tuple(arrays[f"{field}.{i}.{j}"] for j in range(len(buf)))
+            else:
+                layers[i] = arrays[f"{field}.{i}"]

@@ -357,6 +357,10 @@ class Scheduler:
         never = self.source.never_fits(len(job.prompt) + job.max_tokens)
         if never is not None:
             raise NeverFitsError(never)
+        if self.prompt_cache is not None:
+            # A prefix on disk is read back into the prompt cache now, on this thread, so
+            # the job's prefill finds it in memory: the running rows never wait for a disk.
+            self.prompt_cache.prefetch(job.prompt)
         with self._cond:
             if self._stopping:
                 raise ShuttingDownError(

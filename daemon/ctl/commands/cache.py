@@ -2,14 +2,17 @@
 
 cache list: one row per model: cached bytes and blocks (part of the bytes its workers hold),
 entries, lookups, hits, hit rate, prompt tokens reused from the cache and prefilled, and entries
-evicted, as the workers last reported them in their heartbeat ("-" for a model none of whose
-workers reports a prompt cache); when some model's blocks are quantized (`vqpool-worker
---kv-bits`), the blocks and bytes its workers hold per block format (KV FORMATS).
+evicted; then its disk tier (--kv-disk-bytes): bytes and entries on disk, entries read back and
+written, writes dropped (the writer's queue was full) and prompt tokens answered from disk; as
+the workers last reported them in their heartbeat ("-" for a model none of whose workers reports
+a prompt cache); when some model's blocks are quantized (`vqpool-worker --kv-bits`), the blocks
+and bytes its workers hold per block format (KV FORMATS).
 
 cache drop MODEL: tell every worker of MODEL (its name as `vqpoolctl sessions` shows it, or a
 label naming only it, as in `model list`) to drop its prompt cache. The daemon tells each worker
 in the answer to its next heartbeat (within a quarter of the lease), so the blocks come back
-within that time, not at once. Exits 4 when no worker of MODEL is connected.
+within that time, not at once. With --disk the entries of their disk tier are removed too.
+Exits 4 when no worker of MODEL is connected.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         actions, "drop", "make a model's workers drop their prompt cache", DROP_HELP
     )
     dropping.add_argument("name", metavar="MODEL", help=op_help(CACHE_DROP, "model"))
+    dropping.add_argument("--disk", action="store_true", help=op_help(CACHE_DROP, "disk"))
 
 
 def _list(ctl: Ctl) -> int:
@@ -46,7 +50,7 @@ def _list(ctl: Ctl) -> int:
     for name, cache in models.items():
         kv_formats = [formats_text(held[name]["formats"])] if formats else []
         if cache is None:
-            rows.append([name, *["-"] * 9, *kv_formats])
+            rows.append([name, *["-"] * 15, *kv_formats])
             continue
         rate = percent(cache["hits"] / cache["lookups"]) if cache["lookups"] else "-"
         rows.append(
@@ -61,6 +65,12 @@ def _list(ctl: Ctl) -> int:
                 cache["tokens_reused"],
                 cache["tokens_prefilled"],
                 cache["evictions"],
+                human_bytes(cache["disk_bytes"]),
+                cache["disk_entries"],
+                cache["disk_reads"],
+                cache["disk_writes"],
+                cache["disk_dropped_writes"],
+                cache["disk_hit_tokens"],
                 *kv_formats,
             ]
         )
@@ -75,6 +85,12 @@ def _list(ctl: Ctl) -> int:
         "TOKENS REUSED",
         "PREFILLED",
         "EVICTED",
+        "ON DISK",
+        "DISK ENTRIES",
+        "READ",
+        "WRITTEN",
+        "DROPPED",
+        "DISK TOKENS",
         *(["KV FORMATS"] if formats else []),
     ]
     right = set(headers[1:]) - {"KV FORMATS"}
@@ -83,14 +99,15 @@ def _list(ctl: Ctl) -> int:
 
 
 def _drop(ctl: Ctl, args: argparse.Namespace) -> int:
-    result = ctl.call("cache_drop", model=args.name)
+    result = ctl.call("cache_drop", model=args.name, disk=args.disk)
     if ctl.as_json:
         ctl.print_json(result)
         return Exit.OK
     ctl.print(
         f"model {result['model']}: {result['sessions']} worker session(s) told to drop their "
-        f"prompt cache ({human_bytes(result['cached_bytes'])} cached as last reported); they "
-        "do at their next heartbeat"
+        f"prompt cache{' and its disk tier' if args.disk else ''} "
+        f"({human_bytes(result['cached_bytes'])} cached as last reported); they do at their "
+        "next heartbeat"
     )
     return Exit.OK
 

@@ -22,10 +22,12 @@ def run(state: DaemonState, args: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"cache_drop: no worker of model {model} is connected")
     for session in sessions:
         session.drop_cache = True
+        session.drop_disk = session.drop_disk or bool(args["disk"])
     cached = sum(s.prompt_cache["bytes"] for s in sessions if s.prompt_cache)
     log.info("cache_drop: %d worker session(s) of model %r told to drop", len(sessions), model)
     return {
         "model": model,
+        "disk": bool(args["disk"]),
         "sessions": len(sessions),
         "cached_bytes": cached,
         "reporting": sum(1 for s in sessions if s.prompt_cache is not None),

@@ -124,6 +124,9 @@ def cache_advice(state: DaemonState, session: Session, now: float) -> dict[str, 
     (:func:`bytes_freeing_ids`), or a load asked for them (``load_reserve``)."""
     if session.drop_cache:
         session.drop_cache = False
+        if session.drop_disk:
+            session.drop_disk = False
+            return {"drop_cache": True, "drop_disk": True}
         return {"drop_cache": True}
     if not session.prompt_cache or not session.prompt_cache["bytes"]:
         session.release_cache = 0
