@@ -26,13 +26,16 @@ from ctl_harness import ctl_json, run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
+from test_quantized_kv import MODEL_ARGS
 from vqpool.daemon.front.catalog import catalog_from_config
 from vqpool.worker.kv.disk_format import model_fingerprint, read_header
 from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.kv.disk_writer import DiskWriter
+from vqpool.worker.kv.quantized import KVQuantization
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.model_dirs import write_config_dir
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +121,36 @@ def test_a_turn_read_back_from_disk_matches_one_recomputed(
     finally:
         stop(restarted)
         plain.scheduler.stop()
+
+
+def test_quantized_entries_come_back_from_disk_as_from_memory(disk_dir: Path) -> None:
+    # KV in 4 bits from the first token, on a model whose 64-wide heads mx.quantize can group.
+    model_dir = write_config_dir(disk_dir / "hd64", MODEL_ARGS, dtype=mx.bfloat16)
+    loaded = load_model(str(model_dir))
+    quantization = KVQuantization(4, 32)
+    layout = KVLayout.from_model(loaded.model, block_size=BS)
+    fingerprint = model_fingerprint(loaded.model, layout, True, quantization.format)
+    assert fingerprint != model_fingerprint(loaded.model, layout, True)  # fp files never match
+    store_dir = disk_dir / "kv"
+    writer = DiskWriter(DiskStore(store_dir, 1 << 30, fingerprint, BS))
+    rng = random.Random(5)
+    turn1 = random_tokens(rng, 200, loaded.vocab_size)
+    in_memory = start_worker(loaded, 1 << 30, quantization=quantization)
+    on_disk = start_worker(loaded, 1 << 30, disk=writer, quantization=quantization)
+    try:
+        first, _, _ = on_disk.run(turn1)
+        assert in_memory.run(turn1)[0] == first
+        turn2 = turn1 + [t.token for t in first] + random_tokens(rng, 29, loaded.vocab_size)
+        path = spill_to_disk(on_disk, store_dir)
+        assert any(spec.name.startswith("keys.0.") for spec in read_header(path).arrays)
+        from_memory, cached_memory, _ = in_memory.run(turn2)
+        from_disk, cached_disk, _ = on_disk.run(turn2)
+        assert cached_disk == cached_memory > 0
+        assert scored(from_disk) == scored(from_memory)
+        assert on_disk.cache is not None and on_disk.cache.snapshot()["disk_reads"] == 1
+    finally:
+        stop(on_disk)
+        stop(in_memory)
 
 
 _KILLED_WRITER = textwrap.dedent(

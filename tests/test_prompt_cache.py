@@ -20,6 +20,7 @@ from vqpool.worker.kv.cache import PooledSequence, make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.prompt_cache import PromptCache
+from vqpool.worker.kv.quantized import KVQuantization
 from vqpool.worker.models.loading import LoadedModel, load_model
 from vqpool.worker.sched.scheduler import GenerationJob, JobEnd, Scheduler, ScoredToken
 
@@ -58,10 +59,12 @@ def start_worker(
     n_blocks: int = 4096,
     max_concurrent: int = 4,
     disk: DiskWriter | None = None,
+    quantization: KVQuantization | None = None,
 ) -> Worker:
-    """A worker; ``disk``: its prompt cache's disk tier (tests/test_disk_cache.py)."""
+    """A worker; ``disk``: its prompt cache's disk tier (tests/test_disk_cache.py);
+    ``quantization``: its KV quantized (``--kv-bits``)."""
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
-    source = PooledCacheSource(loaded.model, pool)
+    source = PooledCacheSource(loaded.model, pool, quantization=quantization)
     cache = None
     if cache_bytes:
         cache = source.attach_prompt_cache(owner_prefix="w", max_bytes=cache_bytes, disk=disk)
