@@ -133,9 +133,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--reserve",
         choices=["on-demand", "auto", "full"],
-        default="on-demand",
-        help="the workers' --reserve (default on-demand, the worker's own default: requests "
-        "grow block by block and their growth waits in the budget's fair queue)",
+        default="auto",
+        help="the workers' --reserve (default auto, the worker's own default: requests are "
+        "reserved whole once they are seen to run to max_tokens, as here unless --stop-early, "
+        "and grow block by block otherwise, their growth waiting in the budget's fair queue)",
     )
     parser.add_argument(
         "--stop-early",
@@ -403,7 +404,7 @@ def summary(
     print("blocks apart; waits: requests that queued for memory; preempted: requests that gave")
     print("way, to their own model's growth or to a reclaim, and were resumed; by reclaim:")
     print("those for a reclaim ask; held: admissions held until the running requests' next")
-    print("growth could be backed, with --reserve on-demand; p99 TTFT: of the streamed")
+    print("growth could be backed, when requests grow on demand; p99 TTFT: of the streamed")
     print("requests, as their clients measured it):\n")
     print(textwrap.indent(table(headers, rows, right=["reserve", "peak bytes"]), "  "))
     retired = sum(r["retired"] for r in shrink)
@@ -446,23 +447,24 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
             "Preemptions: with --reserve full a request reserves all it needs at its start, so\n"
             "few are preempted: mostly when a reclaim takes their model's bytes back."
         )
-    elif reserve == "auto":
-        preemptions = (
-            f"Preemptions: {preemptions_per_s:.1f}/s. With --reserve auto the workers reserve a\n"
-            "request whole once their requests are seen to run to max_tokens (the built-in\n"
-            "models have no EOS: all do here, unless --stop-early), and grow on demand otherwise."
-        )
     else:
         verdict = (
             "normal for this deliberately small pool"
             if preemptions_per_s <= USUAL_PREEMPTIONS_PER_S
             else f"more than this demo usually shows (up to {USUAL_PREEMPTIONS_PER_S:.0f}/s)"
         )
+        how = (
+            "With --reserve auto a request is reserved whole once requests are seen to run to\n"
+            "max_tokens (the built-in models have no EOS: all do here, unless --stop-early) and\n"
+            "grows its memory on demand otherwise"
+            if reserve == "auto"
+            else "A request grows its memory on demand"
+        )
         preemptions = (
-            f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}. A request grows its memory on\n"
-            "demand; a request starts only once the running ones' next growth is backed, and when\n"
-            "the pool is full the request cheapest to recompute gives way and resumes later from\n"
-            "its cached prompt, with identical tokens: it is delayed, not cut."
+            f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}.\n{how}. A request starts\n"
+            "only once the running ones' next growth is backed, and when the pool is full the\n"
+            "request cheapest to recompute gives way and resumes later from its cached prompt,\n"
+            "with identical tokens: it is delayed, not cut."
         )
     weights = (
         "Weights govern memory, not CPU: the bytes share leans to the weights while both models\n"

@@ -52,6 +52,7 @@ from vqpool.worker.defaults import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_RESERVE,
     MAX_GROWTH_WAIT,
     MAX_NUM_DRAFT_TOKENS,
     RESERVE_MODES,
@@ -138,11 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reserve",
         choices=list(RESERVE_MODES),
-        default="on-demand",
-        help="blocks reserved when a request starts: its prompt's plus one block (on-demand), "
-        "plus one token (prompt), or for prompt + max_tokens (full), or per request (auto: "
-        "full while the worker's requests are measured to use at least 90%% of their "
-        "max_tokens, else on-demand); requests grow at block boundaries, and when the pool "
+        default=DEFAULT_RESERVE,
+        help="blocks reserved when a request starts: per request (auto: as full while the "
+        "worker's requests are measured to use at least 90%% of their max_tokens, else as "
+        "on-demand), its prompt's plus one block (on-demand), plus one token (prompt), or for "
+        "prompt + max_tokens (full); requests grow at block boundaries, and when the pool "
         "refuses, the request cheapest to recompute is preempted and resumed later with its "
         "tokens recomputed, never ended (default: %(default)s)",
     )
