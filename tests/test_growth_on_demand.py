@@ -242,6 +242,29 @@ def test_auto_reserves_whole_once_requests_use_their_max_tokens(pooled: Any) -> 
     assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
 
 
+def test_auto_grows_a_request_whose_whole_need_the_pool_could_never_hold(pooled: Any) -> None:
+    # Requests are measured to run to their max_tokens, but one asks for more than the pool's
+    # 128 slots per stream: reserved whole it would wait until its queue timeout; it starts on
+    # demand instead and runs until the pool runs out, as with --reserve on-demand.
+    source, daemon = pooled(16)  # 8 blocks per stream
+    scheduler = scheduler_on(source, max_concurrent=1, reserve="auto")
+    measured, too_long, fits = (GenerationJob(SHORT, n, logprobs=True) for n in (40, 200, 60))
+    for job in (measured, too_long, fits):
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        ends = [drain(job)[1] for job in (measured, too_long, fits)]
+    finally:
+        scheduler.stop()
+    assert scheduler._forecast.used == 1.0
+    assert [job.whole for job in (measured, too_long, fits)] == [False, False, True]
+    assert [end.finish_reason for end in ends] == ["length"] * 3
+    assert ends[1].detail is not None and "ran out of blocks" in ends[1].detail, ends[1]
+    assert 0 < ends[1].completion_tokens < 200
+    assert (ends[0].completion_tokens, ends[2].completion_tokens) == (40, 60)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
 def test_the_share_of_max_tokens_used_is_a_moving_average() -> None:
     forecast = GrowthForecast(BLOCK)
     assert forecast.used is None

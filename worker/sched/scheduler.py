@@ -17,7 +17,8 @@ read its token ids from the job's event queue. One generation thread does the re
   until this worker's requests are measured to use nearly all their ``max_tokens`` (at least
   ``WHOLE_WHEN_USED``, a moving average of the requests that ended), then as "full" (growth would
   free nothing they hold at their end, and costs growth calls and preemptions), and back to
-  "on-demand" when they stop early again. If the pool has too few free blocks, the head
+  "on-demand" when they stop early again (and as "on-demand" a request whose whole need could
+  never fit the pool alone). If the pool has too few free blocks, the head
   waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
   retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
   when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
@@ -674,7 +675,11 @@ class Scheduler:
             job.cache = self._open_cache(job.owner)
         if job.preemptions and self.prompt_cache is not None:
             self.prompt_cache.touch([*job.prompt, *job.generated])
-        job.whole = self._whole_by_measure()
+        # Never whole what the pool could not hold alone: it would wait until its queue
+        # timeout, where growing it runs it until the pool runs out (then "length").
+        job.whole = self._whole_by_measure() and self.source.fits_alone(
+            len(job.prompt) + job.max_tokens
+        )
         job.admission_slots = self._admission_slots(job)
         try:
             self.source.reserve(job.cache, job.admission_slots)
@@ -972,7 +977,8 @@ class Scheduler:
             self.stats.set_active(len(self._active))
             self._forecast.row_ended()
             self._preemption.ended()
-            if reason in ("stop", "length"):
+            # A request the pool ran out of blocks for (a detail) says nothing of its own end.
+            if reason == "stop" or (reason == "length" and detail is None):
                 self._forecast.request_ended(job.n_generated, job.max_tokens)
         self._sample_memory()
         self.stats.add(**{f"ended_{reason}": 1})
