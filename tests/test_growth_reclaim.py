@@ -58,6 +58,10 @@ def stack() -> Iterator[ServingStack]:
             "0",
             "--growth-wait",
             "1",
+            # The reference runs end at max_tokens: auto would then reserve the requests
+            # whole, and they would never grow.
+            "--reserve",
+            "on-demand",
         ],
         name="big",
     )

@@ -220,8 +220,19 @@ def impatient_stack() -> Iterator[ServingStack]:
         [LLAMA],
         daemon_args=("--n-blocks", "64", "--lease", "1"),
         # No prompt cache: its entries (the reference run's KV) would be given back when the
-        # growth is refused, and the request would complete without giving way.
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "1", "--prompt-cache-bytes", "0"],
+        # growth is refused, and the request would complete without giving way. On demand: the
+        # reference run ends at max_tokens, after which auto would reserve the request whole,
+        # and it would never grow.
+        worker_args=[
+            "--max-concurrent",
+            "2",
+            "--queue-timeout",
+            "1",
+            "--prompt-cache-bytes",
+            "0",
+            "--reserve",
+            "on-demand",
+        ],
     ).start()
     yield stack
     stack.stop()
@@ -270,7 +281,8 @@ def test_growth_goes_ahead_of_a_parked_admission() -> None:
     # allocations in order, except growths: the first one's growths go ahead of the parked
     # admission (which waits for the bytes the first one holds: queued behind it, they would
     # deadlock until a timeout), so it runs to its end unpreempted and the second one follows.
-    # Both complete with the tokens of a run alone.
+    # Both complete with the tokens of a run alone. On demand: after the reference runs (to
+    # max_tokens) auto would reserve the first one whole, and it would never grow.
     hog_ids = 16
     stack = ServingStack(
         [LLAMA],
@@ -280,7 +292,7 @@ def test_growth_goes_ahead_of_a_parked_admission() -> None:
             "--lease",
             "1",
         ),
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "30"],
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "30", "--reserve", "on-demand"],
     ).start()
     try:
         with PoolClient(stack.run_dir, name="hog", bytes_per_block=4096) as hog:

@@ -29,7 +29,7 @@ def stack() -> Iterator[ServingStack]:
         daemon_args=("--n-blocks", str(N_BLOCKS), "--lease", "1"),
         # Two requests per worker (18 blocks per stream) leave room for one of the other's: the
         # models always share the pool while both have work, and together still outgrow it.
-        worker_args=["--max-concurrent", "2", "--queue-timeout", "60"],
+        worker_args=["--max-concurrent", "2", "--queue-timeout", "60", "--reserve", "on-demand"],
     ).start()
     yield serving
     serving.stop()
