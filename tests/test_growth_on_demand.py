@@ -3,8 +3,9 @@ only once their next growth is backed (the look-ahead holds it otherwise, preemp
 refused growth preempts the started request cheapest to recompute but never one about to
 finish, a preempted row's prompt comes back from the prompt cache on its resume, and every
 request's greedy tokens and logprobs equal those of a run never preempted nor held. With
-``--reserve auto`` requests reserve whole once the worker's requests are measured to use their
-``max_tokens``, and grow on demand while they stop early."""
+``--reserve auto`` (the worker's default) requests reserve whole once the worker's requests are
+measured to use their ``max_tokens``, and grow on demand while they stop early or while their
+whole need could never fit the pool."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from daemon_harness import wait_until
+from serving_harness import ServingStack
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
@@ -263,6 +266,45 @@ def test_auto_grows_a_request_whose_whole_need_the_pool_could_never_hold(pooled:
     assert 0 < ends[1].completion_tokens < 200
     assert (ends[0].completion_tokens, ends[2].completion_tokens) == (40, 60)
     assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_a_worker_reserves_per_request_by_default() -> None:
+    # A worker started without --reserve: its first request grows on demand (nothing measured
+    # yet) and runs to max_tokens (the built-in model has no EOS), so the next ones are reserved
+    # whole; two that stop early (at a stop string) bring growth on demand back.
+    stack = ServingStack([LLAMA]).start()
+    try:
+        body = {"prompt": "per request: ", "max_tokens": 60, "temperature": 0}
+
+        def complete(**fields: Any) -> dict[str, Any]:
+            ended = sum(stack.worker_stats(LLAMA)[f"ended_{r}"] for r in ("stop", "length"))
+            reply = stack.complete(LLAMA, {**body, **fields})
+            assert reply.status == 200, reply
+            # The request's end is measured before the next one starts (a stop string ends
+            # the response before the scheduler ends the request).
+            wait_until(
+                lambda: (
+                    sum(stack.worker_stats(LLAMA)[f"ended_{r}"] for r in ("stop", "length")) > ended
+                ),
+                timeout=10,
+            )
+            stats: dict[str, Any] = stack.worker_stats(LLAMA)
+            return {"reply": reply.body["choices"][0], **stats}
+
+        first = complete()
+        assert first["reply"]["finish_reason"] == "length"
+        assert (first["admitted"], first["reserved_whole"]) == (1, 0)
+        assert complete()["reserved_whole"] == 1
+        stop = first["reply"]["text"][2:4]  # reached a few tokens in
+        stopped = [complete(stop=[stop]) for _ in range(2)]
+        assert all(s["reply"]["finish_reason"] == "stop" for s in stopped), stopped
+        assert stopped[-1]["reserved_whole"] == 3  # still whole: the average was 1.0
+        grown = complete()
+        assert (grown["admitted"], grown["reserved_whole"]) == (5, 3)
+        assert grown["ended_length"] == 3 and grown["preemptions"] == 0
+        stack.wait_for_no_blocks()
+    finally:
+        stack.stop()
 
 
 def test_the_share_of_max_tokens_used_is_a_moving_average() -> None:
