@@ -315,8 +315,8 @@ def main() -> int:
         "--reserve",
         choices=["on-demand", "full"],
         default="on-demand",
-        help="the workers' --reserve: on-demand (default, the worker's: requests grow block by "
-        "block and their growths queue at the daemon's fair queue too) or full (whole requests "
+        help="the workers' --reserve: on-demand (default: requests grow block by block and "
+        "their growths queue at the daemon's fair queue too) or full (whole requests "
         "at admission, as the figures in docs/serving.md were measured)",
     )
     args = parser.parse_args()

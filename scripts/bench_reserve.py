@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--duration", type=float, default=25.0, help="demo.py --duration")
     parser.add_argument(
-        "--modes", default="on-demand,full", help="the --reserve modes to alternate"
+        "--modes", default="auto,full,on-demand", help="the --reserve modes to alternate"
     )
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures there")
     args, extra = parser.parse_known_args()
