@@ -462,9 +462,9 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
         )
         preemptions = (
             f"Preemptions: {preemptions_per_s:.1f}/s is {verdict}.\n{how}. A request starts\n"
-            "only once the running ones' next growth is backed, and when the pool is full the\n"
-            "request cheapest to recompute gives way and resumes later from its cached prompt,\n"
-            "with identical tokens: it is delayed, not cut."
+            "only once the running ones' next growth is backed, and when the pool is full\n"
+            "the request cheapest to recompute gives way and resumes later from its cached\n"
+            "prompt, with identical tokens: it is delayed, not cut."
         )
     weights = (
         "Weights govern memory, not CPU: the bytes share leans to the weights while both models\n"
