@@ -153,7 +153,7 @@ def test_help_shows_defaults(runs: dict[str, Run]) -> None:
     for expected in (
         "requests decoding at once (default: 4)",
         "(default: 30)",
-        "(default: on-demand)",
+        "(default: auto)",
         "stderr log level (default: INFO)",
         "--served-model-name NAME",
     ):
