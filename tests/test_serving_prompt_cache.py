@@ -112,14 +112,17 @@ def test_cached_bytes_are_counted_shown_and_dropped(stack: ServingStack) -> None
     for n in (40, 90):
         ask(stack, LLAMA, [rng.randrange(256) for _ in range(n)], stream=False)
     daemon = stack.daemon
-    stats = stack.worker_stats(LLAMA)["prompt_cache"]
 
+    # An ended request's entry is stored after its response (its blocks come back first), so
+    # the worker's own figures are read again until its heartbeat has told the daemon the same.
     def reported() -> bool:
-        return session_of(daemon, LLAMA)["prompt_cache"] == {
-            k: stats[k] for k in session_of(daemon, LLAMA)["prompt_cache"]
-        }
+        stats = stack.worker_stats(LLAMA)["prompt_cache"]
+        at_daemon = session_of(daemon, LLAMA)["prompt_cache"]
+        return at_daemon == {k: stats[k] for k in at_daemon} and at_daemon["entries"] == len(
+            cache_owners(daemon, LLAMA)
+        )
 
-    wait_until(reported, timeout=5)
+    wait_until(reported, timeout=30)
     session = session_of(daemon, LLAMA)
     owners = cache_owners(daemon, LLAMA)
     per_block = session["bytes_per_block"]
