@@ -28,6 +28,7 @@ from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
 from test_quantized_kv import MODEL_ARGS
 from vqpool.daemon.front.catalog import catalog_from_config
+from vqpool.shared.front_client import FrontDoorRefused
 from vqpool.worker.kv.disk_format import model_fingerprint, read_header
 from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.kv.disk_writer import DiskWriter
@@ -421,6 +422,39 @@ def test_unload_reload_and_a_restart_of_worker_and_daemon_hit_from_disk(disk_dir
         assert dropped.returncode == 0 and "disk tier" in dropped.stdout, dropped
         wait_until(lambda: entry_files(disk_dir) == [], 30)
         wait_until(lambda: disk_figures(front, "llama").get("disk_entries") == 0, 30)
+
+
+def test_cache_drop_disk_removes_the_files_of_a_model_serve_has_not_loaded(
+    disk_dir: Path,
+) -> None:
+    config = LLAMA_CONFIG.format(disk=disk_dir)
+    prompt = "A chat whose model went idle and was unloaded, its history kept on disk. " * 4
+    with FrontDoor("--kv-disk-bytes", "64MiB", config=config) as front:
+        qwen_dir = front.run_dir / "kv-disk" / "qwen"
+        ask(front, "llama", prompt)
+        ask(front, "qwen", prompt)
+        # Loaded: its worker writes the files; the front door leaves them to it.
+        with pytest.raises(FrontDoorRefused) as refused:
+            front.control().drop_disk("llama")
+        assert refused.value.status == 409
+        for model in ("llama", "qwen"):
+            assert front.control().unload(model, wait=60)["unloaded"]
+        assert len(entry_files(disk_dir)) == 1 and len(entry_files(qwen_dir)) == 1
+        kept = disk_dir / "notes.txt"  # not an entry file: never removed
+        kept.write_text("mine")
+
+        dropped = run_ctl(front.run_dir, "cache", "drop", "llama", "--disk")
+        assert dropped.returncode == 0, dropped
+        assert "not loaded" in dropped.stdout and "1 entries" in dropped.stdout
+        assert entry_files(disk_dir) == [] and kept.read_text() == "mine"
+        assert len(entry_files(qwen_dir)) == 1  # another model's files stay
+        removed = ctl_json(front.run_dir, "cache", "drop", "qwen", "--disk")  # its default dir
+        assert removed["entries"] == 1 and removed["bytes"] > 0
+        assert entry_files(qwen_dir) == []
+        assert front.row("llama")["state"] == "not_loaded"
+        assert ask(front, "llama", prompt)["cached"] == 0  # nothing left to read back
+        # Without --disk there is nothing to drop for a model no worker serves: as before.
+        assert run_ctl(front.run_dir, "cache", "drop", "qwen").returncode == 4
 
 
 def test_serve_gives_every_model_the_disk_tier_unless_its_table_sets_its_own() -> None:
