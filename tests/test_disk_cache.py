@@ -461,7 +461,8 @@ def test_an_entry_is_written_when_stored_so_a_worker_killed_after_a_request_hits
 def test_cache_drop_disk_removes_the_files_of_a_model_serve_has_not_loaded(
     disk_dir: Path,
 ) -> None:
-    config = LLAMA_CONFIG.format(disk=disk_dir)
+    twin = f'[models."twin"]\npath = "builtin:llama"\nkv_disk_dir = "{disk_dir}"\n'
+    config = LLAMA_CONFIG.format(disk=disk_dir) + twin
     prompt = "A chat whose model went idle and was unloaded, its history kept on disk. " * 4
     with FrontDoor("--kv-disk-bytes", "64MiB", config=config) as front:
         qwen_dir = front.run_dir / "kv-disk" / "qwen"
@@ -471,6 +472,9 @@ def test_cache_drop_disk_removes_the_files_of_a_model_serve_has_not_loaded(
         with pytest.raises(FrontDoorRefused) as refused:
             front.control().drop_disk("llama")
         assert refused.value.status == 409
+        # Not loaded, but its directory is the running llama worker's: refused, with why.
+        shared = run_ctl(front.run_dir, "cache", "drop", "twin", "--disk")
+        assert shared.returncode == 4 and "whose worker runs" in shared.stderr, shared
         for model in ("llama", "qwen"):
             assert front.control().unload(model, wait=60)["unloaded"]
         assert len(entry_files(disk_dir)) == 1 and len(entry_files(qwen_dir)) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -91,16 +92,30 @@ async def drop_disk(request: web.Request) -> web.Response:
             kind="conflict",
             param="model",
         )
-    # No await from the check to the last removal: no load of the model starts in between.
+    # No await from the checks to the last removal: no load starts in between.
     supervisor = request.app[SUPERVISOR]
-    entry = slot.entry
-    directory = kv_disk_directory(
-        supervisor.run_dir, entry.name, entry.worker_option("--kv-disk-dir")
-    )
+    directory = _disk_directory(supervisor, slot)
+    sharing = [
+        other.name
+        for other in supervisor.slots.values()
+        if other.worker is not None and _disk_directory(supervisor, other) == directory
+    ]
+    if sharing:
+        raise ApiError(
+            409,
+            f"{directory} is also the disk tier of {', '.join(sharing)}, whose worker runs",
+            kind="conflict",
+            param="model",
+        )
     entries, n_bytes = remove_entry_files(directory)
     return web.json_response(
         {"model": slot.name, "directory": str(directory), "entries": entries, "bytes": n_bytes}
     )
+
+
+def _disk_directory(supervisor: Supervisor, slot: ModelSlot) -> Path:
+    entry = slot.entry
+    return kv_disk_directory(supervisor.run_dir, entry.name, entry.worker_option("--kv-disk-dir"))
 
 
 def build_control_app(supervisor: Supervisor, catalog: Catalog, url: str) -> web.Application:

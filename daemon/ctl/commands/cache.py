@@ -27,6 +27,7 @@ from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_action, add_actions, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import formats_text, per_model, shows_formats
+from vqpool.shared.errors import VqpoolError
 from vqpool.shared.front_client import FrontDoorNotRunning, FrontDoorRefused
 from vqpool.shared.protocol import CACHE_DROP
 
@@ -102,23 +103,26 @@ def _list(ctl: Ctl) -> int:
     return Exit.OK
 
 
-def _drop_unloaded(ctl: Ctl, name: str) -> dict[str, Any] | None:
+def _drop_unloaded(ctl: Ctl, name: str) -> dict[str, Any] | FrontDoorRefused | None:
     """The front door's removal of the disk tier of ``name``, which it serves and has not
-    loaded; None when no front door runs, it does not serve ``name`` or has it loaded (then its
-    worker drops the files, told by vqpoold)."""
+    loaded; its refusal when a worker runs (of the model, or of another model sharing the
+    directory; a loaded model's worker drops its files, told by vqpoold); None when no front
+    door runs or it does not serve ``name``."""
     try:
         return ctl.front_door().drop_disk(name)
     except FrontDoorNotRunning:
         return None
     except FrontDoorRefused as exc:
-        if exc.status in (404, 409):
+        if exc.status == 404:
             return None
+        if exc.status == 409:
+            return exc
         raise
 
 
 def _drop(ctl: Ctl, args: argparse.Namespace) -> int:
     removed = _drop_unloaded(ctl, args.name) if args.disk else None
-    if removed is not None:
+    if isinstance(removed, dict):
         if ctl.as_json:
             ctl.print_json(removed)
         else:
@@ -127,7 +131,12 @@ def _drop(ctl: Ctl, args: argparse.Namespace) -> int:
                 f"({human_bytes(removed['bytes'])}) of its disk tier in {removed['directory']}"
             )
         return Exit.OK
-    result = ctl.call("cache_drop", model=args.name, disk=args.disk)
+    try:
+        result = ctl.call("cache_drop", model=args.name, disk=args.disk)
+    except (VqpoolError, ValueError):
+        if removed is not None:  # the front door's reason says more (a load under way...)
+            raise removed from None
+        raise
     if ctl.as_json:
         ctl.print_json(result)
         return Exit.OK
