@@ -1,5 +1,6 @@
 """Ask a running ``vqpool serve`` about its models, on its control socket in the run directory
-(``front.sock``, owner only): what ``vqpoolctl ps``, ``load`` and ``unload`` use.
+(``front.sock``, owner only): what ``vqpoolctl ps``, ``load``, ``unload`` and ``cache drop
+--disk`` use.
 
 Plain HTTP over the Unix socket, standard library only.
 """
@@ -99,4 +100,10 @@ class FrontDoorClient:
         """Unload ``model`` once its requests end; its row, ``unloaded`` saying whether it went
         within ``wait`` seconds."""
         result: dict[str, Any] = self._call("POST", "/unload", {"model": model, "timeout": wait})
+        return result
+
+    def drop_disk(self, model: str) -> dict[str, Any]:
+        """Remove the disk tier's entry files of ``model``, which is not loaded: ``model``,
+        ``directory``, ``entries`` and ``bytes`` removed. A loaded model is refused (409)."""
+        result: dict[str, Any] = self._call("POST", "/drop-disk", {"model": model})
         return result

@@ -28,6 +28,7 @@ from front_harness import FrontDoor
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
 from test_quantized_kv import MODEL_ARGS
 from vqpool.daemon.front.catalog import catalog_from_config
+from vqpool.shared.front_client import FrontDoorRefused
 from vqpool.worker.kv.disk_format import model_fingerprint, read_header
 from vqpool.worker.kv.disk_store import DiskStore
 from vqpool.worker.kv.disk_writer import DiskWriter
@@ -109,7 +110,9 @@ def test_a_turn_read_back_from_disk_matches_one_recomputed(
         counters = worker.cache.snapshot()
         assert counters["disk_reads"] == 1
         assert counters["disk_hit_tokens"] == cached
-        assert counters["disk_writes"] == 1
+        assert worker.cache.disk is not None and worker.cache.disk.flush(60)
+        # Each turn's entry written once, when stored: the eviction found turn 1's on disk.
+        assert worker.cache.snapshot()["disk_writes"] == 2
     finally:
         stop(worker)
     # A new worker on the same directory (a restart): the entries written at exit load back.
@@ -265,8 +268,10 @@ def test_a_truncated_file_read_by_a_worker_is_a_miss_not_an_error(
         tokens, cached, end = worker.run(prompt)
         assert (cached, end.finish_reason) == (0, "length")
         assert scored(tokens) == scored(plain.run(prompt)[0])
-        assert not path.exists()
         assert worker.cache.snapshot()["disk_removed_bad"] == 1
+        # The recomputed turn's entry is written again under the same name, whole this time.
+        assert worker.cache.disk is not None and worker.cache.disk.flush(60)
+        assert read_header(path).tokens[: len(prompt)] == tuple(prompt)
     finally:
         stop(worker)
         plain.scheduler.stop()
@@ -327,24 +332,24 @@ def test_a_full_write_queue_drops_the_oldest_write_and_never_delays_a_token(
     writer = DiskWriter(store, max_pending=2, before_write=slow_disk)
     rng = random.Random(11)
     prompts = [random_tokens(rng, 100, loaded.vocab_size) for _ in range(6)]
-    # A cache of one entry: each request's store evicts the previous one, a write to disk.
+    # A cache of one entry: each request's store queues its write and evicts the previous
+    # entry, whose write is queued already (not queued twice).
     worker = start_disk_worker(loaded, disk_dir, cache_bytes=60_000, writer=writer)
     try:
         assert worker.cache is not None
-        worker.run(prompts[0])
-        worker.run(prompts[1])  # evicts prompts[0]: the writer takes it and stalls
+        worker.run(prompts[0])  # its write: the writer wakes for it and stalls
         assert entered.wait(30)
-        for prompt in prompts[2:]:
+        for prompt in prompts[1:]:
             tokens, _, end = worker.run(prompt)  # served while the disk is stuck
             assert len(tokens) == 12 and end.finish_reason == "length"
-        # Evicted: prompts 0..4, while the writer stalls on the first; room for 2 pending.
+        # Stored: prompts 0..5, while the writer stalls before its first; room for 2 pending.
         counters = worker.cache.snapshot()
-        assert counters["disk_dropped_writes"] == 3
+        assert counters["disk_dropped_writes"] == 4
         assert writer.n_pending == 2
         release.set()
         assert writer.flush(60)
         held = [n for n, p in enumerate(prompts) if store.holds(p)]
-        assert held == [3, 4]  # the oldest writes were dropped, the newest written
+        assert held == [4, 5]  # the oldest writes were dropped, the newest written
         assert worker.cache.snapshot()["disk_writes"] == 2
     finally:
         release.set()
@@ -421,6 +426,73 @@ def test_unload_reload_and_a_restart_of_worker_and_daemon_hit_from_disk(disk_dir
         assert dropped.returncode == 0 and "disk tier" in dropped.stdout, dropped
         wait_until(lambda: entry_files(disk_dir) == [], 30)
         wait_until(lambda: disk_figures(front, "llama").get("disk_entries") == 0, 30)
+
+
+def test_an_entry_is_written_when_stored_so_a_worker_killed_after_a_request_hits_from_disk(
+    disk_dir: Path,
+) -> None:
+    config = LLAMA_CONFIG.format(disk=disk_dir)
+    prompt = "A chat whose worker is killed before any eviction or clean exit. " * 5
+    with FrontDoor(config=config) as front:
+        first = ask(front, "llama", prompt)
+        # Written while the entry is still in memory: no eviction, no exit asked for it.
+        wait_until(lambda: disk_figures(front, "llama").get("disk_writes") == 1, 30)
+        assert disk_figures(front, "llama")["entries"] == 1
+        assert len(entry_files(disk_dir)) == 1
+        killed = front.row("llama")["pid"]
+        os.kill(killed, signal.SIGKILL)
+        front.wait_state("llama", "not_loaded")
+
+        again = ask(front, "llama", prompt)  # a new worker: its memory is empty
+        pid = front.row("llama")["pid"]
+        assert pid != killed
+        assert again["cached"] > 0
+        assert (again["text"], again["logprobs"]) == (first["text"], first["logprobs"])
+        # The killed worker's session may linger in vqpoold until its lease ends.
+        wait_until(
+            lambda: any(
+                s["pid"] == pid and (s["prompt_cache"] or {}).get("disk_reads") == 1
+                for s in front.sessions_of("llama")
+            ),
+            30,
+        )
+
+
+def test_cache_drop_disk_removes_the_files_of_a_model_serve_has_not_loaded(
+    disk_dir: Path,
+) -> None:
+    twin = f'[models."twin"]\npath = "builtin:llama"\nkv_disk_dir = "{disk_dir}"\n'
+    config = LLAMA_CONFIG.format(disk=disk_dir) + twin
+    prompt = "A chat whose model went idle and was unloaded, its history kept on disk. " * 4
+    with FrontDoor("--kv-disk-bytes", "64MiB", config=config) as front:
+        qwen_dir = front.run_dir / "kv-disk" / "qwen"
+        ask(front, "llama", prompt)
+        ask(front, "qwen", prompt)
+        # Loaded: its worker writes the files; the front door leaves them to it.
+        with pytest.raises(FrontDoorRefused) as refused:
+            front.control().drop_disk("llama")
+        assert refused.value.status == 409
+        # Not loaded, but its directory is the running llama worker's: refused, with why.
+        shared = run_ctl(front.run_dir, "cache", "drop", "twin", "--disk")
+        assert shared.returncode == 4 and "whose worker runs" in shared.stderr, shared
+        for model in ("llama", "qwen"):
+            assert front.control().unload(model, wait=60)["unloaded"]
+        assert len(entry_files(disk_dir)) == 1 and len(entry_files(qwen_dir)) == 1
+        kept = disk_dir / "notes.txt"  # not an entry file: never removed
+        kept.write_text("mine")
+
+        dropped = run_ctl(front.run_dir, "cache", "drop", "llama", "--disk")
+        assert dropped.returncode == 0, dropped
+        assert "not loaded" in dropped.stdout and "1 entries" in dropped.stdout
+        assert entry_files(disk_dir) == [] and kept.read_text() == "mine"
+        assert len(entry_files(qwen_dir)) == 1  # another model's files stay
+        removed = ctl_json(front.run_dir, "cache", "drop", "qwen", "--disk")  # its default dir
+        assert removed["entries"] == 1 and removed["bytes"] > 0
+        assert entry_files(qwen_dir) == []
+        assert front.row("llama")["state"] == "not_loaded"
+        assert ask(front, "llama", prompt)["cached"] == 0  # nothing left to read back
+        # Without --disk there is nothing to drop for a model no worker serves: as before.
+        assert run_ctl(front.run_dir, "cache", "drop", "qwen").returncode == 4
 
 
 def test_serve_gives_every_model_the_disk_tier_unless_its_table_sets_its_own() -> None:

@@ -8,16 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from vqpool.shared.config import resolve_run_dir
 from vqpool.shared.errors import DaemonUnavailableError
+from vqpool.shared.kv_disk import kv_disk_directory
 from vqpool.shared.model_weights import worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
@@ -320,11 +319,7 @@ def open_disk_tier(
     """The prompt cache's disk tier (``--kv-disk-bytes``, ``--kv-disk-dir``), or None."""
     if not args.kv_disk_bytes:
         return None
-    directory = (
-        Path(args.kv_disk_dir).expanduser()
-        if args.kv_disk_dir
-        else resolve_run_dir(args.run_dir) / "kv-disk" / _safe_name(served_name)
-    )
+    directory = kv_disk_directory(resolve_run_dir(args.run_dir), served_name, args.kv_disk_dir)
     quantization = _quantization(args)
     fingerprint = model_fingerprint(
         model,
@@ -340,11 +335,6 @@ def open_disk_tier(
         fingerprint[:16],
     )
     return DiskWriter(store)
-
-
-def _safe_name(name: str) -> str:
-    """``name`` as one path component (a hub id's ``/`` and other odd characters become ``_``)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "model"
 
 
 def _load_draft(spec: str | None, loaded: LoadedModel) -> LoadedModel | None:

@@ -4,7 +4,10 @@
 Routes (JSON): ``GET /models`` (the front door's pid and URL, and every model's row),
 ``POST /load`` ``{"model": NAME, "timeout": S}`` (load it as a request would and wait),
 ``POST /unload`` ``{"model": NAME, "timeout": S}`` (unload it as soon as its requests end;
-waits at most ``timeout`` for that). Names resolve as in the public API.
+waits at most ``timeout`` for that), ``POST /drop-disk`` ``{"model": NAME}`` (remove the
+entry files of the prompt cache's disk tier of a model that is not loaded: no worker writes them;
+a loaded model's worker drops its own when vqpoold tells it, 409 here). Names resolve as in the
+public API.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +24,7 @@ from vqpool.daemon.front.model_slot import ModelSlot
 from vqpool.daemon.front.public_api import json_errors, served_model
 from vqpool.daemon.front.supervisor import Supervisor
 from vqpool.shared.api_error import ApiError
+from vqpool.shared.kv_disk import kv_disk_directory, remove_entry_files
 
 MAX_CONTROL_BODY = 64 * 1024
 MAX_WAIT = 3600.0
@@ -77,6 +82,42 @@ async def unload(request: web.Request) -> web.Response:
     return web.json_response({**_row(slot), "unloaded": done})
 
 
+async def drop_disk(request: web.Request) -> web.Response:
+    slot, _ = await _target(request)
+    if slot.worker is not None:
+        raise ApiError(
+            409,
+            f"{slot.name} is {slot.state}: its worker holds its disk tier; "
+            "`vqpoolctl cache drop --disk` asks it through vqpoold",
+            kind="conflict",
+            param="model",
+        )
+    # No await from the checks to the last removal: no load starts in between.
+    supervisor = request.app[SUPERVISOR]
+    directory = _disk_directory(supervisor, slot)
+    sharing = [
+        other.name
+        for other in supervisor.slots.values()
+        if other.worker is not None and _disk_directory(supervisor, other) == directory
+    ]
+    if sharing:
+        raise ApiError(
+            409,
+            f"{directory} is also the disk tier of {', '.join(sharing)}, whose worker runs",
+            kind="conflict",
+            param="model",
+        )
+    entries, n_bytes = remove_entry_files(directory)
+    return web.json_response(
+        {"model": slot.name, "directory": str(directory), "entries": entries, "bytes": n_bytes}
+    )
+
+
+def _disk_directory(supervisor: Supervisor, slot: ModelSlot) -> Path:
+    entry = slot.entry
+    return kv_disk_directory(supervisor.run_dir, entry.name, entry.worker_option("--kv-disk-dir"))
+
+
 def build_control_app(supervisor: Supervisor, catalog: Catalog, url: str) -> web.Application:
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_CONTROL_BODY)
     app[SUPERVISOR] = supervisor
@@ -85,4 +126,5 @@ def build_control_app(supervisor: Supervisor, catalog: Catalog, url: str) -> web
     app.router.add_get("/models", models)
     app.router.add_post("/load", load)
     app.router.add_post("/unload", unload)
+    app.router.add_post("/drop-disk", drop_disk)
     return app

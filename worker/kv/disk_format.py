@@ -40,12 +40,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from vqpool.shared.kv_disk import TEMP_SUFFIX
 from vqpool.worker.kv.storage import KVLayout
 
 MAGIC = b"VQKVDSK\x00"
 FORMAT_VERSION = 1
-ENTRY_SUFFIX = ".kv"
-TEMP_SUFFIX = ".tmp"
 _LENGTH = struct.Struct("<II")  # header length, header CRC-32
 _MAX_HEADER_BYTES = 64 << 20
 _SAMPLE_BYTES = 4096

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from vqpool.shared.kv_disk import ENTRY_SUFFIX, TEMP_SUFFIX
 from vqpool.worker.kv.disk_format import (
-    ENTRY_SUFFIX,
-    TEMP_SUFFIX,
     DiskEntryError,
     read_entry,
     read_header,

@@ -11,19 +11,24 @@ and bytes its workers hold per block format (KV FORMATS).
 cache drop MODEL: tell every worker of MODEL (its name as `vqpoolctl sessions` shows it, or a
 label naming only it, as in `model list`) to drop its prompt cache. The daemon tells each worker
 in the answer to its next heartbeat (within a quarter of the lease), so the blocks come back
-within that time, not at once. With --disk the entries of their disk tier are removed too.
-Exits 4 when no worker of MODEL is connected.
+within that time, not at once. With --disk the entries of their disk tier are removed too;
+for a model `vqpool serve` serves and has not loaded, it removes the files of the model's disk
+tier itself (no worker writes them). Exits 4 when no worker of MODEL is connected (and, with
+--disk, no `vqpool serve` serves it unloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from vqpool.daemon.ctl.context import Ctl
 from vqpool.daemon.ctl.exits import Exit
 from vqpool.daemon.ctl.options import add_action, add_actions, op_help
 from vqpool.daemon.ctl.render import human_bytes, percent, table
 from vqpool.daemon.ctl.summaries import formats_text, per_model, shows_formats
+from vqpool.shared.errors import VqpoolError
+from vqpool.shared.front_client import FrontDoorNotRunning, FrontDoorRefused
 from vqpool.shared.protocol import CACHE_DROP
 
 LIST_HELP, DROP_HELP = (part.strip() for part in (__doc__ or "").split("\n\n")[1:3])
@@ -98,8 +103,40 @@ def _list(ctl: Ctl) -> int:
     return Exit.OK
 
 
+def _drop_unloaded(ctl: Ctl, name: str) -> dict[str, Any] | FrontDoorRefused | None:
+    """The front door's removal of the disk tier of ``name``, which it serves and has not
+    loaded; its refusal when a worker runs (of the model, or of another model sharing the
+    directory; a loaded model's worker drops its files, told by vqpoold); None when no front
+    door runs or it does not serve ``name``."""
+    try:
+        return ctl.front_door().drop_disk(name)
+    except FrontDoorNotRunning:
+        return None
+    except FrontDoorRefused as exc:
+        if exc.status == 404:
+            return None
+        if exc.status == 409:
+            return exc
+        raise
+
+
 def _drop(ctl: Ctl, args: argparse.Namespace) -> int:
-    result = ctl.call("cache_drop", model=args.name, disk=args.disk)
+    removed = _drop_unloaded(ctl, args.name) if args.disk else None
+    if isinstance(removed, dict):
+        if ctl.as_json:
+            ctl.print_json(removed)
+        else:
+            ctl.print(
+                f"model {removed['model']} (not loaded): removed {removed['entries']} entries "
+                f"({human_bytes(removed['bytes'])}) of its disk tier in {removed['directory']}"
+            )
+        return Exit.OK
+    try:
+        result = ctl.call("cache_drop", model=args.name, disk=args.disk)
+    except (VqpoolError, ValueError):
+        if removed is not None:  # the front door's reason says more (a load under way...)
+            raise removed from None
+        raise
     if ctl.as_json:
         ctl.print_json(result)
         return Exit.OK
