@@ -48,7 +48,7 @@ PROMPT_CACHE_FIGURES: tuple[ReportedFigure, ...] = (
     ReportedFigure("disk_bytes", False, "Bytes of prompt-cache entries on disk (--kv-disk-bytes)."),
     ReportedFigure("disk_entries", False, "Prompt-cache entries on disk."),
     ReportedFigure("disk_reads", True, "Prompt-cache entries read back from disk."),
-    ReportedFigure("disk_writes", True, "Prompt-cache entries written to disk."),
+    ReportedFigure("disk_writes", True, "Evicted prompt-cache entries written to disk."),
     ReportedFigure(
         "disk_dropped_writes",
         True,

@@ -1,13 +1,13 @@
-"""The background thread that writes prompt-cache entries to disk (when stored, again when
-evicted unwritten), off the generation thread, through a bounded queue that never blocks.
+"""The background thread that writes evicted prompt-cache entries to disk, off the generation
+thread, through a bounded queue that never blocks.
 
 :meth:`DiskWriter.submit` queues an entry's token ids and arrays (evaluated MLX arrays: the
 writer only reads their bytes) and returns at once; the thread writes them with
 :meth:`DiskStore.put`. When ``max_pending`` writes wait already, the **oldest** pending write
 is dropped and counted (``dropped``): a slow disk loses old entries, it never delays a token
 nor holds more memory than the queue bounds (a pending entry's arrays stay alive until
-written; when it was evicted meanwhile, its pool blocks went back already). :meth:`flush`
-waits until the queue is empty (a worker stopping writes what it has).
+written; their pool blocks went back when it was evicted). :meth:`flush` waits until the queue
+is empty (a worker stopping writes what it has).
 """
 
 from __future__ import annotations
@@ -61,23 +61,18 @@ class DiskWriter:
         self._closing = False
         self.dropped = 0
         self.failed = 0
-        self.after_write: Callable[[], None] | None = None
-        """Called on the writer thread after each write (the prompt cache reports its
-        figures)."""
         self._thread = threading.Thread(target=self._run, name="vqpool-kv-disk-writer", daemon=True)
         self._thread.start()
 
     def submit(self, tokens: Sequence[int], arrays: Mapping[str, mx.array], nbytes: int) -> None:
-        """Queue a write; never blocks (a full queue drops its oldest write, counted). A write
-        of the same tokens queued already is not queued twice."""
-        kept = tuple(tokens)
+        """Queue a write; never blocks (a full queue drops its oldest write, counted)."""
         with self._cond:
-            if self._closing or any(write.tokens == kept for write in self._pending):
+            if self._closing:
                 return
             if len(self._pending) >= self.max_pending:
                 self._pending.popleft()
                 self.dropped += 1
-            self._pending.append(_PendingWrite(kept, arrays, nbytes))
+            self._pending.append(_PendingWrite(tuple(tokens), arrays, nbytes))
             self._cond.notify_all()
 
     @property
@@ -99,11 +94,8 @@ class DiskWriter:
                 # The hook may have let the queue change (drops): take the oldest left.
                 write = self._pending.popleft() if self._pending else None
             try:
-                written = write is not None and self.store.put(
-                    write.tokens, write.arrays, write.nbytes
-                )
-                if written and self.after_write is not None:
-                    self.after_write()
+                if write is not None:
+                    self.store.put(write.tokens, write.arrays, write.nbytes)
             except Exception as exc:  # a full or failing disk loses the entry, nothing else
                 self.failed += 1
                 log.warning("prompt cache on disk: a write failed: %s", exc)

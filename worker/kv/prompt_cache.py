@@ -32,11 +32,9 @@ keys and values a request computed already. :class:`PromptCache` keeps them and 
   calls it (``MLXBlockStorage.reclaim``) when an allocation of this worker is refused, before
   the allocation is retried, waits or fails: cached memory goes first. :meth:`follow_advice`
   obeys the daemon's answer to a load report (``drop_cache``, ``release_bytes``).
-* **Disk tier** (``disk``, optional; docs/cache.md "The disk tier"). A stored entry is queued
-  for the disk writer (``disk_writer.py``) at once, so a worker killed without a clean exit
-  loses only the writes still queued; an evicted entry the disk does not hold yet (its write
-  was dropped) is queued again instead of dropped, and the entries a stopping worker holds are
-  written by :meth:`close`. :meth:`prefetch`, when a request is submitted, reads a
+* **Disk tier** (``disk``, optional; docs/cache.md "The disk tier"). Evicted entries are queued
+  for the disk writer (``disk_writer.py``) instead of dropped, and the entries a stopping worker
+  holds are written by :meth:`close`. :meth:`prefetch`, when a request is submitted, reads a
   longer prefix than memory holds back from disk (``disk_store.py``) into a new entry, on a
   reader thread of its own, so the request's :meth:`reuse` finds it in memory.
 
@@ -156,8 +154,6 @@ class PromptCache:
             0,
         )
         self._disk = disk
-        if disk is not None:  # the daemon's figures follow the writes
-            disk.after_write = self.report
         # Disk loads evaluate MLX arrays on a thread of their own, never the generation thread
         # nor the short-lived HTTP threads (MLX wants a thread's streams cleared before it ends).
         self._reader = (
@@ -235,7 +231,7 @@ class PromptCache:
                 tokens, n_blocks, need, storage, lambda buffers: _install(buffers, arrays)
             )
         self.report()
-        return created is not None
+        return created
 
     def cached_prefix_length(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` (at most all but the last) :meth:`reuse` would
@@ -312,13 +308,11 @@ class PromptCache:
                 return False
             while self._lru and self.nbytes + need > self.max_bytes:
                 self._evict(next(iter(self._lru.values())))
-            entry = self._create(
+            created = self._create(
                 kept, n_blocks, need, storage, lambda buffers: _copy(buffers, layers, n)
             )
-            if entry is not None:
-                self._spill(entry)
         self.report()
-        return entry is not None
+        return created
 
     def _create(
         self,
@@ -327,10 +321,9 @@ class PromptCache:
         need: int,
         storage: MLXBlockStorage,
         fill: Callable[[SequenceBuffers], None],
-    ) -> CacheEntry | None:
+    ) -> bool:
         """A new entry for ``tokens`` in ``storage``, its buffers filled by ``fill`` (a copy of
-        their KV, or arrays read from disk); None when the pool is short. The caller holds the
-        lock."""
+        their KV, or arrays read from disk); the caller holds the lock."""
         n = len(tokens)
         number = next(self._numbers)
         try:
@@ -348,7 +341,7 @@ class PromptCache:
         except Exception as exc:  # the pool is short (or gone): the request is not affected
             log.debug("prompt cache: not storing %d tokens: %s", n, exc)
             self.counters["stores_skipped"] += 1
-            return None
+            return False
         keys = block_keys(tokens, n // self.block_size, self.block_size)
         entry = CacheEntry(number, tokens, keys, sequence, need, n_blocks)
         self._lru[number] = entry
@@ -359,7 +352,7 @@ class PromptCache:
         for older in prefixes_of(self._index, tokens, keys, self.block_size):
             self._remove(older)
             self.counters["superseded"] += 1
-        return entry
+        return True
 
     # -- giving memory back ----------------------------------------------------------------------
 
@@ -374,20 +367,12 @@ class PromptCache:
             log.warning("prompt cache: releasing %s failed: %s", entry.sequence.owner, exc)
         return entry.nbytes
 
-    def _spill(self, entry: CacheEntry) -> None:
-        """Queue ``entry`` for the disk tier unless it holds its tokens (or the write is queued
-        already): never blocks. The caller holds the lock."""
-        if self._disk is not None and not self._disk.store.holds(entry.tokens):
-            # The arrays stay alive (not charged, once evicted) until written: the queue
-            # bounds them.
-            self._disk.submit(entry.tokens, named_arrays(entry.sequence.buffers), entry.nbytes)
-
     def _evict(self, entry: CacheEntry) -> int:
-        """Give ``entry`` back, written to the disk tier first (unless it holds its tokens:
-        an entry is queued when it is stored, so this writes only one whose write was dropped
-        or is still queued)."""
+        """Give ``entry`` back, written to the disk tier first (unless it holds its tokens)."""
         self.counters["evictions"] += 1
-        self._spill(entry)
+        if self._disk is not None and not self._disk.store.holds(entry.tokens):
+            # The arrays stay alive (not charged) until written: the queue bounds them.
+            self._disk.submit(entry.tokens, named_arrays(entry.sequence.buffers), entry.nbytes)
         return self._remove(entry)
 
     def release_bytes(self, n_bytes: int) -> int:
