@@ -5,8 +5,9 @@ path as the pooled worker, minus the pool. Requests decode together in one batch
 ``GenerationBatch``): a request's own cache is made by ``open`` and merged into the batch by
 mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 
-* ``open(owner)``: a fresh per-request, per-layer cache list (pooled: ``PooledRowCache`` over the
-  request's own ``RowBlocks``; stock: ``KVCache``), merged into a batch cache when it joins.
+* ``open(owner, n_tokens)``: a fresh per-request, per-layer cache list (pooled: ``PooledRowCache``
+  over the request's own ``RowBlocks``; stock: ``KVCache``) for ``n_tokens`` to prefill (0:
+  unknown), merged into a batch cache when it joins.
 * ``reserve(cache, n_tokens)``: make sure the request's first ``n_tokens`` slots are backed
   before its prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it
   has too few, nothing changed; stock: nothing to do).
@@ -50,13 +51,18 @@ from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
+from vqpool.worker.defaults import (
+    DEFAULT_GROWTH_WAIT,
+    DEFAULT_PREFILL_STEP_SIZE,
+    MAX_GROWTH_WAIT,
+)
 from vqpool.worker.kv.batch_cache import (
     PooledBatch,
     PooledRowCache,
     RowBlocks,
     batch_of,
     make_row_cache,
+    quantize_when_due,
 )
 from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.kv_probe import unpoolable_reason
@@ -72,7 +78,7 @@ class CacheSource(Protocol):
     @property
     def pooled(self) -> bool: ...
 
-    def open(self, owner: str) -> list[Any]: ...
+    def open(self, owner: str, n_tokens: int = 0) -> list[Any]: ...
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None: ...
 
@@ -125,11 +131,17 @@ class PooledCacheSource:
         pool: BlockPool,
         growth_wait: float = DEFAULT_GROWTH_WAIT,
         quantization: KVQuantization | None = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     ) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
         rather than at each request), a ``growth_wait`` (seconds a step's growths may wait
         at a daemon) outside 0..MAX_GROWTH_WAIT, or a ``quantization`` (``--kv-bits``) the
-        model's head dimensions do not allow."""
+        model's head dimensions do not allow.
+
+        ``prefill_step_size``: the scheduler's prefill chunk. With ``--kv-bits`` and
+        ``--quantized-kv-start`` 0 a request's blocks are quantized from its admission on,
+        and it holds full-precision blocks for its first pass only, at most one chunk
+        (:class:`RowBlocks`'s first-pass blocks)."""
         reason = unpoolable_reason(make_prompt_cache(model))
         if reason is not None:
             raise ValueError(reason)
@@ -146,6 +158,10 @@ class PooledCacheSource:
             None if quantization is None else quantization.layout(layout)
         )
         """The layout requests' caches convert to (``--kv-bits``); None: full precision."""
+        self.first_pass_slots = (
+            prefill_step_size if quantization is not None and quantization.start == 0 else 0
+        )
+        """Slots of a request's first-pass blocks (0: none; see :class:`RowBlocks`)."""
         self._rows: dict[Owner, RowBlocks] = {}
         self.reclaim: Callable[[int], int] | None = None
         """Given to every request's blocks (:attr:`RowBlocks.reclaim`): the worker's prompt
@@ -183,14 +199,26 @@ class PooledCacheSource:
         self.reclaim = cache.release_bytes
         return cache
 
-    def open(self, owner: str) -> list[Any]:
+    def open(self, owner: str, n_tokens: int = 0) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
-        the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
-        row = RowBlocks(self.pool, owner, self.layout, self.quantized)
+        the request's own pool owner (its blocks come with ``reserve`` or ``take``); a
+        quantizing request's first-pass blocks cover the first pass of its ``n_tokens`` (0:
+        unknown, a whole chunk)."""
+        row = RowBlocks(self.pool, owner, self.layout, self.quantized, self.first_pass(n_tokens))
         row.reclaim = self.reclaim
         row.flag_growth = self.waits
         self._rows[owner] = row
         return make_row_cache(row)
+
+    def first_pass(self, n_tokens: int) -> int:
+        """Slots the first forward pass of a request of ``n_tokens`` writes, when its blocks
+        are quantized from admission on (0 when they are not): a chunk, or the whole of a
+        prompt whose prefill is one chunk and its last token (they go in one call, with no
+        growth between their two passes)."""
+        step = self.first_pass_slots
+        if not step or not n_tokens:
+            return step
+        return n_tokens if n_tokens <= step + 1 else step
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
         _row(cache).reserve(n_tokens)
@@ -210,6 +238,7 @@ class PooledCacheSource:
         batch = batch_of(batch_cache)
         assert batch is not None, "a pooled source's batch is a PooledBatchKVCache"
         self._batches.add(batch)
+        quantize_when_due(batch_cache)
         return batch.ensure(n_slots, deadline, reclaim)
 
     def release(self, cache: list[Any]) -> None:
@@ -224,10 +253,7 @@ class PooledCacheSource:
     def block_bytes(self) -> int:
         """Bytes the blocks of this worker's requests stand for, each block priced by its
         format (full precision, or quantized once its request converted)."""
-        return sum(
-            row.n_blocks * (row.layout.k_block_bytes + row.layout.v_block_bytes)
-            for row in self._rows.values()
-        )
+        return sum(row.block_bytes for row in self._rows.values())
 
     def nbytes(self) -> int:
         """Bytes of the batch buffers (never more than :meth:`block_bytes`)."""
@@ -259,8 +285,10 @@ class PooledCacheSource:
     def free_taken(self, taken: Any) -> None:
         """Give back blocks :meth:`take` returned that nobody will adopt (their job went away)."""
         if taken is not None:
-            k_blocks, v_blocks = taken
-            self.pool.free(k_blocks if v_blocks is k_blocks else [*k_blocks, *v_blocks])
+            # (K, V) blocks, then first-pass (K, V) ones if any; K and V are one list when a
+            # "kv" block holds both.
+            held = {id(b): b for blocks in taken for b in blocks}
+            self.pool.free(list(held.values()))
 
     def fits_alone(self, n_tokens: int) -> bool:
         """Whether one sequence of ``n_tokens`` fits the pool's blocks per stream (its most
@@ -274,15 +302,20 @@ class PooledCacheSource:
         return self.never_fits(n_tokens) is None
 
     def sequence_bytes(self, n_tokens: int) -> int:
-        """Bytes of the blocks one sequence of ``n_tokens`` holds once its prefill is done: in
-        the quantized format past ``--quantized-kv-start`` (the full-precision blocks of its
-        first forward pass go back then), else in full precision."""
-        layout: KVLayout | QuantizedKVLayout = self.layout
+        """The most bytes of blocks one sequence of ``n_tokens`` holds: in the quantized
+        format past ``--quantized-kv-start``, else in full precision; with
+        ``--quantized-kv-start`` 0, the blocks of its first pass (one chunk at most) in full
+        precision and the rest quantized (RowBlocks' first-pass blocks)."""
+        fp = self.layout
+        layout: KVLayout | QuantizedKVLayout = fp
         quantized = self.quantized
+        n_blocks = -(-n_tokens // fp.block_size)
+        n_first = 0
         if quantized is not None and quantized.quantization.due(n_tokens):
             layout = quantized
-        n_blocks = -(-n_tokens // layout.block_size)
-        return n_blocks * (layout.k_block_bytes + layout.v_block_bytes)
+            n_first = -(-min(n_tokens, self.first_pass(n_tokens)) // fp.block_size)
+        first_bytes = n_first * (fp.k_block_bytes + fp.v_block_bytes)
+        return (n_blocks - n_first) * (layout.k_block_bytes + layout.v_block_bytes) + first_bytes
 
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
@@ -330,7 +363,7 @@ class StockCacheSource:
         # The layers of the batches in use (a batch's layers die with it).
         self._batch_layers: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def open(self, owner: str) -> list[Any]:
+    def open(self, owner: str, n_tokens: int = 0) -> list[Any]:
         cache: list[Any] = make_prompt_cache(self.model)
         if self.draft_model is not None:
             cache += make_prompt_cache(self.draft_model)
