@@ -5,9 +5,8 @@ path as the pooled worker, minus the pool. Requests decode together in one batch
 ``GenerationBatch``): a request's own cache is made by ``open`` and merged into the batch by
 mlx-lm (``merge`` / ``extend`` of the per-layer caches):
 
-* ``open(owner, n_tokens)``: a fresh per-request, per-layer cache list (pooled: ``PooledRowCache``
-  over the request's own ``RowBlocks``; stock: ``KVCache``) for ``n_tokens`` to prefill (0:
-  unknown), merged into a batch cache when it joins.
+* ``open(owner)``: a fresh per-request, per-layer cache list (pooled: ``PooledRowCache`` over the
+  request's own ``RowBlocks``; stock: ``KVCache``), merged into a batch cache when it joins.
 * ``reserve(cache, n_tokens)``: make sure the request's first ``n_tokens`` slots are backed
   before its prefill starts (pooled: blocks from the pool, ``BlockPoolExhaustedError`` when it
   has too few, nothing changed; stock: nothing to do).
@@ -78,7 +77,7 @@ class CacheSource(Protocol):
     @property
     def pooled(self) -> bool: ...
 
-    def open(self, owner: str, n_tokens: int = 0) -> list[Any]: ...
+    def open(self, owner: str) -> list[Any]: ...
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None: ...
 
@@ -199,26 +198,14 @@ class PooledCacheSource:
         self.reclaim = cache.release_bytes
         return cache
 
-    def open(self, owner: str, n_tokens: int = 0) -> list[Any]:
+    def open(self, owner: str) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
-        the request's own pool owner (its blocks come with ``reserve`` or ``take``); a
-        quantizing request's first-pass blocks cover the first pass of its ``n_tokens`` (0:
-        unknown, a whole chunk)."""
-        row = RowBlocks(self.pool, owner, self.layout, self.quantized, self.first_pass(n_tokens))
+        the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
+        row = RowBlocks(self.pool, owner, self.layout, self.quantized, self.first_pass_slots)
         row.reclaim = self.reclaim
         row.flag_growth = self.waits
         self._rows[owner] = row
         return make_row_cache(row)
-
-    def first_pass(self, n_tokens: int) -> int:
-        """Slots the first forward pass of a request of ``n_tokens`` writes, when its blocks
-        are quantized from admission on (0 when they are not): a chunk, or the whole of a
-        prompt whose prefill is one chunk and its last token (they go in one call, with no
-        growth between their two passes)."""
-        step = self.first_pass_slots
-        if not step or not n_tokens:
-            return step
-        return n_tokens if n_tokens <= step + 1 else step
 
     def reserve(self, cache: list[Any], n_tokens: int) -> None:
         _row(cache).reserve(n_tokens)
@@ -313,7 +300,7 @@ class PooledCacheSource:
         n_first = 0
         if quantized is not None and quantized.quantization.due(n_tokens):
             layout = quantized
-            n_first = -(-min(n_tokens, self.first_pass(n_tokens)) // fp.block_size)
+            n_first = -(-min(n_tokens, self.first_pass_slots) // fp.block_size)
         first_bytes = n_first * (fp.k_block_bytes + fp.v_block_bytes)
         return (n_blocks - n_first) * (layout.k_block_bytes + layout.v_block_bytes) + first_bytes
 
@@ -363,7 +350,7 @@ class StockCacheSource:
         # The layers of the batches in use (a batch's layers die with it).
         self._batch_layers: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def open(self, owner: str, n_tokens: int = 0) -> list[Any]:
+    def open(self, owner: str) -> list[Any]:
         cache: list[Any] = make_prompt_cache(self.model)
         if self.draft_model is not None:
             cache += make_prompt_cache(self.draft_model)

@@ -191,7 +191,7 @@ class DraftCacheSource(PooledCacheSource):
     def attach_prompt_cache(self, **kwargs: Any) -> PromptCache:
         raise ValueError("the prompt cache holds no draft model's KV: not with --draft-model")
 
-    def open(self, owner: str, n_tokens: int = 0) -> list[Any]:
+    def open(self, owner: str) -> list[Any]:
         sequence = PooledSequence(self.pool, owner, self._storage)
         self._sequences[owner] = sequence
         return PooledPromptCache(

@@ -671,7 +671,7 @@ class Scheduler:
         has too few free blocks now (the job keeps its owner id and empty cache for the retry)."""
         if job.cache is None:
             job.owner = f"{self.owner_prefix}-{next(self._owner_numbers)}"
-            job.cache = self._open_cache(job.owner, len(job.prompt) + len(job.generated))
+            job.cache = self._open_cache(job.owner)
         if job.preemptions and self.prompt_cache is not None:
             self.prompt_cache.touch([*job.prompt, *job.generated])
         job.whole = self._whole_by_measure()
@@ -683,11 +683,11 @@ class Scheduler:
         self._queue_prefill(job)
         return True
 
-    def _open_cache(self, owner: str, n_tokens: int) -> list[Any]:
+    def _open_cache(self, owner: str) -> list[Any]:
         """The seam where a job's own cache is made, before it joins the batch: empty today
         (the whole prompt is prefilled). A prompt cache would hand one holding a cached prefix
         of the prompt; :meth:`ContinuousBatch.start` then prefills only the rest."""
-        return self.source.open(owner, n_tokens)
+        return self.source.open(owner)
 
     def _queue_prefill(self, job: GenerationJob) -> None:
         """Queue the started job for its prefill (it joins the batch when that is done)."""
