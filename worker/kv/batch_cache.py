@@ -34,7 +34,9 @@ included, is covered by blocks the rows' pool owners hold:
 * **Quantized rows** (``--kv-bits``): a batch's buffers are quantized as mlx-lm's
   ``maybe_quantize_kv_cache`` quantizes a cache (see :class:`PooledBatch`); its layers then have
   ``bits`` and hand attention ``(packed, scales, biases)`` triples, as ``QuantizedKVCache``, and
-  its rows hold blocks of the quantized format.
+  its rows hold blocks of the quantized format. With ``--quantized-kv-start`` 0 a row holds
+  quantized blocks from its admission on, and full-precision ones for its first pass only
+  (:class:`RowBlocks`' first-pass blocks).
 
 A finished row's KV comes out with ``extract`` as a stock ``KVCache`` (a ``QuantizedKVCache``
 once quantized; a detached copy, no pool blocks), as mlx-lm's ``BatchKVCache.extract`` does.
@@ -315,7 +317,7 @@ class RowBlocks:
         keep = max(blocks_to_hold(n_slots, bs), -(-self.reserved_slots // bs))
         if self.released or keep >= self.n_blocks:
             return
-        keep -= self.n_first_pass_blocks  # they cover the first slots
+        keep = max(keep - self.n_first_pass_blocks, 0)  # they cover the first slots
         dropped = self._k_blocks[keep:]
         if self._v_blocks is not self._k_blocks:
             dropped.extend(self._v_blocks[keep:])
@@ -407,11 +409,12 @@ class PooledBatch:
 
     Quantizing (``--kv-bits``): rows whose ``quantized`` layout is set convert the whole batch
     as mlx-lm's ``maybe_quantize_kv_cache`` converts a cache after a forward pass, when its
-    longest row holds ``--quantized-kv-start`` tokens or more. Each layer's cache quantizes its
-    buffers when the next pass writes it (the attention inputs mlx-lm's converted cache gives,
-    and no pool call inside a pass); the next :meth:`ensure` then has the rows trade their
-    full-precision blocks for as many quantized ones (until then the buffers, smaller, are still
-    charged as full precision).
+    longest row holds ``--quantized-kv-start`` tokens or more: between passes, before the
+    :meth:`ensure` of the next one (:func:`quantize_when_due`), or, for a pass with no ``ensure``
+    before it, by each layer's cache when that pass writes it (the attention inputs mlx-lm's
+    converted cache gives, and no pool call inside a pass). :meth:`ensure` then has the rows
+    trade their full-precision blocks (or first-pass blocks) for as many quantized ones (until
+    then the buffers, smaller, are still charged as full precision).
     """
 
     def __init__(
