@@ -290,25 +290,26 @@ class RowBlocks:
         target = self.quantized
         if not self.first_pass_done:
             self.first_pass_done = True
-            n_first = self.n_first_pass_blocks
-            first = [*self._first_k, *(() if self._first_v is self._first_k else self._first_v)]
-            self._first_k.clear()
-            self._first_v.clear()
-            if first:
-                self.pool.free(first)
+            n_first = self._give_back(self._first_k, self._first_v)
             if n_first:
                 self._hold(self._allocate(n_first, wait, self.flag_growth))
         if target is None or self.layout is target:
             return
-        n_blocks = self.n_blocks
-        held = [*self._k_blocks, *(() if self._v_blocks is self._k_blocks else self._v_blocks)]
-        self._k_blocks.clear()
-        self._v_blocks.clear()
-        if held:
-            self.pool.free(held)
+        n_blocks = self._give_back(self._k_blocks, self._v_blocks)
         self.layout = target
         if n_blocks:
             self._hold(self._allocate(n_blocks, wait, self.flag_growth))
+
+    def _give_back(self, k_blocks: list[Block], v_blocks: list[Block]) -> int:
+        """Free and forget the blocks of ``k_blocks`` and ``v_blocks`` (one list when a "kv"
+        block holds both); how many there were per stream."""
+        n_blocks = len(k_blocks)
+        held = [*k_blocks, *(() if v_blocks is k_blocks else v_blocks)]
+        k_blocks.clear()
+        v_blocks.clear()
+        if held:
+            self.pool.free(held)
+        return n_blocks
 
     def shrink_to(self, n_slots: int) -> None:
         """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never
