@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,16 +23,18 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from serving_harness import ServingStack
 from test_preemption import run
+from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.kv_formats import token_bytes
-from vqpool.worker.kv.cache import make_pooled_cache
+from vqpool.worker.kv.cache import blocks_to_hold, make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage
 from vqpool.worker.kv.storage import KVLayout
 from vqpool.worker.models.loading import load_model
+from vqpool.worker.models.memory import weights_bytes
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.scheduler import ScoredToken
-from vqpool.worker.testing.http_client import request_json
+from vqpool.worker.testing.http_client import request_json, stream_events
 from vqpool.worker.testing.launch import DaemonProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
@@ -400,3 +403,67 @@ def test_bad_quantization_options_fail_at_start(
     assert worker.returncode == 2, worker.stderr
     assert message in worker.stderr
     assert "serving" not in worker.stdout
+
+
+def test_a_prompt_over_the_room_in_full_precision_is_served_in_its_quantized_bytes() -> None:
+    # A quantizing request holds full-precision blocks for its first forward pass only (one
+    # chunk), the rest quantized from its admission on: a prompt whose full-precision bytes are
+    # over the budget's room, but whose quantized bytes and one chunk fit, is served, and the
+    # ledger never charges it more. The stream is held open (far more tokens than the test
+    # reads) while the daemon is sampled from the request's start to its first token and after.
+    chunk, n_prompt, n_held = 32, 1800, 4000
+    fp = KVLayout.from_model(MODEL, BLOCK)
+    q = KVQuantization(4, 64).layout(fp)
+    fp_pair, q_pair = fp.k_block_bytes + fp.v_block_bytes, q.k_block_bytes + q.v_block_bytes
+    n_chunk_blocks = chunk // BLOCK
+    # Its most: the first pass's blocks in full precision, the rest (with the growth reserve)
+    # quantized.
+    most = n_chunk_blocks * fp_pair + blocks_to_hold(n_prompt + n_held, BLOCK) * q_pair
+    prompt_fp = -(-n_prompt // BLOCK) * fp_pair
+    assert most < prompt_fp  # the premise: the prompt alone in full precision is over the room
+    room = (most + prompt_fp) // 2
+    budget = weights_bytes(MODEL) + room
+    stack = ServingStack([], daemon_args=("--n-blocks", "4096", "--budget", str(budget))).start()
+    args = ["--kv-bits", "4", "--prefill-step-size", str(chunk), "--prompt-cache-bytes", "0"]
+    samples: list[dict[str, Any]] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        admin = AdminClient(stack.run_dir, timeout=5.0)
+        try:
+            while sampling.is_set():
+                rows = admin.call("model_list")["models"]
+                samples.extend(row for row in rows if row["model"] == "q")
+        finally:
+            admin.close()
+
+    try:
+        stack.workers["q"] = stack.start_worker(str(MODEL_DIR), [*args, "--served-model-name", "q"])
+        held_before = held_bytes(stack.daemon, "q")
+        sampling.set()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        prompt = [random.Random(5).randrange(1, 400) for _ in range(n_prompt)]
+        body = {"model": "q", "prompt": prompt, "max_tokens": n_held}
+        events = stream_events(stack.url("q"), "/v1/completions", body)
+        try:
+            first = next(events)
+            assert first["choices"][0]["text"] is not None
+            # The request runs (its first token is out): its blocks are held now.
+            n_before = len(samples)
+            wait_until(lambda: len(samples) > n_before, timeout=10)
+        finally:
+            sampling.clear()
+            sampler.join()
+            events.close()
+        kv = [s["held"] - held_before for s in samples]
+        assert max(kv) > 0
+        assert all(n <= most for n in kv), (max(kv), most)
+        for s in samples:
+            formats = s.get("formats") or {}
+            fp_blocks = formats.get(fp.format, {}).get("blocks", 0)
+            assert fp_blocks <= 2 * n_chunk_blocks, formats  # K and V of one chunk at most
+        stack.wait_for_no_blocks()
+    finally:
+        sampling.clear()
+        stack.stop()

@@ -22,7 +22,7 @@ from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
 from vqpool.worker.api.http_api import ServingApp, ServingServer, make_server
 from vqpool.worker.api.openai_api import ServedOptions
-from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT
+from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, DEFAULT_PREFILL_STEP_SIZE
 from vqpool.worker.kv.batch_probe import batching_problem
 from vqpool.worker.kv.cache_source import CacheSource, PooledCacheSource, StockCacheSource
 from vqpool.worker.kv.disk_format import model_fingerprint
@@ -85,13 +85,16 @@ def open_pool(
     draft_model: nn.Module | None = None,
     quantization: KVQuantization | None = None,
     overhead: int | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
 ) -> tuple[PoolClient, PooledCacheSource]:
     """A daemon session reporting this model's bytes per block (with a draft model: the
     model's and the draft's, which share each block), weights (both models') and
     ``overhead`` (bytes held beyond weights and KV, charged with them; None: not declared),
     and its cache source. With ``quantization`` (``--kv-bits``) the session also declares the
     bytes of a block of each format its sequences hold: full precision before
-    ``--quantized-kv-start``, quantized after (``bytes_per_format``).
+    ``--quantized-kv-start``, quantized after (``bytes_per_format``); ``prefill_step_size``
+    is the scheduler's prefill chunk (the most full-precision slots a quantizing request's first
+    pass holds).
 
     Raises:
         ValueError: A model the pooled cache cannot serve, or cannot quantize so.
@@ -129,7 +132,9 @@ def open_pool(
     try:
         if draft_model is not None:
             return pool, DraftCacheSource(model, draft_model, pool, growth_wait)
-        return pool, PooledCacheSource(model, pool, growth_wait, quantization)
+        return pool, PooledCacheSource(
+            model, pool, growth_wait, quantization, prefill_step_size=prefill_step_size
+        )
     except BaseException:
         pool.close()
         raise
@@ -176,6 +181,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
                 draft_model,
                 _quantization(args),
                 worker_overhead(args.mlx_cache_limit) if args.charge_mlx_cache else None,
+                args.prefill_step_size,
             )
         except ValueError as exc:
             log.error("%s", exc)

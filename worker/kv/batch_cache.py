@@ -34,7 +34,9 @@ included, is covered by blocks the rows' pool owners hold:
 * **Quantized rows** (``--kv-bits``): a batch's buffers are quantized as mlx-lm's
   ``maybe_quantize_kv_cache`` quantizes a cache (see :class:`PooledBatch`); its layers then have
   ``bits`` and hand attention ``(packed, scales, biases)`` triples, as ``QuantizedKVCache``, and
-  its rows hold blocks of the quantized format.
+  its rows hold blocks of the quantized format. With ``--quantized-kv-start`` 0 a row holds
+  quantized blocks from its admission on, and full-precision ones for its first pass only
+  (:class:`RowBlocks`' first-pass blocks).
 
 A finished row's KV comes out with ``extract`` as a stock ``KVCache`` (a ``QuantizedKVCache``
 once quantized; a detached copy, no pool blocks), as mlx-lm's ``BatchKVCache.extract`` does.
@@ -54,7 +56,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, create_attention_mask
 from vqpool.shared.allocator import Block, Owner
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.kv.cache import allocate_kv_blocks, blocks_to_hold
+from vqpool.worker.kv.cache import allocate_kv_block_sets, allocate_kv_blocks, blocks_to_hold
 from vqpool.worker.kv.quantized import (
     KVBuffer,
     QuantizedKVLayout,
@@ -81,6 +83,15 @@ class RowBlocks:
         owner: The request's pool owner id; registered here (an id in use raises
             ``OwnerAlreadyActiveError``).
         layout: The model's KV layout (block size and format).
+        quantized: The layout the request's cache converts to (``--kv-bits``).
+        first_pass_slots: With ``quantized`` and ``--quantized-kv-start`` 0 (every forward
+            pass but the first reads quantized KV): the most slots the request's first pass
+            writes (one prefill chunk). Its blocks for those slots (the *first-pass blocks*)
+            are full precision and the rest quantized from admission on; the first-pass
+            blocks are traded for quantized ones once its buffers are quantized, so that the
+            request never holds more than quantized blocks and one chunk of full-precision
+            ones. 0: all its blocks are full precision until the buffers convert, and are
+            traded then.
     """
 
     def __init__(
@@ -89,11 +100,16 @@ class RowBlocks:
         owner: Owner,
         layout: KVLayout,
         quantized: QuantizedKVLayout | None = None,
+        first_pass_slots: int = 0,
     ) -> None:
         self.pool = pool
         self.owner = owner
-        self.layout: KVLayout | QuantizedKVLayout = layout
-        """The layout of the blocks held (and allocated next): ``quantized`` once converted."""
+        self.first_pass_slots = first_pass_slots if quantized is not None else 0
+        self.layout: KVLayout | QuantizedKVLayout = (
+            quantized if quantized is not None and self.first_pass_slots else layout
+        )
+        """The layout of the blocks held (and allocated next) beside the first-pass blocks:
+        ``quantized`` once converted, or from the start with first-pass blocks."""
         self.fp_layout = layout
         self.quantized = quantized
         """The layout the request's cache converts to (``--kv-bits``); None: full precision."""
@@ -113,11 +129,22 @@ class RowBlocks:
         self._k_blocks: list[Block] = []
         # The same list object as _k_blocks when one "kv" block holds both.
         self._v_blocks: list[Block] = [] if pool.config.separate_kv else self._k_blocks
+        # The first-pass blocks (full precision), while the buffers are: they cover the row's
+        # first slots, the blocks above the slots after them.
+        self._first_k: list[Block] = []
+        self._first_v: list[Block] = [] if pool.config.separate_kv else self._first_k
+        self.first_pass_done = not self.first_pass_slots
+        """Whether the first-pass blocks went back (or never were)."""
 
     @property
     def n_blocks(self) -> int:
-        """Blocks held per stream."""
-        return len(self._k_blocks)
+        """Blocks held per stream (first-pass blocks included)."""
+        return len(self._k_blocks) + len(self._first_k)
+
+    @property
+    def n_first_pass_blocks(self) -> int:
+        """First-pass (full-precision) blocks held per stream."""
+        return len(self._first_k)
 
     @property
     def n_block_ids(self) -> int:
@@ -125,9 +152,24 @@ class RowBlocks:
         return self.n_blocks * (1 if self._v_blocks is self._k_blocks else 2)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes the blocks held stand for, each priced by its format."""
+        fp, layout = self.fp_layout, self.layout
+        main = len(self._k_blocks) * (layout.k_block_bytes + layout.v_block_bytes)
+        return main + self.n_first_pass_blocks * (fp.k_block_bytes + fp.v_block_bytes)
+
+    @property
     def capacity(self) -> int:
-        """Token slots the blocks held cover."""
+        """Token slots the blocks held cover (first-pass blocks included: a full-precision
+        block holds more bytes than a quantized one)."""
         return self.n_blocks * self.layout.block_size
+
+    def covers(self, quantized_buffers: bool) -> int:
+        """Token slots the row's buffers may hold: its first-pass blocks' while they are
+        full precision and it has first-pass blocks, else :attr:`capacity`."""
+        if not quantized_buffers and not self.first_pass_done:
+            return self.n_first_pass_blocks * self.fp_layout.block_size
+        return self.capacity
 
     def reserve(self, n_slots: int) -> None:
         """Hold blocks covering at least ``n_slots`` slots for the request's own tokens (kept
@@ -138,22 +180,33 @@ class RowBlocks:
         """
         self.adopt(n_slots, self.take(n_slots))
 
-    def grow(self, n_slots: int, wait: float = 0.0, reclaim: bool = True) -> None:
+    def grow(
+        self, n_slots: int, wait: float = 0.0, reclaim: bool = True, fp_buffers: bool = False
+    ) -> None:
         """Hold blocks covering at least ``n_slots`` slots of the batch (its padding included);
         :meth:`shrink_to` may give them back. ``wait`` > 0 may wait that long at the daemon,
         after the immediate tries (and the prompt cache's memory, unless not ``reclaim``)
-        failed.
+        failed. ``fp_buffers``: the buffers are still full precision, and a row with first-pass
+        blocks needs that many of them too (a pass before its buffers are quantized).
 
         Raises:
-            BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed.
+            BlockPoolExhaustedError: The pool cannot give the missing blocks; nothing changed
+                (but first-pass blocks granted before).
         """
+        if fp_buffers and not self.first_pass_done:
+            missing = -(-n_slots // self.fp_layout.block_size) - self.n_first_pass_blocks
+            if missing > 0:
+                flag = self.flag_growth
+                self._hold_first(
+                    allocate_kv_blocks(self.pool, self.owner, self.fp_layout, missing, wait, flag)
+                )
         taken = self.take(n_slots, wait, growth=True, reclaim=reclaim)
         if taken is not None:
             self._hold(taken)
 
     def take(
         self, n_slots: int, wait: float = 0.0, growth: bool = False, reclaim: bool = True
-    ) -> tuple[list[Block], list[Block]] | None:
+    ) -> tuple[list[Block], ...] | None:
         """Allocate the blocks ``n_slots`` slots still need (None when none), for :meth:`adopt`;
         any thread may call it. ``wait`` > 0 may wait that long at the daemon: an admission
         waits from its first try; a ``growth`` tries at once first, and waits only for the
@@ -164,47 +217,67 @@ class RowBlocks:
         bs = self.layout.block_size
         needed = -(-n_slots // bs)
         missing = needed - self.n_blocks
-        if missing <= 0:
+        # An admission of a row with first-pass blocks takes them with its own, in one call.
+        first = 0
+        if not growth and not self.first_pass_done and not self.n_first_pass_blocks:
+            first = min(-(-min(n_slots, self.first_pass_slots) // bs), missing)
+            missing -= first
+        if missing <= 0 and not first:
             return None
+        missing = max(missing, 0)
         flag = growth and self.flag_growth
-        extra = blocks_to_hold(n_slots, bs) - needed
+        extra = blocks_to_hold(n_slots, bs) - needed if missing else 0
         first_wait = 0.0 if growth else wait
         try:
-            return self._allocate(missing + extra, first_wait, flag)
+            return self._allocate(missing + extra, first_wait, flag, first)
         except BlockPoolExhaustedError:
             if extra:
                 with contextlib.suppress(BlockPoolExhaustedError):
-                    return self._allocate(missing, first_wait, flag)
+                    return self._allocate(missing, first_wait, flag, first)
             # Cached memory goes before a request waits, is refused or gives way.
-            layout = self.layout
-            freed = (
-                reclaim
-                and self.reclaim is not None
-                and self.reclaim(missing * (layout.k_block_bytes + layout.v_block_bytes))
-            )
+            layout, fp = self.layout, self.fp_layout
+            lacking = missing * (layout.k_block_bytes + layout.v_block_bytes)
+            lacking += first * (fp.k_block_bytes + fp.v_block_bytes)
+            freed = reclaim and self.reclaim is not None and self.reclaim(lacking)
             if not freed and not (growth and wait > 0):
                 raise
             if freed and growth and wait > 0:
                 with contextlib.suppress(BlockPoolExhaustedError):
-                    return self._allocate(missing, 0.0, flag)
-        return self._allocate(missing, wait, flag)
+                    return self._allocate(missing, 0.0, flag, first)
+        return self._allocate(missing, wait, flag, first)
 
-    def adopt(self, n_slots: int, taken: tuple[list[Block], list[Block]] | None) -> None:
+    def adopt(self, n_slots: int, taken: tuple[list[Block], ...] | None) -> None:
         """Hold the blocks :meth:`take` returned for ``n_slots`` of the request's own slots."""
         self.reserved_slots = max(self.reserved_slots, n_slots)
         if taken is not None:
             self._hold(taken)
 
-    def _hold(self, taken: tuple[list[Block], list[Block]]) -> None:
-        k_new, v_new = taken
+    def _hold(self, taken: tuple[list[Block], ...]) -> None:
+        k_new, v_new, *first = taken
         self._k_blocks.extend(k_new)
         if self._v_blocks is not self._k_blocks:
             self._v_blocks.extend(v_new)
+        if first:
+            self._hold_first((first[0], first[1]))
+
+    def _hold_first(self, taken: tuple[list[Block], list[Block]]) -> None:
+        k_new, v_new = taken
+        self._first_k.extend(k_new)
+        if self._first_v is not self._first_k:
+            self._first_v.extend(v_new)
 
     def _allocate(
-        self, n_blocks: int, wait: float, growth: bool = False
-    ) -> tuple[list[Block], list[Block]]:
-        return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait, growth)
+        self, n_blocks: int, wait: float, growth: bool = False, first: int = 0
+    ) -> tuple[list[Block], ...]:
+        """``n_blocks`` of the row's layout, and ``first`` first-pass blocks after them: (K,
+        V) or (K, V, first K, first V), in one pool call."""
+        if not first:
+            return allocate_kv_blocks(self.pool, self.owner, self.layout, n_blocks, wait, growth)
+        sets = [(self.layout, n_blocks)] if n_blocks else []
+        sets.append((self.fp_layout, first))
+        got = allocate_kv_block_sets(self.pool, self.owner, sets, wait, growth)
+        main: tuple[list[Block], list[Block]] = got[0] if n_blocks else ([], [])
+        return (*main, *got[-1])
 
     def convert(self, wait: float = 0.0) -> None:
         """Hold quantized blocks instead of full-precision ones, as many (same slots, fewer
@@ -215,17 +288,28 @@ class RowBlocks:
                 none (the caller takes it out of its batch, which releases it).
         """
         target = self.quantized
+        if not self.first_pass_done:
+            self.first_pass_done = True
+            n_first = self._give_back(self._first_k, self._first_v)
+            if n_first:
+                self._hold(self._allocate(n_first, wait, self.flag_growth))
         if target is None or self.layout is target:
             return
-        n_blocks = self.n_blocks
-        held = [*self._k_blocks, *(() if self._v_blocks is self._k_blocks else self._v_blocks)]
-        self._k_blocks.clear()
-        self._v_blocks.clear()
-        if held:
-            self.pool.free(held)
+        n_blocks = self._give_back(self._k_blocks, self._v_blocks)
         self.layout = target
         if n_blocks:
             self._hold(self._allocate(n_blocks, wait, self.flag_growth))
+
+    def _give_back(self, k_blocks: list[Block], v_blocks: list[Block]) -> int:
+        """Free and forget the blocks of ``k_blocks`` and ``v_blocks`` (one list when a "kv"
+        block holds both); how many there were per stream."""
+        n_blocks = len(k_blocks)
+        held = [*k_blocks, *(() if v_blocks is k_blocks else v_blocks)]
+        k_blocks.clear()
+        v_blocks.clear()
+        if held:
+            self.pool.free(held)
+        return n_blocks
 
     def shrink_to(self, n_slots: int) -> None:
         """Give back the blocks beyond what ``n_slots`` slots need plus the reserve (never
@@ -234,6 +318,7 @@ class RowBlocks:
         keep = max(blocks_to_hold(n_slots, bs), -(-self.reserved_slots // bs))
         if self.released or keep >= self.n_blocks:
             return
+        keep = max(keep - self.n_first_pass_blocks, 0)  # they cover the first slots
         dropped = self._k_blocks[keep:]
         if self._v_blocks is not self._k_blocks:
             dropped.extend(self._v_blocks[keep:])
@@ -248,6 +333,8 @@ class RowBlocks:
         self.released = True
         self._k_blocks.clear()
         self._v_blocks.clear()
+        self._first_k.clear()
+        self._first_v.clear()
         if self.batch is not None:
             self.batch.row_released()
         self.pool.free_all(self.owner)
@@ -323,11 +410,12 @@ class PooledBatch:
 
     Quantizing (``--kv-bits``): rows whose ``quantized`` layout is set convert the whole batch
     as mlx-lm's ``maybe_quantize_kv_cache`` converts a cache after a forward pass, when its
-    longest row holds ``--quantized-kv-start`` tokens or more. Each layer's cache quantizes its
-    buffers when the next pass writes it (the attention inputs mlx-lm's converted cache gives,
-    and no pool call inside a pass); the next :meth:`ensure` then has the rows trade their
-    full-precision blocks for as many quantized ones (until then the buffers, smaller, are still
-    charged as full precision).
+    longest row holds ``--quantized-kv-start`` tokens or more: between passes, before the
+    :meth:`ensure` of the next one (:func:`quantize_when_due`), or, for a pass with no ``ensure``
+    before it, by each layer's cache when that pass writes it (the attention inputs mlx-lm's
+    converted cache gives, and no pool call inside a pass). :meth:`ensure` then has the rows
+    trade their full-precision blocks (or first-pass blocks) for as many quantized ones (until
+    then the buffers, smaller, are still charged as full precision).
     """
 
     def __init__(
@@ -380,7 +468,9 @@ class PooledBatch:
         rows out of the batch (``filter``) and calls again.
         """
         quantized = self.quantized
-        if quantized is not None and any(row.layout is not quantized for row in self.rows):
+        if quantized is not None and any(
+            row.layout is not quantized or not row.first_pass_done for row in self.rows
+        ):
             failed = self.trade_blocks(deadline)
             if failed:
                 return failed
@@ -388,21 +478,21 @@ class PooledBatch:
             return []
         failed = []
         for i, row in enumerate(self.rows):
-            if row.capacity < n_slots:
+            if row.covers(quantized is not None) < n_slots:
                 wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    row.grow(n_slots, wait, reclaim)
+                    row.grow(n_slots, wait, reclaim, fp_buffers=quantized is None)
                 except BlockPoolExhaustedError:
                     failed.append(i)
         if failed:
             return failed
-        self._resize(min(row.capacity for row in self.rows))
+        self._resize(self.covering_length())
         return []
 
     def trade_blocks(self, deadline: float | None = None) -> list[int]:
         """Have every row of the quantized buffers trade its full-precision blocks for
-        quantized ones; the rows the pool refused (the caller takes them out, as :meth:`ensure`'s
-        failed rows)."""
+        quantized ones (a row with first-pass blocks gives them back); the rows the pool
+        refused (the caller takes them out, as :meth:`ensure`'s failed rows)."""
         failed: list[int] = []
         for i, row in enumerate(self.rows):
             wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -423,7 +513,8 @@ class PooledBatch:
 
     def covering_length(self) -> int:
         """The longest the buffers may be: the slots the row with the fewest blocks covers."""
-        return min((row.capacity for row in self.rows), default=0)
+        quantized = self.quantized is not None
+        return min((row.covers(quantized) for row in self.rows), default=0)
 
     def row_released(self) -> None:
         """A row's blocks went back: once no row holds any, drop the buffers now (without
@@ -516,12 +607,8 @@ class PooledBatchKVCache:
         target = batch.target
         if target is not None and self._quantized is None:
             if self.layer == 0:
-                # One look per pass (every layer's rows hold what layer 0's do), and none while
-                # the slots used are fewer than --quantized-kv-start (rows hold fewer tokens).
-                start = target.quantization.start
-                batch.quantize_due = prev >= max(start, 1) and target.quantization.due(
-                    prev - self._min_padding()
-                )
+                # One look per pass (every layer's rows hold what layer 0's do).
+                batch.quantize_due = self.quantization_due()
             if batch.quantize_due:
                 self._quantize_layer(target)
         slots = (Ellipsis, slice(prev, end), slice(None))
@@ -714,6 +801,17 @@ class PooledBatchKVCache:
         cache.offset = self._idx - padding
         return cache
 
+    def quantization_due(self) -> bool:
+        """Whether the batch's buffers are quantized before its next pass (after a pass that
+        left its longest row holding ``--quantized-kv-start`` tokens or more); never while
+        the slots used are fewer (rows hold fewer tokens)."""
+        target = self.batch.target
+        if target is None:
+            return False
+        start = target.quantization.start
+        prev = self._idx
+        return prev >= max(start, 1) and target.quantization.due(prev - self._min_padding())
+
     def _min_padding(self) -> int:
         pads: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
         return min(pads)
@@ -745,17 +843,17 @@ class PooledBatchKVCache:
         longest = max(lengths)
         batch = _PENDING_MERGES.get(id(rows[0]))
         if layer == 0 or batch is None or batch.rows != rows:
-            covered = min(row.capacity for row in rows)
-            if covered < longest:
-                raise ValueError(
-                    f"PooledBatchKVCache.merge: a row holds {longest} cached tokens but the "
-                    f"rows' blocks cover {covered}; reserve them first"
-                )
             # A quantized prefix (a prompt-cache entry) makes a quantized batch (its rows
             # trade their blocks at the next ensure).
             target = rows[0].quantized
             has_quantized = any(isinstance(c.keys, tuple) for c in caches)
             layout = target if target is not None and has_quantized else rows[0].fp_layout
+            covered = min(row.covers(layout is target) for row in rows)
+            if covered < longest:
+                raise ValueError(
+                    f"PooledBatchKVCache.merge: a row holds {longest} cached tokens but the "
+                    f"rows' blocks cover {covered}; reserve them first"
+                )
             batch = PooledBatch(rows, layout, covered)
             _PENDING_MERGES[id(rows[0])] = batch
         padding = [longest - n for n in lengths]
@@ -798,6 +896,21 @@ _PENDING_MERGES: dict[int, PooledBatch] = {}
 def make_row_cache(row: RowBlocks) -> list[PooledRowCache]:
     """An empty per-request cache (one :class:`PooledRowCache` per layer) over ``row``."""
     return [PooledRowCache(row, layer) for layer in range(row.layout.n_layers)]
+
+
+def quantize_when_due(cache: Sequence[Any]) -> None:
+    """Quantize a pooled batch's buffers now, between passes, when its next pass would (as
+    mlx-lm's ``maybe_quantize_kv_cache`` right after the pass that made it due: the same
+    arrays), so that the ``ensure`` before that pass grows quantized buffers and the rows'
+    quantized blocks rather than full-precision ones. A pass run with no ``ensure`` before it
+    (the last token's, right after the last prefill chunk) quantizes them itself."""
+    batch = batch_of(cache)
+    if batch is None or batch.target is None or batch.quantized is not None:
+        return
+    if cache[0].quantization_due():
+        for layer in cache:
+            if layer._quantized is None:
+                layer._quantize_layer(batch.target)
 
 
 def batch_of(cache: Sequence[Any]) -> PooledBatch | None:

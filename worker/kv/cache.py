@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -96,32 +96,47 @@ def allocate_kv_blocks(
     (K blocks, V blocks), or the same "kv" list twice in a pool without separate streams.
     ``wait`` > 0 may wait that long at a daemon; ``growth`` tells a daemon it grows memory
     the owner's running request holds (docs/budget.md, "Growth")."""
-    n_tokens = n_blocks * layout.block_size
-    fmt = layout.format
+    (blocks,) = allocate_kv_block_sets(pool, owner, [(layout, n_blocks)], wait, growth)
+    return blocks
+
+
+def allocate_kv_block_sets(
+    pool: BlockPool,
+    owner: Owner,
+    sets: Sequence[tuple[SlotLayout, int]],
+    wait: float = 0.0,
+    growth: bool = False,
+) -> list[tuple[list[Block], list[Block]]]:
+    """:func:`allocate_kv_blocks` of several ``(layout, n_blocks)`` (blocks of several formats)
+    in one pool call, all or nothing (a daemon's budget sees one request): per set, (K
+    blocks, V blocks)."""
+    streams = ("k", "v") if pool.config.separate_kv else ("kv",)
     # Only a pool whose allocations can wait (a daemon) is given the arguments.
     waiting: dict[str, Any] = {"wait": wait} if wait > 0 else {}
     if growth:
         waiting["growth"] = True
     any_pool: Any = pool
-    if not pool.config.separate_kv:
-        blocks = list(any_pool.allocate("kv", n_tokens, owner, fmt, **waiting))
-        return blocks, blocks
-    results = any_pool.allocate_many(
-        [
-            AllocationRequest("k", n_tokens, owner, fmt),
-            AllocationRequest("v", n_tokens, owner, fmt),
-        ],
-        **waiting,
-    )
+    requests = [
+        AllocationRequest(stream, n_blocks * layout.block_size, owner, layout.format)
+        for layout, n_blocks in sets
+        for stream in streams
+    ]
+    if len(requests) == 1:
+        blocks = list(
+            any_pool.allocate("kv", requests[0].n_tokens, owner, requests[0].format, **waiting)
+        )
+        return [(blocks, blocks)]
+    results = any_pool.allocate_many(requests, **waiting)
     failures = [r for r in results if isinstance(r, Exception)]
     if failures:
         granted = [b for r in results if not isinstance(r, Exception) for b in r]
         if granted:
             pool.free(granted)
         raise failures[0]
-    k_blocks, v_blocks = results
-    assert not isinstance(k_blocks, Exception) and not isinstance(v_blocks, Exception)
-    return list(k_blocks), list(v_blocks)
+    lists = [list(r) for r in results if not isinstance(r, Exception)]
+    if len(streams) == 1:
+        return [(blocks, blocks) for blocks in lists]
+    return list(zip(lists[::2], lists[1::2], strict=True))
 
 
 class PooledSequence:

@@ -50,13 +50,18 @@ from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
 from vqpool.shared.pool import BlockPool
-from vqpool.worker.defaults import DEFAULT_GROWTH_WAIT, MAX_GROWTH_WAIT
+from vqpool.worker.defaults import (
+    DEFAULT_GROWTH_WAIT,
+    DEFAULT_PREFILL_STEP_SIZE,
+    MAX_GROWTH_WAIT,
+)
 from vqpool.worker.kv.batch_cache import (
     PooledBatch,
     PooledRowCache,
     RowBlocks,
     batch_of,
     make_row_cache,
+    quantize_when_due,
 )
 from vqpool.worker.kv.disk_writer import DiskWriter
 from vqpool.worker.kv.kv_probe import unpoolable_reason
@@ -125,11 +130,17 @@ class PooledCacheSource:
         pool: BlockPool,
         growth_wait: float = DEFAULT_GROWTH_WAIT,
         quantization: KVQuantization | None = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     ) -> None:
         """Raises ValueError for a model the pooled cache cannot serve (checked here, at start-up,
         rather than at each request), a ``growth_wait`` (seconds a step's growths may wait
         at a daemon) outside 0..MAX_GROWTH_WAIT, or a ``quantization`` (``--kv-bits``) the
-        model's head dimensions do not allow."""
+        model's head dimensions do not allow.
+
+        ``prefill_step_size``: the scheduler's prefill chunk. With ``--kv-bits`` and
+        ``--quantized-kv-start`` 0 a request's blocks are quantized from its admission on,
+        and it holds full-precision blocks for its first pass only, at most one chunk
+        (:class:`RowBlocks`'s first-pass blocks)."""
         reason = unpoolable_reason(make_prompt_cache(model))
         if reason is not None:
             raise ValueError(reason)
@@ -146,6 +157,10 @@ class PooledCacheSource:
             None if quantization is None else quantization.layout(layout)
         )
         """The layout requests' caches convert to (``--kv-bits``); None: full precision."""
+        self.first_pass_slots = (
+            prefill_step_size if quantization is not None and quantization.start == 0 else 0
+        )
+        """Slots of a request's first-pass blocks (0: none; see :class:`RowBlocks`)."""
         self._rows: dict[Owner, RowBlocks] = {}
         self.reclaim: Callable[[int], int] | None = None
         """Given to every request's blocks (:attr:`RowBlocks.reclaim`): the worker's prompt
@@ -186,7 +201,7 @@ class PooledCacheSource:
     def open(self, owner: str) -> list[Any]:
         """The seam where a request's cache is made before it joins the batch: empty, over
         the request's own pool owner (its blocks come with ``reserve`` or ``take``)."""
-        row = RowBlocks(self.pool, owner, self.layout, self.quantized)
+        row = RowBlocks(self.pool, owner, self.layout, self.quantized, self.first_pass_slots)
         row.reclaim = self.reclaim
         row.flag_growth = self.waits
         self._rows[owner] = row
@@ -210,6 +225,7 @@ class PooledCacheSource:
         batch = batch_of(batch_cache)
         assert batch is not None, "a pooled source's batch is a PooledBatchKVCache"
         self._batches.add(batch)
+        quantize_when_due(batch_cache)
         return batch.ensure(n_slots, deadline, reclaim)
 
     def release(self, cache: list[Any]) -> None:
@@ -224,10 +240,7 @@ class PooledCacheSource:
     def block_bytes(self) -> int:
         """Bytes the blocks of this worker's requests stand for, each block priced by its
         format (full precision, or quantized once its request converted)."""
-        return sum(
-            row.n_blocks * (row.layout.k_block_bytes + row.layout.v_block_bytes)
-            for row in self._rows.values()
-        )
+        return sum(row.block_bytes for row in self._rows.values())
 
     def nbytes(self) -> int:
         """Bytes of the batch buffers (never more than :meth:`block_bytes`)."""
@@ -259,8 +272,10 @@ class PooledCacheSource:
     def free_taken(self, taken: Any) -> None:
         """Give back blocks :meth:`take` returned that nobody will adopt (their job went away)."""
         if taken is not None:
-            k_blocks, v_blocks = taken
-            self.pool.free(k_blocks if v_blocks is k_blocks else [*k_blocks, *v_blocks])
+            # (K, V) blocks, then first-pass (K, V) ones if any; K and V are one list when a
+            # "kv" block holds both.
+            held = {id(b): b for blocks in taken for b in blocks}
+            self.pool.free(list(held.values()))
 
     def fits_alone(self, n_tokens: int) -> bool:
         """Whether one sequence of ``n_tokens`` fits the pool's blocks per stream (its most
@@ -274,15 +289,20 @@ class PooledCacheSource:
         return self.never_fits(n_tokens) is None
 
     def sequence_bytes(self, n_tokens: int) -> int:
-        """Bytes of the blocks one sequence of ``n_tokens`` holds once its prefill is done: in
-        the quantized format past ``--quantized-kv-start`` (the full-precision blocks of its
-        first forward pass go back then), else in full precision."""
-        layout: KVLayout | QuantizedKVLayout = self.layout
+        """The most bytes of blocks one sequence of ``n_tokens`` holds: in the quantized
+        format past ``--quantized-kv-start``, else in full precision; with
+        ``--quantized-kv-start`` 0, the blocks of its first pass (one chunk at most) in full
+        precision and the rest quantized (RowBlocks' first-pass blocks)."""
+        fp = self.layout
+        layout: KVLayout | QuantizedKVLayout = fp
         quantized = self.quantized
+        n_blocks = -(-n_tokens // fp.block_size)
+        n_first = 0
         if quantized is not None and quantized.quantization.due(n_tokens):
             layout = quantized
-        n_blocks = -(-n_tokens // layout.block_size)
-        return n_blocks * (layout.k_block_bytes + layout.v_block_bytes)
+            n_first = -(-min(n_tokens, self.first_pass_slots) // fp.block_size)
+        first_bytes = n_first * (fp.k_block_bytes + fp.v_block_bytes)
+        return (n_blocks - n_first) * (layout.k_block_bytes + layout.v_block_bytes) + first_bytes
 
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
