@@ -285,14 +285,15 @@ class Coordinator:
         holder = self._holder
         max_tokens = self._max_tokens
         unbound: set[Owner] = set()  # owners bound to no session: bound once allocated for
-        refused: dict[int, BaseException] = {}
+        errors = ItemErrors()
+        refused: dict[int, dict[str, Any]] = {}  # item index: its error entry
         for index, (_, n_tokens, owner, _) in enumerate(items):
             held_by = holder.get(owner)
             if (held_by is not session and held_by is not None) or n_tokens > max_tokens:
                 try:
                     self.check_allocate(session, n_tokens, owner)
                 except (ValueError, VqpoolError) as exc:
-                    refused[index] = exc
+                    refused[index] = errors.entry(index, exc)
             elif held_by is None:
                 unbound.add(owner)
         asked = items
@@ -312,14 +313,12 @@ class Coordinator:
         # Bind what was allocated for, and note shortages, as the items came.
         bind = self._bind
         results: list[list[int] | dict[str, Any]] = []
-        errors = ItemErrors()
         outcomes = iter(got)
         for index, (stream, n_tokens, owner, _) in enumerate(items):
-            outcome: tuple[int, ...] | BaseException | None = (
-                refused.get(index) if refused else None
-            )
-            if outcome is None:
-                outcome = next(outcomes)
+            if refused and index in refused:
+                results.append(refused[index])
+                continue
+            outcome = next(outcomes)
             if type(outcome) is tuple:
                 if owner in unbound and owner not in holder:
                     bind(owner, session)

@@ -189,7 +189,7 @@ class BlockPoolAllocator(RestartClaims):
                 except (ValueError, VqpoolError) as exc:
                     if owner in unbound and owner not in served:
                         active.discard(owner)
-                    append(exc)
+                    append(exc.with_traceback(None))  # (a flood's thousands keep no frames)
                     continue
                 if unbound:
                     served.add(owner)
