@@ -319,7 +319,7 @@ class Coordinator:
                 results.append(refused[index])
                 continue
             outcome = next(outcomes)
-            if type(outcome) is tuple:
+            if isinstance(outcome, tuple):
                 if owner in unbound and owner not in holder:
                     bind(owner, session)
                 if self._id_shortages:
