@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_daemon import Session
+from bench_daemon import Session, daemon_argv
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.errors import DaemonUnavailableError
 
@@ -86,15 +86,7 @@ def main() -> None:
                 "valgrind",
                 "--tool=callgrind",
                 f"--callgrind-out-file={out}",
-                sys.executable,
-                "-m",
-                "vqpool.daemon",
-                "--run-dir",
-                str(run_dir),
-                "--n-blocks",
-                "65536",
-                "--log-level",
-                "WARNING",
+                *daemon_argv(run_dir),
             ],
             stderr=subprocess.DEVNULL,
         )
