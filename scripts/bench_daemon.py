@@ -263,8 +263,9 @@ def run_clients(
     return results
 
 
-def start_daemon(run_dir: Path, *options: str) -> subprocess.Popen[bytes]:
-    argv = [
+def daemon_argv(run_dir: Path, *options: str) -> list[str]:
+    """The command line of the vqpoold every measurement runs against."""
+    return [
         sys.executable,
         "-m",
         "vqpool.daemon",
@@ -276,7 +277,10 @@ def start_daemon(run_dir: Path, *options: str) -> subprocess.Popen[bytes]:
         "WARNING",
         *options,
     ]
-    process = subprocess.Popen(argv, preexec_fn=lambda: pin(SERVER_CPU))
+
+
+def start_daemon(run_dir: Path, *options: str) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(daemon_argv(run_dir, *options), preexec_fn=lambda: pin(SERVER_CPU))
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:

@@ -122,7 +122,16 @@ def test_allocate_many_interrupted_part_way_is_undone(
     coord.allocate(mine, "k", 40, "held", "fp16")
     coord.register_owner(mine, "registered")
     before = state(coord)
-    coord.allocator.allocate_ids = fail_on_call(4, exc, coord.allocator.allocate_ids)  # type: ignore[method-assign]
+    allocate_ids_each = coord.allocator.allocate_ids_each
+
+    def interrupted_at_item_4(items: Any, results: Any, unbound: Any) -> None:
+        def first_three() -> Any:  # then the interruption, before the fourth item
+            yield from items[:3]
+            raise exc("injected")
+
+        allocate_ids_each(first_three(), results, unbound)
+
+    coord.allocator.allocate_ids_each = interrupted_at_item_4  # type: ignore[method-assign]
     items = [
         ("k", 16, "new", "fp16"),
         ("v", 32, "held", "fp16"),
@@ -131,7 +140,7 @@ def test_allocate_many_interrupted_part_way_is_undone(
     ]
     with pytest.raises(exc):
         coord.allocate_many(mine, items)
-    del coord.allocator.allocate_ids  # type: ignore[method-assign]
+    del coord.allocator.allocate_ids_each  # type: ignore[method-assign]
     assert coord.audit() == []
     after = state(coord)
     assert after[1:] == before[1:]  # owners, holders, holdings: as before

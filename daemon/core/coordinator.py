@@ -231,14 +231,18 @@ class Coordinator:
         except BlockPoolExhaustedError:
             # NOTE: a refusal for lack of ids is never parked (the budget parks byte waits
             # only), so it is recorded here for the cache advice to ask prompt caches for ids.
-            self._id_shortages[self._one_stream or stream] = (
-                -(-n_tokens // self.allocator.config.block_size),
-                time.monotonic(),
-            )
+            self._note_id_shortage(stream, n_tokens)
             raise
         if self._id_shortages:  # one test on the hot path while no allocation is short
             self._note_ids_served(self._one_stream or stream, len(ids))
         return ids
+
+    def _note_id_shortage(self, stream: str, n_tokens: int) -> None:
+        """An allocation of ``n_tokens`` in ``stream`` was refused for lack of ids."""
+        self._id_shortages[self._one_stream or stream] = (
+            -(-n_tokens // self.allocator.config.block_size),
+            time.monotonic(),
+        )
 
     def _note_ids_served(self, stream: str, n_blocks: int) -> None:
         """An allocation of ``n_blocks`` in ``stream`` was served: as many as a recorded
@@ -276,27 +280,55 @@ class Coordinator:
                 f"allocate_many: the items ask for {n_blocks} blocks in all; at most "
                 f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
             )
-        results: list[list[int] | dict[str, Any]] = []
-        done: list[tuple[Owner, tuple[int, ...]]] = []  # (owner, ids) allocated so far
-        bound: list[Owner] = []  # owners this request bound to the session
+        # The checks that need no pool (check_allocate(), inlined) first: an item failing them
+        # never reaches the allocator. Another session's owner cannot change hands meanwhile.
         holder = self._holder
+        max_tokens = self._max_tokens
+        unbound: set[Owner] = set()  # owners bound to no session: bound once allocated for
         errors = ItemErrors()
-        allocate = self._allocate
-        try:
-            for index, (stream, n_tokens, owner, fmt) in enumerate(items):
-                unbound = owner not in holder
+        refused: dict[int, dict[str, Any]] = {}  # item index: its error entry
+        for index, (_, n_tokens, owner, _) in enumerate(items):
+            held_by = holder.get(owner)
+            if (held_by is not session and held_by is not None) or n_tokens > max_tokens:
                 try:
-                    ids = allocate(session, stream, n_tokens, owner, fmt)
+                    self.check_allocate(session, n_tokens, owner)
                 except (ValueError, VqpoolError) as exc:
-                    results.append(errors.entry(index, exc))
-                    continue
-                done.append((owner, ids))
-                if unbound:
-                    bound.append(owner)
-                results.append(list(ids))
+                    refused[index] = errors.entry(index, exc)
+            elif held_by is None:
+                unbound.add(owner)
+        asked = items
+        if refused:
+            asked = [item for index, item in enumerate(items) if index not in refused]
+        got: list[tuple[int, ...] | ValueError | VqpoolError] = []
+        try:
+            self.allocator.allocate_ids_each(asked, got, unbound)
         except BaseException:
-            self._undo_allocations(done, bound)
+            done = [
+                (item[2], ids) for item, ids in zip(asked, got, strict=False) if type(ids) is tuple
+            ]
+            self._undo_allocations(
+                done, [o for o in dict.fromkeys(o for o, _ in done) if o in unbound]
+            )
             raise
+        # Bind what was allocated for, and note shortages, as the items came.
+        bind = self._bind
+        results: list[list[int] | dict[str, Any]] = []
+        outcomes = iter(got)
+        for index, (stream, n_tokens, owner, _) in enumerate(items):
+            if refused and index in refused:
+                results.append(refused[index])
+                continue
+            outcome = next(outcomes)
+            if isinstance(outcome, tuple):
+                if owner in unbound and owner not in holder:
+                    bind(owner, session)
+                if self._id_shortages:
+                    self._note_ids_served(self._one_stream or stream, len(outcome))
+                results.append(list(outcome))
+                continue
+            if isinstance(outcome, BlockPoolExhaustedError):
+                self._note_id_shortage(stream, n_tokens)
+            results.append(errors.entry(index, outcome))
         return results
 
     def _undo_allocations(

@@ -143,6 +143,60 @@ class BlockPoolAllocator(RestartClaims):
                 self._lock.release()
         return self._allocate_chunk(stream, n_tokens, owner, format, False).block_ids
 
+    def allocate_ids_each(
+        self,
+        items: Sequence[tuple[str, int, Owner, str]],
+        results: list[tuple[int, ...] | ValueError | VqpoolError],
+        unbound: set[Owner],
+    ) -> None:
+        """allocate_ids() per ``(stream, n_tokens, owner, format)`` item, in order, under one
+        lock (a decode step's batch): each item allocates or fails on its own, as the call would.
+
+        Appends to ``results``, as each item is done, its ids or the error its call raised, so
+        a caller interrupted by anything else raised knows what was allocated (it undoes it).
+        The owner of a failed item that is in ``unbound`` and for which no earlier item of this
+        call allocated is released, as release_owner() would (the caller's all or nothing)."""
+        block_size = self._block_size
+        one_stream = None if self._separate_kv else "kv"
+        free_lists = self._free
+        active = self._active_owners
+        file_one = self._file_one_locked
+        allocate_chunk = self._allocate_chunk_locked
+        append = results.append
+        served: set[Owner] = set()  # owners of ``unbound`` allocated for by an earlier item
+        self._lock.acquire()  # not "with": see _allocate_chunk()
+        try:
+            for stream, n_tokens, owner, format in items:
+                try:
+                    # allocate_ids(), inlined: one recycled id, nothing claimed or never used
+                    if one_stream:
+                        stream = one_stream
+                    free = free_lists.get(stream)
+                    if (
+                        free is not None
+                        and 0 < n_tokens <= block_size
+                        and free.recycled
+                        and not free.claimed
+                        and not free.never_used
+                    ):
+                        block_id = free.recycled[-1]
+                        chunk = new_record((block_id,), stream, format, owner)
+                        if n_tokens < block_size:
+                            chunk.fill = {block_id: n_tokens}
+                        file_one(chunk, block_id, owner, free, n_tokens < block_size)
+                    else:
+                        chunk = allocate_chunk(stream, n_tokens, owner, format, False)
+                except (ValueError, VqpoolError) as exc:
+                    if owner in unbound and owner not in served:
+                        active.discard(owner)
+                    append(exc.with_traceback(None))  # (a flood's thousands keep no frames)
+                    continue
+                if unbound:
+                    served.add(owner)
+                append(chunk.block_ids)
+        finally:
+            self._lock.release()
+
     def _file_one_locked(
         self, chunk: BlockList, block_id: int, owner: Owner, free: FreeList, partial: bool
     ) -> None:
@@ -178,6 +232,17 @@ class BlockPoolAllocator(RestartClaims):
         """allocate(): the new allocation's record, its list filled with the pool's Blocks if
         ``with_blocks`` (listed before anything changes, as making them can fail; their fields
         set once the allocation is made)."""
+        # acquire/release rather than "with": on this hot path the context manager
+        # protocol costs about as much as the bookkeeping itself.
+        self._lock.acquire()
+        try:
+            return self._allocate_chunk_locked(stream, n_tokens, owner, format, with_blocks)
+        finally:
+            self._lock.release()
+
+    def _allocate_chunk_locked(
+        self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
+    ) -> BlockList:
         if n_tokens <= 0:
             raise ValueError(f"BlockPoolAllocator: n_tokens must be > 0, got {n_tokens}")
         if not self._separate_kv:
@@ -186,120 +251,114 @@ class BlockPoolAllocator(RestartClaims):
             raise ValueError(f"BlockPoolAllocator: stream must be 'k' or 'v', got {stream!r}")
         block_size = self._block_size
         n_needed = -(-n_tokens // block_size)
-        # acquire/release rather than "with": on this hot path the context manager
-        # protocol costs about as much as the bookkeeping itself.
-        self._lock.acquire()
-        try:
-            self._settle_locked()  # (the counters are read and changed below)
-            free = self._free[stream]
-            recycled = free.recycled
-            claimed = free.claimed
-            n_listed = len(recycled)
-            # Enough recycled ids and none claimed (the common case) needs no count of the rest.
-            if (claimed or n_listed < n_needed) and (
-                n_listed + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed
-            ):
-                self._try_grow_locked(stream, n_needed)
-                n_free = free.n_free()
-                if n_free < n_needed:
-                    self._active_owners.add(owner)  # an exhausted owner stays registered (seed)
-                    self._counts[N_EXHAUSTED] += 1
-                    self._record_history()
-                    raise BlockPoolExhaustedError(
-                        f"BlockPoolAllocator: requested {n_needed} block(s) for stream "
-                        f"{stream!r} but only {n_free} free (pool size {self._counts[N_BLOCKS]})."
-                    )
-            # Choose the ids first, changing nothing: from the top, recycled ids first (LIFO),
-            # then the fresh range downwards. The stack is cut to its first ``keep`` ids.
-            n_listed = len(recycled)  # growth may have added some
-            hi = free.fresh_hi
-            passed: list[int] | None = None  # claimed ids met on the way: they leave the list
-            if claimed:
-                ids, n_reused, keep, new_hi, passed = free.plan_past_claimed(n_needed)
-                stack_top = recycled[keep:]
-            elif n_needed == 1:  # a decode step's next block
-                if n_listed:
-                    ids, n_reused, keep, new_hi = (recycled[-1],), 1, n_listed - 1, hi
-                else:
-                    ids, n_reused, keep, new_hi = (hi - 1,), 0, 0, hi - 1
+        self._settle_locked()  # (the counters are read and changed below)
+        free = self._free[stream]
+        recycled = free.recycled
+        claimed = free.claimed
+        n_listed = len(recycled)
+        # Enough recycled ids and none claimed (the common case) needs no count of the rest.
+        if (claimed or n_listed < n_needed) and (
+            n_listed + free.fresh_hi - free.fresh_lo - len(claimed) < n_needed
+        ):
+            self._try_grow_locked(stream, n_needed)
+            n_free = free.n_free()
+            if n_free < n_needed:
+                self._active_owners.add(owner)  # an exhausted owner stays registered (seed)
+                self._counts[N_EXHAUSTED] += 1
+                self._record_history()
+                raise BlockPoolExhaustedError(
+                    f"BlockPoolAllocator: requested {n_needed} block(s) for stream "
+                    f"{stream!r} but only {n_free} free (pool size {self._counts[N_BLOCKS]})."
+                )
+        # Choose the ids first, changing nothing: from the top, recycled ids first (LIFO),
+        # then the fresh range downwards. The stack is cut to its first ``keep`` ids.
+        n_listed = len(recycled)  # growth may have added some
+        hi = free.fresh_hi
+        passed: list[int] | None = None  # claimed ids met on the way: they leave the list
+        if claimed:
+            ids, n_reused, keep, new_hi, passed = free.plan_past_claimed(n_needed)
+            stack_top = recycled[keep:]
+        elif n_needed == 1:  # a decode step's next block
+            if n_listed:
+                ids, n_reused, keep, new_hi = (recycled[-1],), 1, n_listed - 1, hi
             else:
-                n_reused = n_needed if n_needed <= n_listed else n_listed
-                keep = n_listed - n_reused
-                new_hi = hi - (n_needed - n_reused)
-                taken = recycled[keep:]
-                taken.reverse()
-                if new_hi < hi:
-                    taken.extend(range(hi - 1, new_hi - 1, -1))
-                ids = tuple(taken)
-            chunk = new_record(ids, stream, format, owner)
-            last_used = n_tokens - (n_needed - 1) * block_size
+                ids, n_reused, keep, new_hi = (hi - 1,), 0, 0, hi - 1
+        else:
+            n_reused = n_needed if n_needed <= n_listed else n_listed
+            keep = n_listed - n_reused
+            new_hi = hi - (n_needed - n_reused)
+            taken = recycled[keep:]
+            taken.reverse()
+            if new_hi < hi:
+                taken.extend(range(hi - 1, new_hi - 1, -1))
+            ids = tuple(taken)
+        chunk = new_record(ids, stream, format, owner)
+        last_used = n_tokens - (n_needed - 1) * block_size
+        if last_used < block_size:
+            chunk.fill = {ids[-1]: last_used}
+        if with_blocks:
+            self._list_blocks_locked(chunk)
+        active = self._active_owners
+        was_active = owner in active
+        unused = free.never_used  # on the stack, never handed out
+        never_used = passed_unused = None
+        if unused:
+            if n_reused:
+                never_used = unused.intersection(ids)
+            if passed:
+                passed_unused = unused.intersection(passed)
+        counts = self._counts
+        peak = counts[PEAK_IN_USE]
+        counted = False
+        # Then change everything; whatever is raised on the way is undone.
+        try:
+            self._chunk_of[ids[0]] = chunk
+            if n_needed > 1:  # the rest on the first lookup by id, if any (_index_locked)
+                self._unindexed[id(chunk)] = chunk
+            self._hold_locked(owner, chunk)
+            active.add(owner)
+            if keep == n_listed - 1:
+                recycled.pop()
+            elif keep < n_listed:
+                del recycled[keep:]
+            if new_hi != hi:
+                free.fresh_hi = new_hi
+            if passed:
+                claimed.difference_update(passed)
+                if passed_unused:
+                    unused -= passed_unused
+            if never_used:
+                unused -= never_used
+                n_reused -= len(never_used)
             if last_used < block_size:
-                chunk.fill = {ids[-1]: last_used}
+                counts[FRAGMENTED] += 1
+            counts[N_ALLOCATIONS] += n_needed
+            if n_reused:
+                counts[N_REUSED] += n_reused
+            in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
+            if in_use > peak:
+                counts[PEAK_IN_USE] = in_use
+            counted = True
+            self._history.append(tuple(counts))
             if with_blocks:
-                self._list_blocks_locked(chunk)
-            active = self._active_owners
-            was_active = owner in active
-            unused = free.never_used  # on the stack, never handed out
-            never_used = passed_unused = None
-            if unused:
-                if n_reused:
-                    never_used = unused.intersection(ids)
-                if passed:
-                    passed_unused = unused.intersection(passed)
-            counts = self._counts
-            peak = counts[PEAK_IN_USE]
-            counted = False
-            # Then change everything; whatever is raised on the way is undone.
-            try:
-                self._chunk_of[ids[0]] = chunk
-                if n_needed > 1:  # the rest on the first lookup by id, if any (_index_locked)
-                    self._unindexed[id(chunk)] = chunk
-                self._hold_locked(owner, chunk)
-                active.add(owner)
-                if keep == n_listed - 1:
-                    recycled.pop()
-                elif keep < n_listed:
-                    del recycled[keep:]
-                if new_hi != hi:
-                    free.fresh_hi = new_hi
-                if passed:
-                    claimed.difference_update(passed)
-                    if passed_unused:
-                        unused -= passed_unused
-                if never_used:
-                    unused -= never_used
-                    n_reused -= len(never_used)
-                if last_used < block_size:
-                    counts[FRAGMENTED] += 1
-                counts[N_ALLOCATIONS] += n_needed
-                if n_reused:
-                    counts[N_REUSED] += n_reused
-                in_use = counts[N_ALLOCATIONS] - counts[N_FREES]
-                if in_use > peak:
-                    counts[PEAK_IN_USE] = in_use
-                counted = True
-                self._history.append(tuple(counts))
-                if with_blocks:
-                    # _hand_out_blocks_locked(), inlined: one call less per allocate()
-                    for block in chunk._blocks:  # type: ignore[union-attr]
-                        block._chunk = chunk
-            except BaseException:
-                self._undo_allocate_locked(chunk, was_active)
-                if len(recycled) != n_listed:  # the stack was cut at ``keep``: put its top back
-                    recycled.extend(stack_top if passed else reversed(ids[: n_listed - keep]))
-                free.fresh_hi = hi
-                if passed:
-                    claimed.update(passed)
-                unused.update(never_used or (), passed_unused or ())
-                if counted:
-                    counts[FRAGMENTED] -= last_used < block_size
-                    counts[N_ALLOCATIONS] -= n_needed
-                    counts[N_REUSED] -= n_reused
-                    counts[PEAK_IN_USE] = peak
-                raise
-            return chunk
-        finally:
-            self._lock.release()
+                # _hand_out_blocks_locked(), inlined: one call less per allocate()
+                for block in chunk._blocks:  # type: ignore[union-attr]
+                    block._chunk = chunk
+        except BaseException:
+            self._undo_allocate_locked(chunk, was_active)
+            if len(recycled) != n_listed:  # the stack was cut at ``keep``: put its top back
+                recycled.extend(stack_top if passed else reversed(ids[: n_listed - keep]))
+            free.fresh_hi = hi
+            if passed:
+                claimed.update(passed)
+            unused.update(never_used or (), passed_unused or ())
+            if counted:
+                counts[FRAGMENTED] -= last_used < block_size
+                counts[N_ALLOCATIONS] -= n_needed
+                counts[N_REUSED] -= n_reused
+                counts[PEAK_IN_USE] = peak
+            raise
+        return chunk
 
     def _undo_allocate_locked(self, chunk: BlockList, was_active: bool) -> None:
         """Drop the allocation an interrupted allocate() was recording, whatever it got to: the
