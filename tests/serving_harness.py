@@ -8,8 +8,11 @@ admin socket. Nothing is mocked: requests go over HTTP to the worker processes.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,6 +31,20 @@ def builtin_weights(*models: str) -> int:
         built, _ = build_tiny_model(model.removeprefix("builtin:"), seed=0)
         total += weights_bytes(built)
     return total
+
+
+def run_worker_until_exit(
+    run_dir: Path, *args: str, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """``vqpool-worker --model builtin:llama`` on ``run_dir`` with ``args``, run to its exit
+    (for options that must stop it at start), its output captured."""
+    command = [sys.executable, "-m", "vqpool.worker.serve", "--model", "builtin:llama"]
+    return subprocess.run(
+        [*command, "--port", "0", "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class ServingStack:

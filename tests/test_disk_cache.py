@@ -25,6 +25,7 @@ import pytest
 from ctl_harness import ctl_json, run_ctl
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
+from serving_harness import run_worker_until_exit
 from test_prompt_cache import BS, Worker, random_tokens, scored, start_worker
 from test_quantized_kv import MODEL_ARGS
 from vqpool.daemon.front.catalog import catalog_from_config
@@ -479,25 +480,8 @@ def test_a_disk_directory_that_cannot_be_made_stops_the_worker_with_one_line(
     not_a_dir = disk_dir / "file"
     not_a_dir.write_text("")
     with DaemonProcess(disk_dir / "run") as daemon:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "vqpool.worker.serve",
-                "--model",
-                "builtin:llama",
-                "--port",
-                "0",
-                "--run-dir",
-                str(daemon.run_dir),
-                "--kv-disk-bytes",
-                "1MiB",
-                "--kv-disk-dir",
-                str(not_a_dir / "llama"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        result = run_worker_until_exit(
+            daemon.run_dir, "--kv-disk-bytes", "1MiB", "--kv-disk-dir", str(not_a_dir / "llama")
         )
         assert result.returncode == 2, result.stderr
         (line,) = [x for x in result.stderr.splitlines() if " ERROR " in x]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,7 +19,7 @@ import pytest
 from daemon_harness import remove_tree, short_tmpdir, wait_until
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from serving_harness import ServingStack
+from serving_harness import ServingStack, run_worker_until_exit
 from test_preemption import run
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.kv_formats import token_bytes
@@ -383,23 +381,7 @@ def test_a_worker_serves_quantized_blocks_through_a_hit_and_a_daemon_restart() -
 def test_bad_quantization_options_fail_at_start(
     daemon: DaemonProcess, args: list[str], message: str
 ) -> None:
-    worker = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vqpool.worker.serve",
-            "--model",
-            "builtin:llama",
-            "--port",
-            "0",
-            "--run-dir",
-            str(daemon.run_dir),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    worker = run_worker_until_exit(daemon.run_dir, *args, timeout=60)
     assert worker.returncode == 2, worker.stderr
     assert message in worker.stderr
     assert "serving" not in worker.stdout
