@@ -6,6 +6,7 @@ metrics and ``fit`` answer per format. Real daemons, hand-driven PoolClient sess
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from vqpool.daemon.front.ledger_calls import LedgerCalls
 from vqpool.shared import AllocationRequest
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.kv_formats import quantized_format
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.kv_size import kv_block_bytes, kv_token_bytes
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
@@ -191,6 +193,82 @@ def test_fit_prices_a_quantizing_worker_at_its_quantized_format(
     assert plain.fit(1000)["bytes_per_sequence"] == -(-1000 // BLOCK) * 4096
 
 
+@pytest.mark.parametrize(
+    ("holding", "context", "fp_blocks", "q_blocks"),
+    [
+        # Start 0: the first pass's 256 slots (16 blocks) in fp16 beside the rest quantized.
+        (SequenceQuantization(0, 256), 1000, 16, 63 - 16),
+        (SequenceQuantization(0, 256), 100, 7, 0),  # the whole sequence is its first pass
+        # Start 500: fp16 for 500 tokens before it is quantized, then all quantized: the larger.
+        (SequenceQuantization(500, 0), 400, 25, 0),
+        (SequenceQuantization(500, 0), 600, 32, 0),  # 32 fp16 blocks > 38 quantized ones
+        (SequenceQuantization(500, 0), 2000, 0, 125),
+    ],
+)
+def test_fit_counts_the_full_precision_blocks_a_quantizing_sequence_holds(
+    start_daemon: StartDaemon,
+    pools: Callable[..., PoolClient],
+    holding: SequenceQuantization,
+    context: int,
+    fp_blocks: int,
+    q_blocks: int,
+) -> None:
+    # The worker op, the admin op on a live worker and the admin op for a model not loaded
+    # (priced from its bytes per token) answer the same need.
+    daemon = start_daemon("--n-blocks", "512", "--budget", "1MiB")
+    pool = pools(daemon, "quantized", quantization=holding)
+    per_sequence = fp_blocks * 4096 + q_blocks * (Q8["k"] + Q8["v"])
+    answer = pool.fit(context, 2)
+    assert answer["bytes_per_sequence"] == per_sequence and answer["need"] == 2 * per_sequence
+    assert answer["format"] == "q8g64"
+    admin = daemon.admin("fit", model="quantized", context=context, concurrency=2)
+    assert (admin["bytes_per_sequence"], admin["format"]) == (per_sequence, "q8g64")
+    unloaded = daemon.admin(
+        "fit",
+        model="not-loaded",
+        context=context,
+        concurrency=2,
+        bytes_per_token=4096 // BLOCK,
+        quantized_bytes_per_token=(Q8["k"] + Q8["v"]) // BLOCK,
+        quantized_kv_start=holding.start,
+        first_pass_slots=holding.first_pass_slots,
+    )
+    assert unloaded["bytes_per_sequence"] == per_sequence
+
+
+def test_a_sequence_whose_first_pass_is_over_the_room_never_fits(
+    start_daemon: StartDaemon, pools: Callable[..., PoolClient]
+) -> None:
+    # Quantized alone it fits the budget; with its first pass's fp16 blocks it never does.
+    q_pair = Q8["k"] + Q8["v"]
+    daemon = start_daemon("--n-blocks", "4096", "--budget", str(400 * q_pair))
+    pool = pools(daemon, "quantized", quantization=SequenceQuantization(0, 512))
+    most = pool.fit(16)["most_ever"]
+    n_blocks = most // q_pair
+    assert n_blocks > 32  # the premise: longer than its first pass
+    answer = pool.fit(n_blocks * BLOCK)
+    assert answer["verdict"] == "never"
+    assert answer["need"] == 32 * 4096 + (n_blocks - 32) * q_pair > most >= n_blocks * q_pair
+    with pytest.raises(ValueError, match="first-pass slots are held only with"):
+        SequenceQuantization(5, 16)
+    raw = RawClient(daemon.run_dir)
+    try:
+        args = {"pid": os.getpid(), "model": "bad", "nonce": "n1"}
+        reply = raw.call(
+            "hello",
+            {
+                **args,
+                "bytes_per_block": FP16,
+                "bytes_per_format": PER_FORMAT,
+                "quantized_kv_start": 5,
+                "first_pass_slots": 16,
+            },
+        )
+    finally:
+        raw.close()
+    assert not reply["ok"] and "first-pass slots" in reply["error"]["message"]
+
+
 def test_vqpoolctl_shows_bytes_per_format(
     start_daemon: StartDaemon, pools: Callable[..., PoolClient]
 ) -> None:
@@ -234,11 +312,40 @@ def test_the_front_door_prices_a_quantized_models_load_and_fit(start_daemon) -> 
 
     daemon = start_daemon("--n-blocks", "512", "--budget", "64MiB")
     calls = LedgerCalls(daemon.run_dir)
+    fp_block, q_block = kv_block_bytes(spec, BLOCK), kv_block_bytes(spec, BLOCK, 4, 32)
+    assert fp_block is not None and q_block is not None
     full = asyncio.run(calls.need("q", spec, 0, 2048))
-    quantized = asyncio.run(calls.need("q", spec, 0, 2048, quantization=(4, 32)))
-    assert full.kv_min == 128 * kv_block_bytes(spec, BLOCK)  # type: ignore[operator]
-    assert quantized.kv_min == 128 * kv_block_bytes(spec, BLOCK, 4, 32)  # type: ignore[operator]
-    assert quantized.kv_min < full.kv_min / 3
+    assert full.kv_min == 128 * fp_block
+    # The load's KV minimum is one sequence of 2048 tokens at its smallest: its first pass
+    # (one prefill chunk) in full precision beside the rest quantized, or all of it in full
+    # precision below --quantized-kv-start.
+    for table, n_fp in (
+        ({"prefill_step_size": 512}, 32),
+        ({}, 128),  # the default chunk (2048) is the whole sequence
+        ({"quantized_kv_start": 4096}, 128),
+        ({"quantized_kv_start": 1000}, 63),  # fp16 for 1000 tokens, then all quantized
+    ):
+        served = entry_from_table(
+            "q", {"path": spec, "kv_bits": 4, "kv_group_size": 32, **table}, 60.0
+        )
+        assert served is not None
+        need = asyncio.run(
+            calls.need(
+                "q", spec, 0, 2048, quantization=(4, 32), holding=served.sequence_quantization()
+            )
+        )
+        want = (
+            max(n_fp * fp_block, 128 * q_block)
+            if table.get("quantized_kv_start")
+            else (n_fp * fp_block + (128 - n_fp) * q_block)
+        )
+        assert need.kv_min == want, table
+    first_pass = entry_from_table("q", {"path": spec, "kv_bits": 4, "prefill_step_size": 512}, 60.0)
+    assert first_pass is not None and first_pass.sequence_quantization() == SequenceQuantization(
+        0, 512
+    )
+    with pytest.raises(ValueError, match="quantized_kv_start must be >= 0"):
+        entry_from_table("q", {"path": spec, "kv_bits": 4, "quantized_kv_start": -1}, 60.0)
 
 
 def test_vqpoolctl_fit_prices_a_not_loaded_quantized_model(tmp_path) -> None:
@@ -247,14 +354,17 @@ def test_vqpoolctl_fit_prices_a_not_loaded_quantized_model(tmp_path) -> None:
 path = "builtin:qwen3"
 kv_bits = 4
 kv_group_size = 32
+prefill_step_size = 256
 """
     with FrontDoor(config=config) as front:
         assert front.row("q4")["kv_format"] == "q4g32"
         answer = ctl_json(front.run_dir, "fit", "--model", "q4", "--context", "1000")
         per_token = kv_token_bytes("builtin:qwen3", 4, 32)
-        assert per_token is not None
+        fp_token = kv_token_bytes("builtin:qwen3")
+        assert per_token is not None and fp_token is not None
         assert answer["format"] == "q4g32"
-        assert answer["bytes_per_sequence"] == -(-1000 // BLOCK) * BLOCK * per_token
+        # Its first pass (256 slots: 16 blocks) in full precision, the other 47 blocks quantized.
+        assert answer["bytes_per_sequence"] == BLOCK * (16 * fp_token + 47 * per_token)
         text = run_ctl(front.run_dir, "fit", "--model", "q4", "--context", "1000")
         assert "KV in q4g32 blocks" in text.stdout, text.stdout
 

@@ -23,6 +23,7 @@ from serving_harness import ServingStack, run_worker_until_exit
 from test_preemption import run
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.kv_formats import token_bytes
+from vqpool.shared.kv_sequence import SequenceQuantization, sequence_bytes
 from vqpool.worker.kv.cache import blocks_to_hold, make_pooled_cache
 from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.kv.quantized import KVQuantization, QuantizedBlockStorage
@@ -448,4 +449,38 @@ def test_a_prompt_over_the_room_in_full_precision_is_served_in_its_quantized_byt
         stack.wait_for_no_blocks()
     finally:
         sampling.clear()
+        stack.stop()
+
+
+def test_a_workers_fit_and_never_fits_check_count_its_first_pass_in_full_precision() -> None:
+    # The worker declares at hello how it holds a sequence (first pass in full precision, one
+    # chunk), and the daemon's fit prices it so: a request whose quantized blocks alone would
+    # fit the model's room, but not with its first pass's full-precision ones, is refused at
+    # once with the numbers.
+    chunk = 256
+    fp = KVLayout.from_model(MODEL, BLOCK)
+    q = KVQuantization(4, 64).layout(fp)
+    fp_pair, q_pair = fp.k_block_bytes + fp.v_block_bytes, q.k_block_bytes + q.v_block_bytes
+    budget = weights_bytes(MODEL) + 200 * q_pair
+    stack = ServingStack([], daemon_args=("--n-blocks", "4096", "--budget", str(budget))).start()
+    args = ["--kv-bits", "4", "--prefill-step-size", str(chunk), "--served-model-name", "q"]
+    try:
+        stack.workers["q"] = stack.start_worker(
+            str(MODEL_DIR), [*args, "--prompt-cache-bytes", "0"]
+        )
+        most = stack.daemon.admin("fit", model="q", context=BLOCK)["most_ever"]
+        n_blocks = most // q_pair
+        assert n_blocks * BLOCK > chunk  # the premise: longer than its first pass
+        n_tokens = n_blocks * BLOCK
+        answer = stack.daemon.admin("fit", model="q", context=n_tokens)
+        need = sequence_bytes(n_tokens, BLOCK, fp_pair, q_pair, SequenceQuantization(0, chunk))
+        assert answer["format"] == "q4g64" and answer["verdict"] == "never"
+        assert answer["need"] == need > most >= n_blocks * q_pair
+        body = {"model": "q", "prompt": prompt_of(20), "max_tokens": n_tokens - 20}
+        reply = request_json(stack.url("q"), "POST", "/v1/completions", body)
+        assert reply.status == 400, reply.body
+        message = reply.body["error"]["message"]
+        assert "can never fit" in message and f"({need} bytes)" in message, message
+        stack.wait_for_no_blocks()
+    finally:
         stack.stop()

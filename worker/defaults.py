@@ -1,12 +1,15 @@
 """Defaults and limits of the worker's options, shared by the command line and the modules that
 use them.
 
-A module of constants that imports nothing: ``vqpool-worker`` builds its parser and checks its
+A module of constants that imports nothing heavy: ``vqpool-worker`` builds its parser and checks its
 options from here before it imports mlx-lm (seconds), so ``--help`` and a bad option answer at
 once.
 """
 
 from __future__ import annotations
+
+# The daemon and the front door price a quantizing model's first pass with it too.
+from vqpool.shared.kv_sequence import DEFAULT_PREFILL_STEP_SIZE as DEFAULT_PREFILL_STEP_SIZE
 
 DEFAULT_GROWTH_WAIT = 0.1
 """Seconds a step's growths may wait at the daemon for bytes (a few decode steps): long enough
@@ -30,9 +33,6 @@ long prefill's transients. 64 MiB holds a decode step's transients many times ov
 reused every step) and is half the daemon's smallest drift margin (128 MiB, docs/budget.md), so
 a full cache alone never reads as drift. Larger transients (a long prefill's attention scores)
 are allocated afresh each chunk: one allocation against a chunk's seconds of compute."""
-
-DEFAULT_PREFILL_STEP_SIZE = 2048
-"""Prompt tokens one prefill chunk processes (mlx-lm's ``prefill_step_size`` default)."""
 
 RESERVE_MODES = ("on-demand", "auto", "prompt", "full")
 """What a job reserves at admission (see :mod:`vqpool.worker.sched.scheduler`)."""

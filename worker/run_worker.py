@@ -17,6 +17,7 @@ import mlx.nn as nn
 from vqpool.shared.config import resolve_run_dir
 from vqpool.shared.errors import DaemonUnavailableError
 from vqpool.shared.kv_disk import kv_disk_directory
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.model_weights import worker_overhead
 from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.shared.protocol import session_label
@@ -122,6 +123,11 @@ def open_pool(
             timeout=timeout,
             weights=weights,
             overhead=overhead,
+            quantization=(
+                None
+                if quantization is None
+                else SequenceQuantization.of(quantization.start, prefill_step_size)
+            ),
         )
 
     pool = connect(DEFAULT_BLOCK_SIZE)  # ValueError for a model of another shape

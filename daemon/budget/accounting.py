@@ -16,13 +16,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from vqpool.daemon.budget.holdings import Holdings, Items
-from vqpool.daemon.budget.ledger import BudgetLedger, bytes_for_context
+from vqpool.daemon.budget.ledger import BudgetLedger
 from vqpool.daemon.budget.live_settings import LiveSettings
 from vqpool.daemon.budget.load_reservations import LoadReservations, reservation_key
 from vqpool.daemon.budget.measured import DriftWatch, model_memory
 from vqpool.daemon.budget.parking import ParkedRequest, Parking
 from vqpool.daemon.budget.reclaim_book import DEFAULT_RECLAIM_DEADLINE
 from vqpool.daemon.budget.reclaim_service import ReclaimService
+from vqpool.daemon.budget.sequence_pricing import SequencePricing
 from vqpool.daemon.budget.types import LoadOutcome, ModelSettings, Outcome
 from vqpool.daemon.budget.views import (
     budget_view,
@@ -461,19 +462,16 @@ class BudgetAccounting:
     def fit(
         self,
         model: str,
-        bytes_per_block: Mapping[str, int],
+        pricing: SequencePricing,
         context: int,
         concurrency: int,
         new_weights: int = 0,
     ) -> dict[str, Any]:
         """The fit answer for ``concurrency`` sequences of ``context`` tokens of ``model``
-        (``bytes_per_block`` per pool stream, or one total under the key ``"all"`` for a model
-        not loaded; ``new_weights``: the weights its load would add)."""
+        (``pricing``'s bytes per block per pool stream, or one total under the key ``"all"``
+        for a model not loaded; ``new_weights``: the weights its load would add)."""
         allocator = self._coord.allocator
-        streams = ["all"] if "all" in bytes_per_block else allocator.streams
-        per_sequence = bytes_for_context(
-            context, allocator.config.block_size, bytes_per_block, streams
-        )
+        per_sequence = pricing.per_sequence(context, allocator.config.block_size, allocator.streams)
         if per_sequence == 0:
             raise ValueError(
                 f"fit: model {model!r} declared 0 bytes per block: the budget does not bound it"

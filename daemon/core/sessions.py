@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import psutil
 from vqpool.shared.allocator import Owner
 from vqpool.shared.errors import TooManySessionsError, UnauthorizedError
+from vqpool.shared.kv_sequence import SequenceQuantization
 
 log = logging.getLogger("vqpoold")
 
@@ -51,6 +52,9 @@ class Session:
         bytes_per_block: Bytes one block of each stream holds in the worker.
         bytes_per_format: Bytes one block of each stream holds in the worker, per format tag
             the worker declared (a block of another format costs ``bytes_per_block``).
+        quantization: How the worker holds a sequence's blocks when it declared a quantized
+            format (its ``--quantized-kv-start`` and first-pass slots, from hello): what
+            ``fit`` prices a sequence with; None: full precision.
         client_version: vqpool version of the worker.
         nonce: The hello nonce (a repeated hello with it returns this session).
         started: Wall-clock time the session opened.
@@ -105,6 +109,7 @@ class Session:
     reclaimable: bool = False
     preemptions: int = 0
     bytes_per_format: dict[str, dict[str, int]] = field(default_factory=dict)
+    quantization: SequenceQuantization | None = None
 
     def block_bytes(self, stream: str, fmt: str) -> int:
         """Bytes one block of ``stream`` in format ``fmt`` holds in the worker: its format's
@@ -221,6 +226,7 @@ class SessionTable:
         nonce: str,
         now: float,
         bytes_per_format: dict[str, dict[str, int]] | None = None,
+        quantization: SequenceQuantization | None = None,
     ) -> Session:
         """A new session for a verified worker process.
 
@@ -255,6 +261,7 @@ class SessionTable:
             started=time.time(),
             last_heard=now,
             bytes_per_format=bytes_per_format or {},
+            quantization=quantization,
         )
         self._by_sid[sid] = session
         self._by_nonce[nonce] = session

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vqpool.shared.kv_formats import DEFAULT_GROUP_SIZE, quantized_format
+from vqpool.shared.kv_sequence import DEFAULT_PREFILL_STEP_SIZE, SequenceQuantization
 from vqpool.shared.model_names import resolve_model
 
 DEFAULT_KEEP_ALIVE = 300.0
@@ -125,6 +126,17 @@ class ModelEntry:
             return None
         return int(bits), int(self.worker_option("--kv-group-size") or DEFAULT_GROUP_SIZE)
 
+    def sequence_quantization(self) -> SequenceQuantization | None:
+        """How its quantizing worker holds a sequence's blocks (``quantized_kv_start``,
+        ``prefill_step_size``), or None: full precision."""
+        if self.worker_option("--kv-bits") is None:
+            return None
+        start = int(self.worker_option("--quantized-kv-start") or 0)
+        step = self.worker_option("--prefill-step-size")
+        return SequenceQuantization.of(
+            start, DEFAULT_PREFILL_STEP_SIZE if step is None else int(step)
+        )
+
     def kv_format(self) -> str | None:
         """The block format tag of its quantized KV (``q4g64``...), or None: full precision."""
         quantization = self.kv_quantization()
@@ -179,6 +191,9 @@ def entry_from_table(name: str, table: Mapping[str, Any], keep_alive: float) -> 
             quantized_format(table["kv_bits"], table.get("kv_group_size", DEFAULT_GROUP_SIZE))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+    for key, least in (("quantized_kv_start", 0), ("prefill_step_size", 1)):
+        if table.get(key, least) < least:  # they price the load's KV minimum too
+            raise ValueError(f"{where}: {key} must be >= {least}, got {table[key]}")
     return ModelEntry(name, path, tuple(aliases), keep_alive, pinned, tuple(args))
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
+from vqpool.shared.kv_sequence import SequenceQuantization, sequence_bytes
 from vqpool.shared.kv_size import kv_block_bytes
 
 DEFAULT_LOAD_KV_TOKENS = 2048
@@ -91,24 +92,30 @@ class LedgerCalls:
         kv_tokens: int,
         overhead: int = 0,
         quantization: tuple[int, int] | None = None,
+        holding: SequenceQuantization | None = None,
     ) -> LoadNeed:
         """What loading ``model`` (``spec`` names its files) asks for: ``weights`` (unknown: 0,
-        its worker's hello charges them), ``overhead``, and its KV minimum: the KV of
-        ``kv_tokens`` tokens (its config priced at the pool's block size, quantized to
-        ``quantization``'s (bits, group_size) when its worker quantizes KV) but no more than its
-        limit at the daemon, or its reserve there if larger.
+        its worker's hello charges them), ``overhead``, and its KV minimum: what one sequence
+        of ``kv_tokens`` tokens needs at its smallest (its config priced at the pool's block
+        size; when its worker quantizes KV to ``quantization``'s (bits, group_size), held as
+        ``holding`` says: :func:`vqpool.shared.kv_sequence.sequence_bytes`) but no more than
+        its limit at the daemon, or its reserve there if larger.
 
         Raises:
             VqpoolError: The daemon does not answer.
         """
         block_size = (await self.call("stats"))["config"]["block_size"]
-        try:
-            block = kv_block_bytes(spec, block_size, *(quantization or (None,))) or 0
-        except ValueError:  # heads the group does not divide: the worker refuses it
-            block = kv_block_bytes(spec, block_size) or 0
+        fp_block = kv_block_bytes(spec, block_size) or 0
+        quantized_block = None
+        if quantization is not None:
+            try:
+                quantized_block = kv_block_bytes(spec, block_size, *quantization)
+            except ValueError:  # heads the group does not divide: the worker refuses it
+                quantized_block = None
+        holding = holding or SequenceQuantization()
+        room = sequence_bytes(kv_tokens, block_size, fp_block, quantized_block, holding)
         models = await self.call("model_list")
         row = next((m for m in models["models"] if m["model"] == model), None)
-        room = -(-kv_tokens // block_size) * block
         if row is None:
             return LoadNeed(weights or 0, room, overhead)
         kv_min = max(row["reserve"], min(room, row["effective_limit"]))

@@ -171,6 +171,7 @@ class ModelSlot:
             "name": self.name,
             "path": self.entry.path,
             "kv_format": self.entry.kv_format(),
+            "kv_holding": _holding(self.entry),
             "aliases": list(self.entry.aliases),
             "state": self.state,
             "pid": None if worker is None else worker.pid,
@@ -198,3 +199,12 @@ class ModelSlot:
             "weights_source": None if self.weights is None else self.weights.source,
             "overhead_bytes": worker_overhead(self.cache_limit),
         }
+
+
+def _holding(entry: ModelEntry) -> dict[str, int] | None:
+    """How its quantizing worker holds a sequence's blocks, for ``vqpoolctl fit`` to price a
+    model not loaded as its worker will be (None: full precision)."""
+    holding = entry.sequence_quantization()
+    if holding is None:
+        return None
+    return {"start": holding.start, "first_pass_slots": holding.first_pass_slots}

@@ -442,6 +442,7 @@ class Supervisor:
             self.load_kv_tokens,
             worker_overhead(slot.cache_limit),
             slot.entry.kv_quantization(),
+            slot.entry.sequence_quantization(),
         )
         while True:
             if self._closing or slot.queued <= slot.answered:

@@ -233,6 +233,27 @@ ADMIN_OP_SPECS = op_table(
                 1,
                 "bytes of KV one block takes (all streams), for a model with no worker connected",
             ),
+            _optional_bytes(
+                "quantized_bytes_per_token",
+                1,
+                "with bytes_per_token (then in full precision), for a model whose worker will "
+                "quantize its KV: bytes of KV one token takes in its quantized format",
+            ),
+            Field(
+                "quantized_kv_start",
+                int_in(0),
+                required=False,
+                default=0,
+                help="with quantized_bytes_per_token: its worker's --quantized-kv-start",
+            ),
+            Field(
+                "first_pass_slots",
+                int_in(0),
+                required=False,
+                default=0,
+                help="with quantized_bytes_per_token and quantized_kv_start 0: the full-precision "
+                "slots a sequence's admission takes (its worker's --prefill-step-size)",
+            ),
         ),
     ),
     OpSpec(

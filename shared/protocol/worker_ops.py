@@ -120,6 +120,24 @@ WORKER_OP_SPECS = op_table(
                 help="bytes one block of each format (tag -> int or map stream -> int) holds "
                 "in this worker; a block of an undeclared format costs bytes_per_block",
             ),
+            Field(
+                "quantized_kv_start",
+                int_in(0),
+                required=False,
+                default=0,
+                help="with a quantized format in bytes_per_format: the tokens a sequence holds "
+                "in full precision before it is quantized (--quantized-kv-start); fit prices "
+                "a sequence so (vqpool.shared.kv_sequence)",
+            ),
+            Field(
+                "first_pass_slots",
+                int_in(0),
+                required=False,
+                default=0,
+                help="with a quantized format and quantized_kv_start 0: the most token slots a "
+                "sequence's admission takes in full precision beside its quantized ones (its "
+                "first prefill chunk); fit prices a sequence so",
+            ),
             Field("client_version", check_str, required=False, default=""),
             Field(
                 "weights",

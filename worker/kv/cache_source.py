@@ -49,6 +49,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from vqpool.shared.allocator import Owner
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import DaemonUnavailableError, UnknownOpError
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.pool import BlockPool
 from vqpool.worker.defaults import (
     DEFAULT_GROWTH_WAIT,
@@ -158,7 +159,9 @@ class PooledCacheSource:
         )
         """The layout requests' caches convert to (``--kv-bits``); None: full precision."""
         self.first_pass_slots = (
-            prefill_step_size if quantization is not None and quantization.start == 0 else 0
+            0
+            if quantization is None
+            else SequenceQuantization.of(quantization.start, prefill_step_size).first_pass_slots
         )
         """Slots of a request's first-pass blocks (0: none; see :class:`RowBlocks`)."""
         self._rows: dict[Owner, RowBlocks] = {}
@@ -288,22 +291,6 @@ class PooledCacheSource:
                 return False
         return self.never_fits(n_tokens) is None
 
-    def sequence_bytes(self, n_tokens: int) -> int:
-        """The most bytes of blocks one sequence of ``n_tokens`` holds: in the quantized
-        format past ``--quantized-kv-start``, else in full precision; with
-        ``--quantized-kv-start`` 0, the blocks of its first pass (one chunk at most) in full
-        precision and the rest quantized (RowBlocks' first-pass blocks)."""
-        fp = self.layout
-        layout: KVLayout | QuantizedKVLayout = fp
-        quantized = self.quantized
-        n_blocks = -(-n_tokens // fp.block_size)
-        n_first = 0
-        if quantized is not None and quantized.quantization.due(n_tokens):
-            layout = quantized
-            n_first = -(-min(n_tokens, self.first_pass_slots) // fp.block_size)
-        first_bytes = n_first * (fp.k_block_bytes + fp.v_block_bytes)
-        return (n_blocks - n_first) * (layout.k_block_bytes + layout.v_block_bytes) + first_bytes
-
     def never_fits(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` can never fit this model's share of the budget, from
         the daemon's fit answer; None when it may (or the daemon cannot say: an older daemon,
@@ -314,15 +301,9 @@ class PooledCacheSource:
             answer = self.pool.fit(n_tokens)
         except (UnknownOpError, DaemonUnavailableError):
             return None
-        need = answer["need"]
-        if self.quantized is not None:
-            # The daemon prices full-precision blocks; past --quantized-kv-start the
-            # sequence holds blocks of the quantized format.
-            need = self.sequence_bytes(n_tokens)
-            if need <= answer["most_ever"]:
-                return None
-        elif answer["verdict"] != "never":
+        if answer["verdict"] != "never":
             return None
+        need = answer["need"]  # a quantizing worker's sequence priced as its hello said
         limit = answer["limit"]
         return (
             f"the request can never fit: prompt + max_tokens = {n_tokens} tokens need "

@@ -45,6 +45,7 @@ from vqpool.shared.allocator import (
 )
 from vqpool.shared.config import resolve_run_dir
 from vqpool.shared.errors import ClaimConflictError, error_from_wire
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.pool import AllocationRequest, AllocationResult
 from vqpool.shared.protocol import item_message, session_label, stats_from_wire
 from vqpool.shared.transport import FIRST_RETRY_SECONDS
@@ -92,6 +93,9 @@ class PoolClient:
             each block its format's bytes; None: every block costs ``bytes_per_block``.
         overhead: Bytes the worker may hold beyond its weights and KV blocks (its MLX
             buffer-cache limit), charged with its weights (None: not declared).
+        quantization: With a quantized format in ``bytes_per_format``: how this worker holds
+            a sequence's blocks (``--quantized-kv-start``, first-pass slots), which the
+            daemon's ``fit`` prices a sequence with (None: start 0, no first-pass slots).
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend (doubled per silent
             attempt, up to 2 s).
@@ -114,6 +118,7 @@ class PoolClient:
         weights: int | None = None,
         bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
         overhead: int | None = None,
+        quantization: SequenceQuantization | None = None,
     ) -> None:
         self._session = DaemonSession(
             resolve_run_dir(run_dir),
@@ -124,6 +129,7 @@ class PoolClient:
             weights=weights,
             bytes_per_format=bytes_per_format,
             overhead=overhead,
+            quantization=quantization,
         )
         self._lock = self._session.lock
         self._connection = self._session.connection  # the caller's socket (its resend count)

@@ -31,6 +31,7 @@ import zmq
 from vqpool.shared.allocator import PoolConfig
 from vqpool.shared.config import WORKER_SOCKET_NAME, endpoint
 from vqpool.shared.errors import DaemonUnavailableError, ErrorCode, error_from_wire
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.protocol import config_from_wire, encode_request
 from vqpool.shared.transport import LazyPirateConnection
 from vqpool.worker.pool.waiting_call import request_waiting
@@ -61,6 +62,9 @@ class DaemonSession:
             them to the session; None: not declared).
         overhead: Bytes the worker may hold beyond its weights and KV, declared at hello with
             the weights (charged beside them; None: not declared).
+        quantization: With a quantized format in ``bytes_per_format``: how the worker holds a
+            sequence's blocks (``--quantized-kv-start``, first-pass slots), declared at hello
+            for the daemon's ``fit``.
         timeout: Seconds each call may take, retries included.
         first_retry: Seconds to wait for a reply before the first resend.
 
@@ -79,8 +83,10 @@ class DaemonSession:
         weights: int | None = None,
         bytes_per_format: Mapping[str, int | Mapping[str, int]] | None = None,
         overhead: int | None = None,
+        quantization: SequenceQuantization | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.quantization = quantization
         self.bytes_per_format = bytes_per_format
         self.weights = weights
         self.overhead = overhead
@@ -146,6 +152,9 @@ class DaemonSession:
                 tag: costs if isinstance(costs, int) else dict(costs)
                 for tag, costs in self.bytes_per_format.items()
             }
+        if self.quantization is not None:
+            args["quantized_kv_start"] = self.quantization.start
+            args["first_pass_slots"] = self.quantization.first_pass_slots
         if self.weights is not None:
             args["weights"] = self.weights
             if self.overhead is not None:

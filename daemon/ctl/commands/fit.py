@@ -18,9 +18,11 @@ much of "now" it is, if any), once others return, and at most; and the largest c
 that fits now and ever. --json prints the daemon's answer (the exit status is the verdict's
 all the same).
 
-A worker that quantizes its KV (``--kv-bits``) is priced at its quantized format's bytes per
-block (the line says "KV in q4g64 blocks"); a model the front door serves with ``kv_bits`` set
-is priced so before it is loaded as well.
+A worker that quantizes its KV (``--kv-bits``) is priced as it holds a sequence: in its
+quantized format's bytes per block, but in full precision for the first prefill chunk with
+``--quantized-kv-start`` 0, and for the first T tokens before it quantizes with T > 0
+(:mod:`vqpool.shared.kv_sequence`; the line says "KV in q4g64 blocks"); a model the front door
+serves with ``kv_bits`` set is priced so before it is loaded as well.
 
 A model with no worker connected (not loaded) is priced from its files: its weights from its
 safetensors headers (a built-in's config), its KV per token from its config.json, where the
@@ -129,12 +131,22 @@ def _unpriced_fit(
         weights = None
     fmt = None if row is None else row.get("kv_format")
     quantization = None if fmt is None else parse_format(fmt)
-    try:
-        per_token = kv_token_bytes(spec, *(quantization or (None,)))
-    except ValueError:  # heads its group does not divide: priced as its worker would fail
-        return None
+    per_token = kv_token_bytes(spec)
     if per_token is None:
         return None
+    quantized: dict[str, Any] = {}
+    if quantization is not None:
+        try:
+            per_quantized = kv_token_bytes(spec, *quantization)
+        except ValueError:  # heads its group does not divide: priced as its worker would fail
+            return None
+        assert row is not None  # a format comes from the front door's row
+        holding = row.get("kv_holding") or {}
+        quantized = {
+            "quantized_bytes_per_token": per_quantized,
+            "quantized_kv_start": holding.get("start", 0),
+            "first_pass_slots": holding.get("first_pass_slots", 0),
+        }
     # The front door charges its worker's overhead (its MLX buffer-cache limit) beside them.
     overhead = 0 if row is None else row.get("overhead_bytes") or 0
     parameters = 0 if weights is None else weights.nbytes
@@ -145,6 +157,7 @@ def _unpriced_fit(
         concurrency=args.concurrency,
         weights=parameters + overhead,
         bytes_per_token=per_token,
+        **quantized,
     )
     if answer.get("weights") == parameters + overhead:
         answer.update(weights=parameters, overhead=overhead)

@@ -4,9 +4,9 @@ long-poll for asks to give bytes back, and its answer)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
+from vqpool.daemon.budget.sequence_pricing import SequencePricing
 from vqpool.daemon.core.sessions import Session
 from vqpool.daemon.ops.op_table import Args
 from vqpool.daemon.ops.state import DaemonState
@@ -15,36 +15,38 @@ from vqpool.shared.protocol import INT64_MAX
 
 
 def fit(state: DaemonState, session: Session, args: Args, rid: int, now: float) -> dict[str, Any]:
-    fmt, bytes_per_block = fit_pricing(session)
-    answer = fit_answer(state, session.model, bytes_per_block, args["context"], args["concurrency"])
-    return {**answer, "format": fmt}
+    pricing = fit_pricing(session)
+    answer = fit_answer(state, session.model, pricing, args["context"], args["concurrency"])
+    return {**answer, "format": pricing.format}
 
 
-def fit_pricing(session: Session) -> tuple[str | None, dict[str, int]]:
-    """The block format a long sequence of ``session``'s worker is held in, and its bytes per
-    block: its quantized format when it declared one (the worker quantizes a sequence once it
-    passes ``--quantized-kv-start``; the most costly, if it declared several), else
-    ``bytes_per_block`` (format None: whatever full precision its blocks are in)."""
+def fit_pricing(session: Session) -> SequencePricing:
+    """How a sequence of ``session``'s worker is priced: its bytes per block in full
+    precision and, when it declared a quantized format (the worker quantizes a sequence once
+    it passes ``--quantized-kv-start``; the most costly, if it declared several), in that
+    format, held as its hello said (first-pass slots, start)."""
     quantized = [
         (sum(costs.values()), fmt, costs)
         for fmt, costs in session.bytes_per_format.items()
         if parse_format(fmt) is not None
     ]
+    full = [costs for fmt, costs in session.bytes_per_format.items() if parse_format(fmt) is None]
+    fp = max(full, key=lambda costs: sum(costs.values())) if full else session.bytes_per_block
     if not quantized:
-        return None, session.bytes_per_block
+        return SequencePricing(fp)
     _, fmt, costs = max(quantized)
-    return fmt, costs
+    return SequencePricing(fp, costs, fmt, session.quantization)
 
 
 def fit_answer(
     state: DaemonState,
     model: str,
-    bytes_per_block: Mapping[str, int],
+    pricing: SequencePricing,
     context: int,
     concurrency: int,
     new_weights: int = 0,
 ) -> dict[str, Any]:
-    """The ``fit`` answer (worker op and admin op) for ``model`` priced at ``bytes_per_block``
+    """The ``fit`` answer (worker op and admin op) for ``model`` priced by ``pricing``
     (``new_weights``: the weights a load of it would add, for a model not loaded), with its
     weights, the budget's free bytes and what each loaded model would free if unloaded.
 
@@ -53,7 +55,7 @@ def fit_answer(
             past any model's; context and concurrency are bounded by their declarations).
     """
     budget = state.budget
-    answer = budget.fit(model, bytes_per_block, context, concurrency, new_weights)
+    answer = budget.fit(model, pricing, context, concurrency, new_weights)
     if answer["need"] > INT64_MAX:
         raise ValueError(
             f"fit: {concurrency} sequences of {context} tokens of {model} would need "

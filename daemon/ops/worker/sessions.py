@@ -13,6 +13,8 @@ from vqpool.daemon.net.peer_process import RequestPeer
 from vqpool.daemon.ops.op_table import Args
 from vqpool.daemon.ops.state import DAEMON_VERSION, DaemonState
 from vqpool.shared.errors import BadRequestError, UnauthorizedError
+from vqpool.shared.kv_formats import parse_format
+from vqpool.shared.kv_sequence import SequenceQuantization
 from vqpool.shared.protocol import PROTOCOL_VERSION, config_to_wire
 
 log = logging.getLogger("vqpoold")
@@ -43,6 +45,14 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
         }
         for tag, costs in bytes_per_format.items():
             state.budget.check_hello(costs, streams, f"bytes_per_format[{tag}]")
+        quantization = None
+        if any(parse_format(tag) is not None for tag in bytes_per_format):
+            try:
+                quantization = SequenceQuantization(
+                    args["quantized_kv_start"], args["first_pass_slots"]
+                )
+            except ValueError as exc:
+                raise BadRequestError(f"hello: {exc}") from None
         session = coord.sessions.open(
             process,
             args["model"],
@@ -51,6 +61,7 @@ def hello(state: DaemonState, peer: RequestPeer, args: Args, now: float) -> Any:
             args["nonce"],
             now,
             bytes_per_format,
+            quantization,
         )
         coord.session_opened(session, args["resumes"])
         log.info(
