@@ -12,12 +12,14 @@ import random
 import signal
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from daemon_harness import remove_tree, short_tmpdir, wait_until
-from mlx_lm.generate import generate_step
+from mlx_lm import load
+from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from serving_harness import ServingStack, run_worker_until_exit
 from test_preemption import run
@@ -34,7 +36,7 @@ from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.run_worker import open_pool
 from vqpool.worker.sched.scheduler import ScoredToken
 from vqpool.worker.testing.http_client import request_json, stream_events
-from vqpool.worker.testing.launch import DaemonProcess
+from vqpool.worker.testing.launch import DaemonProcess, WorkerProcess
 from vqpool.worker.testing.model_dirs import write_config_dir
 
 # Head dim 64 (the built-ins' 16 and 32 are below mx.quantize's groups), bf16 as served on a Mac.
@@ -374,7 +376,10 @@ def test_a_worker_serves_quantized_blocks_through_a_hit_and_a_daemon_restart() -
         (["--kv-bits", "3"], "invalid choice: 3"),
         (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of"),
         (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0"),
-        (["--kv-bits", "8", "--no-pool"], "cannot go with --no-pool"),
+        (
+            ["--kv-bits", "4", "--kv-group-size", "32", "--no-pool"],
+            "does not divide the model's key head",
+        ),
         # builtin:llama's heads are 16 wide: no group of 32 divides them.
         (["--kv-bits", "4", "--kv-group-size", "32"], "does not divide the model's key head"),
     ],
@@ -484,3 +489,52 @@ def test_a_workers_fit_and_never_fits_check_count_its_first_pass_in_full_precisi
         stack.wait_for_no_blocks()
     finally:
         stack.stop()
+
+
+@pytest.mark.parametrize(("bits", "group_size", "start"), [(4, 32, 0), (8, 64, 0), (4, 64, START)])
+def test_no_pool_serves_kv_bits_as_mlx_lms_stream_generate(
+    bits: int, group_size: int, start: int, tmp_path: Path
+) -> None:
+    # --no-pool --kv-bits: mlx-lm's own QuantizedKVCache, one request at a time, as
+    # mlx_lm.server serves it; the same tokens and logprobs as stream_generate with the same
+    # kv_bits (prefill chunks of 16 tokens, so that the 40-token prompt crosses START in its
+    # prefill and the 7-token one in its decode).
+    step = 16
+    args = [
+        *("--kv-bits", str(bits), "--kv-group-size", str(group_size)),
+        *("--quantized-kv-start", str(start), "--prefill-step-size", str(step)),
+    ]
+    model, tokenizer = load(str(MODEL_DIR))
+    worker = WorkerProcess(str(MODEL_DIR), tmp_path / "w.log", no_pool=True, args=args).start()
+    try:
+        for prompt in (prompt_of(40), prompt_of(7, 2)):
+            body = {"prompt": prompt, "max_tokens": 32, "logprobs": True, "return_token_ids": True}
+            reply = request_json(worker.url, "POST", "/v1/completions", body)
+            assert reply.status == 200, reply
+            choice = reply.body["choices"][0]
+            got = [
+                (token, entry["logprob"])
+                for token, entry in zip(
+                    choice["token_ids"], choice["logprobs"]["content"], strict=True
+                )
+            ]
+            want = [
+                (r.token, r.logprobs[r.token].item())
+                for r in stream_generate(
+                    model,
+                    tokenizer,
+                    prompt,
+                    max_tokens=32,
+                    kv_bits=bits,
+                    kv_group_size=group_size,
+                    quantized_kv_start=start,
+                    prefill_step_size=step,
+                )
+            ]
+            assert got == want
+            # The premise: quantized KV changes the logprobs (full precision would not pass).
+            full = stream_generate(model, tokenizer, prompt, max_tokens=32, prefill_step_size=step)
+            assert [(r.token, r.logprobs[r.token].item()) for r in full] != want
+        assert "one request at a time" in worker.log()
+    finally:
+        worker.stop()

@@ -168,6 +168,17 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         # As mlx_lm.server: a model with a draft model is not batchable.
         log.info("draft model %s: speculative decoding, one request at a time", draft.name)
         max_concurrent = 1
+    stock_quantization = _quantization(args) if args.no_pool else None
+    if stock_quantization is not None:
+        try:  # a head dimension its group does not divide fails here, not in a request
+            stock_quantization.layout(KVLayout.from_model(loaded.model, DEFAULT_BLOCK_SIZE))
+        except ValueError as exc:
+            log.error("--kv-bits: %s", exc)
+            return 2
+        # As mlx_lm.server: --kv-bits turns batching off; mlx-lm quantizes each request's
+        # stock cache (QuantizedKVCache).
+        log.info("--kv-bits over stock caches (--no-pool): one request at a time")
+        max_concurrent = 1
     pool: PoolClient | None = None
     source: CacheSource
     describe_pool: Callable[[], dict[str, Any]]
@@ -268,6 +279,7 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
         prompt_cache=prompt_cache,
         block_size=DEFAULT_BLOCK_SIZE if pool is None else pool.config.block_size,
         draft_model=draft_model,
+        stock_quantization=stock_quantization,
     )
     if prompt_cache is not None:
         prompt_cache.report()

@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BITS",
         help="quantize the KV cache to 4 or 8 bits, as mlx_lm.server's --kv-bits (mlx-lm's "
         "QuantizedKVCache): the pool's blocks then hold packed values with a scale and a bias "
-        "per group, two to four times the context per byte; batched decoding too (default: "
+        "per group, two to four times the context per byte; batched decoding too; with "
+        "--no-pool, mlx-lm's own cache, one request at a time as mlx_lm.server (default: "
         "full precision)",
     )
     parser.add_argument(
@@ -390,8 +391,6 @@ def _quantization_problem(args: argparse.Namespace) -> str | None:
         return f"--quantized-kv-start must be >= 0, got {args.quantized_kv_start}"
     if args.kv_bits is None:
         return None
-    if args.no_pool:
-        return "--kv-bits quantizes the pool's blocks; it cannot go with --no-pool"
     if args.draft_model is not None:
         return "--kv-bits cannot go with --draft-model (speculative decoding keeps fp KV)"
     return None

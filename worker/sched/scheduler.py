@@ -43,7 +43,9 @@ read its token ids from the job's event queue. One generation thread does the re
   :mod:`vqpool.worker.sched.continuous_batch`. Greedy tokens are those of mlx-lm's
   ``batch_generate`` with stock caches, and at batch 1 those of ``generate_step``.
   With a draft model, jobs decode one at a time by speculative decoding instead
-  (:mod:`vqpool.worker.sched.speculative_batch`, as ``mlx_lm.server`` serves them).
+  (:mod:`vqpool.worker.sched.speculative_batch`, as ``mlx_lm.server`` serves them), and so
+  do they with ``--kv-bits`` over stock caches (``--no-pool``; mlx-lm's ``generate_step``
+  quantizes each: :mod:`vqpool.worker.sched.sequential_batch`).
 * **Preemption** (:mod:`vqpool.worker.sched.preemption`). When the pool refuses a growth step, the
   started job cheapest to recompute and not about to finish gives way at the step boundary: its
   blocks go back, its prompt's KV goes into the prompt cache (taking free memory only, and given
@@ -109,15 +111,16 @@ from vqpool.shared.pool import DEFAULT_BLOCK_SIZE
 from vqpool.worker.defaults import DEFAULT_PREFILL_STEP_SIZE, RESERVE_MODES
 from vqpool.worker.kv.cache_source import CacheSource
 from vqpool.worker.kv.prompt_cache import PromptCache
-from vqpool.worker.kv.quantized import prefix
+from vqpool.worker.kv.quantized import KVQuantization, prefix
 from vqpool.worker.pool.client import MAX_ALLOCATE_WAIT
 from vqpool.worker.sched.admission import Admission, AdmissionWaiter
 from vqpool.worker.sched.continuous_batch import ContinuousBatch
 from vqpool.worker.sched.growth_forecast import GrowthForecast
 from vqpool.worker.sched.preemption import PreemptionPolicy, ReclaimDesk
 from vqpool.worker.sched.sampling import SamplingParams
+from vqpool.worker.sched.sequential_batch import SequentialBatch
 from vqpool.worker.sched.serving_stats import ServingStats
-from vqpool.worker.sched.speculative_batch import SpeculativeBatch, round_slots
+from vqpool.worker.sched.speculative_batch import SpeculativeBatch
 
 log = logging.getLogger("vqpool.worker")
 
@@ -252,6 +255,10 @@ class Scheduler:
         draft_model: A draft model: jobs are decoded one at a time by speculative decoding
             (:mod:`~vqpool.worker.sched.speculative_batch`), each job's cache holding both
             models' layers; ``max_concurrent`` must be 1.
+        stock_quantization: ``--kv-bits`` over stock caches (``--no-pool``): jobs are decoded
+            one at a time by mlx-lm's ``generate_step(kv_bits=...)``
+            (:mod:`~vqpool.worker.sched.sequential_batch`), as ``mlx_lm.server --kv-bits``
+            serves them; ``max_concurrent`` must be 1.
     """
 
     def __init__(
@@ -272,12 +279,16 @@ class Scheduler:
         prompt_cache: PromptCache | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         draft_model: nn.Module | None = None,
+        stock_quantization: KVQuantization | None = None,
     ) -> None:
-        if draft_model is not None and (max_concurrent != 1 or prompt_cache is not None):
+        sequential = draft_model is not None or stock_quantization is not None
+        if sequential and (max_concurrent != 1 or prompt_cache is not None):
             raise ValueError(
-                "Scheduler: a draft model decodes one job at a time (max_concurrent 1), with "
-                "no prompt cache"
+                "Scheduler: a draft model, or --kv-bits over stock caches, decodes one job at "
+                "a time (max_concurrent 1), with no prompt cache"
             )
+        if draft_model is not None and stock_quantization is not None:
+            raise ValueError("Scheduler: a draft model keeps its caches in full precision")
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
                 "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
@@ -312,8 +323,17 @@ class Scheduler:
         self._active: list[GenerationJob] = []  # generation thread only
         self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
         self._forecast = GrowthForecast(block_size)
-        self._batch: ContinuousBatch | SpeculativeBatch
-        if draft_model is None:
+        self._batch: ContinuousBatch | SequentialBatch
+        if stock_quantization is not None:
+            self._batch = SequentialBatch(
+                model,
+                source,
+                eos_token_ids=eos_token_ids,
+                prefill_step_size=prefill_step_size,
+                preemption=self._preemption,
+                quantization=stock_quantization,
+            )
+        elif draft_model is None:
             self._batch = ContinuousBatch(
                 model,
                 source,
@@ -628,10 +648,10 @@ class Scheduler:
             slots = min(
                 len(job.prompt) + len(job.generated) + headroom, len(job.prompt) + job.max_tokens
             )
-        if isinstance(self._batch, SpeculativeBatch):
+        if isinstance(self._batch, SequentialBatch):
             # A round writes its drafts too: admitted (or resumed) with less, it could never
             # make its next round, and a preemption would bring it back to the same place.
-            slots = max(slots, round_slots(job))
+            slots = max(slots, self._batch.round_slots(job))
         return slots
 
     def _admission_slots(self, job: GenerationJob) -> int:

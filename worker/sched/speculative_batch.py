@@ -27,23 +27,15 @@ the model alone gives. Generation-thread only.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections import deque
-from collections.abc import Generator
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationBatch, speculative_generate_step
-from vqpool.shared.errors import BlockPoolExhaustedError
+from mlx_lm.generate import speculative_generate_step
 from vqpool.worker.kv.cache_source import CacheSource
-from vqpool.worker.sched.continuous_batch import StepOutcome
 from vqpool.worker.sched.preemption import PreemptionPolicy
 from vqpool.worker.sched.sampling import logits_processors, shared_sampler
-
-log = logging.getLogger("vqpool.worker")
+from vqpool.worker.sched.sequential_batch import Round, SequentialBatch
 
 
 def round_slots(job: Any) -> int:
@@ -55,21 +47,7 @@ def round_slots(job: Any) -> int:
     return known + min(job.num_draft_tokens, left) + 1
 
 
-_Round = Generator[tuple[mx.array, mx.array, bool], None, None]
-
-
-@dataclass(eq=False)
-class _Running:
-    """The request being decoded: mlx-lm's generator over its cache, and its counts."""
-
-    job: Any
-    uid: int
-    rounds: _Round
-    max_tokens: int  # tokens it may make in this run
-    made: int = 0
-
-
-class SpeculativeBatch:
+class SpeculativeBatch(SequentialBatch):
     """The started jobs of a scheduler with a draft model (module docstring).
 
     A job needs what :class:`~vqpool.worker.sched.continuous_batch.ContinuousBatch` needs, and
@@ -94,83 +72,19 @@ class SpeculativeBatch:
         prefill_step_size: int,
         preemption: PreemptionPolicy | None = None,
     ) -> None:
-        self.model = model
+        super().__init__(
+            model,
+            source,
+            eos_token_ids=eos_token_ids,
+            prefill_step_size=prefill_step_size,
+            preemption=preemption,
+        )
         self.draft_model = draft_model
-        self.source = source
-        self.eos_token_ids = eos_token_ids
-        self.prefill_step_size = prefill_step_size
-        self.preemption = preemption or PreemptionPolicy(source.fits_alone)
-        self._waiting: deque[Any] = deque()
-        self._running: _Running | None = None
-        self._next_uid = 0
 
-    def start(self, job: Any) -> None:
-        """Queue ``job`` (its cache backed for its prompt); it runs once the one before ends."""
-        self._waiting.append(job)
-
-    def in_batch(self, job: Any) -> bool:
-        """Whether ``job`` is the one decoding now."""
-        return self._running is not None and self._running.job is job
-
-    def used_slots(self) -> int:
-        """0: a job never joins another's rows here, so no admission pads to them."""
-        return 0
-
-    def back_ahead(self, n_slots: int) -> bool:
-        """True: jobs run one at a time (``max_concurrent`` 1), so a job is admitted only when
-        none runs, and each round backs its own drafts (:func:`round_slots`)."""
-        return True
-
-    def row_kv(self, job: Any) -> tuple[list[Any], list[int]] | None:
-        """None: no prompt cache keeps a draft model's KV."""
-        return None
-
-    def leave(self, job: Any) -> None:
-        """Take ``job`` out: its round ends (mlx-lm trims the draft's slots) and it is dropped."""
-        running = self._running
-        if running is not None and running.job is job:
-            self._running = None
-            with contextlib.suppress(Exception):
-                running.rounds.close()
-            return
-        if job in self._waiting:
-            self._waiting.remove(job)
-
-    def step(self) -> StepOutcome:
-        """One draft-and-verify round of the running job (the next one starts if none runs)."""
-        outcome = StepOutcome()
-        if self._running is None:
-            if not self._waiting:
-                return outcome
-            job = self._waiting.popleft()
-            try:
-                self._running = self._begin(job)
-            except Exception as exc:
-                log.exception("request %s failed to start", job.owner)
-                outcome.failed.append((job, exc))
-                return outcome
-        running = self._running
-        if not self._back_round(running, outcome):
-            return outcome
-        try:
-            self._round(running, outcome)
-        except BlockPoolExhaustedError:
-            # A write past what the round was backed for: its cache is dropped either way.
-            self._give_way(running.job, outcome)
-        except Exception as exc:
-            log.exception("request %s failed in a speculative round", running.job.owner)
-            self.leave(running.job)
-            outcome.failed.append((running.job, exc))
-        return outcome
-
-    def _begin(self, job: Any) -> _Running:
-        tokens = [*job.prompt, *job.generated]
+    def _rounds(self, job: Any, tokens: mx.array, max_tokens: int) -> Round:
         params = job.sampling
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        max_tokens = job.max_tokens - len(job.generated)
-        rounds = speculative_generate_step(
-            mx.array(tokens, mx.uint32),
+        return speculative_generate_step(
+            tokens,
             self.model,
             self.draft_model,
             num_draft_tokens=job.num_draft_tokens,
@@ -180,57 +94,6 @@ class SpeculativeBatch:
             prompt_cache=job.cache,
             prefill_step_size=self.prefill_step_size,
         )
-        self._next_uid += 1
-        return _Running(job, self._next_uid, rounds, max_tokens)
 
-    def _back_round(self, running: _Running, outcome: StepOutcome) -> bool:
-        """Back the slots the next round may write (:func:`round_slots`). False when the job
-        gave way."""
-        job = running.job
-        while True:
-            try:
-                self.source.reserve(job.cache, round_slots(job))
-                return True
-            except BlockPoolExhaustedError:
-                if self._give_way(job, outcome):
-                    return False
-
-    def _give_way(self, job: Any, outcome: StepOutcome) -> bool:
-        """The pool refused ``job``'s growth: the preemption policy's victim leaves (a job that
-        is alone is evicted: the scheduler preempts or ends it). True when ``job`` left."""
-        started = [job, *self._waiting]
-        victim = self.preemption.growth_victim(started)
-        if victim is None:
-            self.leave(job)
-            outcome.evicted.append(job)
-            return True
-        self.leave(victim)
-        outcome.preempted.append(victim)
-        return victim is job
-
-    def _round(self, running: _Running, outcome: StepOutcome) -> None:
-        """Pull one round's tokens from mlx-lm's generator: the accepted drafts, then the
-        model's own token."""
-        job = running.job
-        while True:
-            raw, logprobs, from_draft = next(running.rounds)
-            running.made += 1
-            token = int(raw)  # a Python int from mlx-lm (its annotation says array)
-            outcome.tokens.append((job, token, logprobs))
-            outcome.drafted += from_draft
-            reason = (
-                "stop"
-                if token in self.eos_token_ids
-                else "length"
-                if running.made >= running.max_tokens
-                else None
-            )
-            if reason is not None:
-                self.leave(job)
-                response = GenerationBatch.Response(
-                    running.uid, token, logprobs, reason, None, None
-                )
-                outcome.finished.append((job, reason, response))
-                return
-            if not from_draft:
-                return
+    def round_slots(self, job: Any) -> int:
+        return round_slots(job)
