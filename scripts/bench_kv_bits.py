@@ -31,6 +31,13 @@ The issue's full run (a 4K prefill takes minutes here: hours on this shared 2-co
 A short one: ``--short`` (context 128, concurrency 1 and 2, 2 rounds, 16 tokens; under 10
 minutes on an idle 2-core machine): its speed ratios are at short context, where the KV is a
 small part of the work; the context per GiB is exact either way. The defaults are the full run.
+
+Context per GiB alone: ``--context-only`` (no speed part, no mlx_lm.server; a minute): the
+medium model at ``--group-size``, and a model with Llama-3.2-3B's head (128 dims, bf16; 2 layers
+of one KV head, since the ratios depend only on the head's width and dtype) at groups 64 and
+128, each format's bytes per block as a live worker declared them at hello:
+
+    .venv/bin/python scripts/bench_kv_bits.py --context-only
 """
 
 from __future__ import annotations
@@ -63,6 +70,17 @@ from vqpool.worker.testing.model_dirs import write_config_dir
 
 GIB = 1 << 30
 SERVERS = ("mlx_lm.server", "vqpool-worker")
+MEDIUM_TITLE = "medium model, 1024 x 8 layers, 8 KV heads x 64, bf16"
+HEAD_128: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "intermediate_size": 512,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+"""Llama-3.2-3B's head (128 dims, bf16) on a model kept tiny: the ratios to 16 bits depend
+only on the head's width and the dtype, not on the layers or heads."""
+HEAD_128_TITLE = "Llama-3.2-3B's head: 128 dims, bf16; 2 layers x 1 KV head"
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,6 +106,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--short", action="store_true",
         help="context 128, concurrency 1 2, 2 rounds, 16 tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--context-only", action="store_true",
+        help="only the context per GiB (no speed part): the medium model at --group-size and "
+        "a 128-dim head (Llama-3.2-3B's) at groups 64 and 128, from live workers' declarations",
     )  # fmt: skip
     args = parser.parse_args()
     if args.short:
@@ -129,10 +152,12 @@ def start(kind: str, model_dir: Path, log: Path, run_dir: Path, extra: list[str]
     return worker
 
 
-def declared_block_bytes(run_dir: Path, fmt: str) -> int:
-    """Bytes per block (all streams) the one connected worker declared for ``fmt``."""
+def declared_block_bytes(run_dir: Path, fmt: str, pid: int | None = None) -> int:
+    """Bytes per block (all streams) the connected worker (the one of ``pid``, or the only
+    one) declared for ``fmt``."""
     with AdminClient(run_dir, timeout=5.0) as admin:
-        (session,) = admin.call("sessions")
+        sessions = admin.call("sessions")
+    (session,) = [s for s in sessions if pid is None or s["pid"] == pid]
     costs = session["bytes_per_format"].get(fmt) or session["bytes_per_block"]
     return int(costs["k"] + costs["v"])  # (its "kv" entry prices a shared-kv pool's block)
 
@@ -258,25 +283,36 @@ def spread(values: list[float], digits: int = 1) -> str:
     return text
 
 
-def report(settings: list[Setting], args: argparse.Namespace, spec: str, block_size: int) -> None:
-    base = next((s for s in settings if s.bits == 16), settings[0])
-    base_tokens = GIB // base.block_bytes * block_size
-    print(
-        "\n### Context per GiB of budget (medium model, 1024 x 8 layers, 8 KV heads x 64, bf16)\n"
-    )
+def context_table(
+    title: str, rows: list[tuple[int, int, str, int, int | None]], spec: str, block_size: int
+) -> None:
+    """The context-per-GiB table of ``rows`` (bits, group size, format, bytes per block
+    declared, charged or None), 16 bits first: whole blocks of ``block_size`` tokens in a GiB,
+    each declaration checked against shared/kv_formats.py's formula."""
+    base_tokens = GIB // rows[0][3] * block_size
+    print(f"\n### Context per GiB of budget ({title})\n")
     print(
         "| KV | format | bytes per block (k+v, declared) | formula | charged "
         "| tokens per GiB | vs 16-bit |"
     )
     print("|---|---|---|---|---|---|---|")
-    for s in settings:
-        bits = None if s.bits == 16 else s.bits
-        formula = kv_block_bytes(spec, block_size, bits, args.group_size)
-        tokens = GIB // s.block_bytes * block_size
+    for bits, group_size, fmt, declared, charged in rows:
+        formula = kv_block_bytes(spec, block_size, None if bits == 16 else bits, group_size)
+        tokens = GIB // declared * block_size
         print(
-            f"| {s.bits}-bit | {s.fmt} | {s.block_bytes} | {formula} | {s.charged or '-'} "
+            f"| {bits}-bit | {fmt} | {declared} | {formula} | {charged or '-'} "
             f"| {tokens:,} | {tokens / base_tokens:.2f}x |"
         )
+
+
+def report(settings: list[Setting], args: argparse.Namespace, spec: str, block_size: int) -> None:
+    ordered = sorted(settings, key=lambda s: s.bits != 16)
+    context_table(
+        MEDIUM_TITLE,
+        [(s.bits, args.group_size, s.fmt, s.block_bytes, s.charged) for s in ordered],
+        spec,
+        block_size,
+    )
     print(
         f"\n### Speed at {args.context}-token prompts, {args.max_tokens} tokens generated "
         f"(medians over {args.rounds} round(s); ratios: vqpool / mlx_lm.server, median (min-max))\n"
@@ -302,6 +338,40 @@ def report(settings: list[Setting], args: argparse.Namespace, spec: str, block_s
             )
 
 
+def declared_by_worker(
+    model_dir: Path, run_dir: Path, log: Path, bits: int, group_size: int, dtype_tag: str
+) -> tuple[str, int]:
+    """The format and bytes per block a live worker serving ``model_dir`` with ``bits`` (16:
+    the model's dtype) in groups of ``group_size`` declared at hello."""
+    fmt = dtype_tag if bits == 16 else quantized_format(bits, group_size)
+    worker = start("vqpool-worker", model_dir, log, run_dir, kv_args(bits, group_size), 1)
+    try:
+        return fmt, declared_block_bytes(run_dir, fmt, worker.pid)
+    finally:
+        worker.stop()
+
+
+def context_only(args: argparse.Namespace, base: Path, run_dir: Path, block_size: int) -> None:
+    """The context-per-GiB tables alone (``--context-only``): the medium model and the
+    128-dim head."""
+    medium, dtype = MODELS["medium"]
+    models = [
+        ("medium", medium, [args.group_size], MEDIUM_TITLE),
+        ("head128", {**medium, **HEAD_128}, [64, 128], HEAD_128_TITLE),
+    ]
+    quantized_bits = [b for b in args.bits if b != 16]
+    for name, config, groups, title in models:
+        model_dir = write_config_dir(base / name, config, seed=0, dtype=dtype)
+        rows: list[tuple[int, int, str, int, int | None]] = []
+        for bits, group_size in [(16, groups[0])] + [
+            (b, g) for g in groups for b in quantized_bits
+        ]:
+            log = base / f"{name}-{bits}-{group_size}.log"
+            fmt, declared = declared_by_worker(model_dir, run_dir, log, bits, group_size, "bf16")
+            rows.append((bits, group_size, fmt, declared, None))
+        context_table(title, rows, str(model_dir), block_size)
+
+
 def main() -> int:
     args = parse_args()
     base = Path(tempfile.mkdtemp(prefix="vqkvbits-", dir="/tmp"))
@@ -316,6 +386,11 @@ def main() -> int:
         never_emit_eos(model_dir)
         with AdminClient(run_dir, timeout=5.0) as admin:
             block_size = admin.call("stats")["config"]["block_size"]
+        if args.context_only:
+            print(f"KV bits {args.bits}: context per GiB only; load average {_load()} at start")
+            context_only(args, base, run_dir, block_size)
+            print(f"\n{time.monotonic() - started:.0f} s in all; load average {_load()} at the end")
+            return 0
         print(
             f"KV bits {args.bits} (group {args.group_size}, quantized from the first token), "
             f"{args.context}-token prompts, {args.max_tokens} tokens, concurrency "
