@@ -54,6 +54,10 @@ MODEL_ARGS: dict[str, Any] = {
 BASE = short_tmpdir("vqq")
 MODEL_DIR = write_config_dir(BASE / "hd64", MODEL_ARGS, dtype=mx.bfloat16)
 MODEL = load_model(str(MODEL_DIR)).model
+# A draft of the same tokenizer and head, another model: some drafts rejected, their slots trimmed.
+DRAFT_DIR = write_config_dir(
+    BASE / "draft", {**MODEL_ARGS, "num_hidden_layers": 1}, seed=7, dtype=mx.bfloat16
+)
 BLOCK = 16
 FORMATS = [(4, 32), (4, 64), (8, 32), (8, 64)]
 START = 30  # --quantized-kv-start for the tests with one: prompts cross it in prefill or decode
@@ -380,6 +384,7 @@ def test_a_worker_serves_quantized_blocks_through_a_hit_and_a_daemon_restart() -
             ["--kv-bits", "4", "--kv-group-size", "32", "--no-pool"],
             "does not divide the model's key head",
         ),
+        (["--kv-bits", "4", "--draft-model", "builtin:llama"], "draft's KV in the same blocks"),
         # builtin:llama's heads are 16 wide: no group of 32 divides them.
         (["--kv-bits", "4", "--kv-group-size", "32"], "does not divide the model's key head"),
     ],
@@ -491,20 +496,27 @@ def test_a_workers_fit_and_never_fits_check_count_its_first_pass_in_full_precisi
         stack.stop()
 
 
+@pytest.mark.parametrize("draft", [False, True], ids=["alone", "draft-model"])
 @pytest.mark.parametrize(("bits", "group_size", "start"), [(4, 32, 0), (8, 64, 0), (4, 64, START)])
 def test_no_pool_serves_kv_bits_as_mlx_lms_stream_generate(
-    bits: int, group_size: int, start: int, tmp_path: Path
+    bits: int, group_size: int, start: int, tmp_path: Path, draft: bool
 ) -> None:
     # --no-pool --kv-bits: mlx-lm's own QuantizedKVCache, one request at a time, as
     # mlx_lm.server serves it; the same tokens and logprobs as stream_generate with the same
     # kv_bits (prefill chunks of 16 tokens, so that the 40-token prompt crosses START in its
     # prefill and the 7-token one in its decode).
+    # With a draft model, speculative_generate_step quantizes both models' caches as
+    # mlx_lm.server --kv-bits --draft-model does (rejected drafts trimmed off quantized caches).
     step = 16
     args = [
         *("--kv-bits", str(bits), "--kv-group-size", str(group_size)),
         *("--quantized-kv-start", str(start), "--prefill-step-size", str(step)),
+        *(("--draft-model", str(DRAFT_DIR), "--num-draft-tokens", "3") if draft else ()),
     ]
     model, tokenizer = load(str(MODEL_DIR))
+    drafting: dict[str, Any] = {}
+    if draft:
+        drafting = {"draft_model": load(str(DRAFT_DIR))[0], "num_draft_tokens": 3}
     worker = WorkerProcess(str(MODEL_DIR), tmp_path / "w.log", no_pool=True, args=args).start()
     try:
         for prompt in (prompt_of(40), prompt_of(7, 2)):
@@ -529,11 +541,14 @@ def test_no_pool_serves_kv_bits_as_mlx_lms_stream_generate(
                     kv_group_size=group_size,
                     quantized_kv_start=start,
                     prefill_step_size=step,
+                    **drafting,
                 )
             ]
             assert got == want
             # The premise: quantized KV changes the logprobs (full precision would not pass).
-            full = stream_generate(model, tokenizer, prompt, max_tokens=32, prefill_step_size=step)
+            full = stream_generate(
+                model, tokenizer, prompt, max_tokens=32, prefill_step_size=step, **drafting
+            )
             assert [(r.token, r.logprobs[r.token].item()) for r in full] != want
         assert "one request at a time" in worker.log()
     finally:

@@ -102,7 +102,7 @@ def open_pool(
     """
     weights = _weights(model, draft_model)
     if quantization is not None and draft_model is not None:
-        raise ValueError("--kv-bits: a model with a --draft-model cannot quantize its KV cache")
+        raise ValueError("--kv-bits with a --draft-model needs --no-pool (see vqpool-worker)")
 
     def connect(block_size: int) -> PoolClient:
         layout = _layout(model, draft_model, block_size)
@@ -171,7 +171,10 @@ def _serve(args: argparse.Namespace, server: ServingServer, stop: threading.Even
     stock_quantization = _quantization(args) if args.no_pool else None
     if stock_quantization is not None:
         try:  # a head dimension its group does not divide fails here, not in a request
-            stock_quantization.layout(KVLayout.from_model(loaded.model, DEFAULT_BLOCK_SIZE))
+            for quantized_model in (loaded.model, draft_model):
+                if quantized_model is not None:
+                    layout = KVLayout.from_model(quantized_model, DEFAULT_BLOCK_SIZE)
+                    stock_quantization.layout(layout)
         except ValueError as exc:
             log.error("--kv-bits: %s", exc)
             return 2

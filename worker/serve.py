@@ -391,8 +391,14 @@ def _quantization_problem(args: argparse.Namespace) -> str | None:
         return f"--quantized-kv-start must be >= 0, got {args.quantized_kv_start}"
     if args.kv_bits is None:
         return None
-    if args.draft_model is not None:
-        return "--kv-bits cannot go with --draft-model (speculative decoding keeps fp KV)"
+    if args.draft_model is not None and not args.no_pool:
+        return (
+            "--kv-bits with --draft-model needs --no-pool: the pool keeps a model's and its "
+            "draft's KV in the same blocks, one format per block, and mlx-lm quantizes the two "
+            "caches at different passes (the draft's prefill runs first, and a rejection trims "
+            "the draft's cache one token less), so a block would hold a quantized half and a "
+            "full-precision one, which no format of the ledger prices"
+        )
     return None
 
 

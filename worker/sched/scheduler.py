@@ -257,8 +257,9 @@ class Scheduler:
             models' layers; ``max_concurrent`` must be 1.
         stock_quantization: ``--kv-bits`` over stock caches (``--no-pool``): jobs are decoded
             one at a time by mlx-lm's ``generate_step(kv_bits=...)``
-            (:mod:`~vqpool.worker.sched.sequential_batch`), as ``mlx_lm.server --kv-bits``
-            serves them; ``max_concurrent`` must be 1.
+            (:mod:`~vqpool.worker.sched.sequential_batch`), or its
+            ``speculative_generate_step(kv_bits=...)`` with a draft model, as ``mlx_lm.server
+            --kv-bits`` serves them; ``max_concurrent`` must be 1.
     """
 
     def __init__(
@@ -287,8 +288,6 @@ class Scheduler:
                 "Scheduler: a draft model, or --kv-bits over stock caches, decodes one job at "
                 "a time (max_concurrent 1), with no prompt cache"
             )
-        if draft_model is not None and stock_quantization is not None:
-            raise ValueError("Scheduler: a draft model keeps its caches in full precision")
         if max_concurrent < 1 or max_queue < 1 or queue_timeout <= 0 or prefill_step_size < 1:
             raise ValueError(
                 "Scheduler: max_concurrent, max_queue, queue_timeout and prefill_step_size "
@@ -324,7 +323,7 @@ class Scheduler:
         self._preemption = PreemptionPolicy(source.fits_alone, self._recompute_cost, block_size)
         self._forecast = GrowthForecast(block_size)
         self._batch: ContinuousBatch | SequentialBatch
-        if stock_quantization is not None:
+        if stock_quantization is not None and draft_model is None:
             self._batch = SequentialBatch(
                 model,
                 source,
@@ -352,6 +351,7 @@ class Scheduler:
                 eos_token_ids=eos_token_ids,
                 prefill_step_size=prefill_step_size,
                 preemption=self._preemption,
+                quantization=stock_quantization,
             )
         self._n_steps = 0
         self._stopping = False  # guarded by _cond

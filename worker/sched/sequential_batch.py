@@ -64,8 +64,8 @@ class SequentialBatch:
         eos_token_ids: Tokens that finish a job with "stop".
         prefill_step_size: Prompt tokens per prefill chunk (mlx-lm's ``prefill_step_size``).
         preemption: Who gives way when the pool refuses a growth.
-        quantization: ``--kv-bits`` of stock caches: mlx-lm quantizes each request's cache
-            (None: full precision).
+        quantization: ``--kv-bits`` of stock caches (``--no-pool``): mlx-lm quantizes each
+            request's cache (None: full precision).
     """
 
     def __init__(
@@ -82,7 +82,12 @@ class SequentialBatch:
         self.source = source
         self.eos_token_ids = eos_token_ids
         self.prefill_step_size = prefill_step_size
-        self.quantization = quantization
+        kv = quantization
+        self.kv_bits = None if kv is None else kv.bits
+        """mlx-lm's ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start`` of
+        ``quantization`` (``kv_bits`` None: never quantized)."""
+        self.kv_group_size = DEFAULT_GROUP_SIZE if kv is None else kv.group_size
+        self.quantized_kv_start = 0 if kv is None else kv.start
         self.preemption = preemption or PreemptionPolicy(source.fits_alone)
         self._waiting: deque[Any] = deque()
         self._running: _Running | None = None
@@ -162,10 +167,6 @@ class SequentialBatch:
         (``maybe_quantize_kv_cache`` quantizes the cache as in ``stream_generate``): each
         token a round of its own."""
         params = job.sampling
-        kv = self.quantization
-        bits, group_size, start = (
-            (None, DEFAULT_GROUP_SIZE, 0) if kv is None else (kv.bits, kv.group_size, kv.start)
-        )
         steps = generate_step(
             tokens,
             self.model,
@@ -174,9 +175,9 @@ class SequentialBatch:
             logits_processors=logits_processors(params),
             prompt_cache=job.cache,
             prefill_step_size=self.prefill_step_size,
-            kv_bits=bits,
-            kv_group_size=group_size,
-            quantized_kv_start=start,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            quantized_kv_start=self.quantized_kv_start,
         )
         return ((token, logprobs, False) for token, logprobs in steps)
 

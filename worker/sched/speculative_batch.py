@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import speculative_generate_step
 from vqpool.worker.kv.cache_source import CacheSource
+from vqpool.worker.kv.quantized import KVQuantization
 from vqpool.worker.sched.preemption import PreemptionPolicy
 from vqpool.worker.sched.sampling import logits_processors, shared_sampler
 from vqpool.worker.sched.sequential_batch import Round, SequentialBatch
@@ -60,6 +61,8 @@ class SpeculativeBatch(SequentialBatch):
         eos_token_ids: Tokens that finish a job with "stop".
         prefill_step_size: Prompt tokens per prefill chunk (mlx-lm's ``prefill_step_size``).
         preemption: Who gives way when the pool refuses a growth.
+        quantization: ``--kv-bits`` of stock caches (``--no-pool``): mlx-lm quantizes both
+            models' caches (None: full precision).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class SpeculativeBatch(SequentialBatch):
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
         preemption: PreemptionPolicy | None = None,
+        quantization: KVQuantization | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -78,6 +82,7 @@ class SpeculativeBatch(SequentialBatch):
             eos_token_ids=eos_token_ids,
             prefill_step_size=prefill_step_size,
             preemption=preemption,
+            quantization=quantization,
         )
         self.draft_model = draft_model
 
@@ -93,6 +98,9 @@ class SpeculativeBatch(SequentialBatch):
             logits_processors=logits_processors(params),
             prompt_cache=job.cache,
             prefill_step_size=self.prefill_step_size,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            quantized_kv_start=self.quantized_kv_start,
         )
 
     def round_slots(self, job: Any) -> int:
