@@ -18,10 +18,12 @@ from front_harness import FrontDoor
 from vqpool.daemon.front.catalog import entry_from_table
 from vqpool.daemon.front.ledger_calls import LedgerCalls
 from vqpool.shared import AllocationRequest
+from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import BlockPoolExhaustedError
 from vqpool.shared.kv_formats import quantized_format
-from vqpool.shared.kv_sequence import SequenceQuantization
+from vqpool.shared.kv_sequence import SequenceQuantization, sequence_bytes
 from vqpool.shared.kv_size import kv_block_bytes, kv_token_bytes
+from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
 from vqpool.worker import PoolClient
 from vqpool.worker.testing.launch import DaemonProcess
 
@@ -394,3 +396,36 @@ def test_a_parked_allocation_is_charged_its_formats_bytes_when_granted(
         daemon.audit()
     finally:
         small.close()
+
+
+def test_a_quantized_load_asks_for_its_first_pass_in_full_precision() -> None:
+    # The front door's load minimum is one sequence of load_kv_tokens at its smallest: its
+    # first pass (512 slots) in full precision beside the rest quantized. A budget that holds
+    # the weights and the minimum all quantized, but not with the first pass, refuses the
+    # load at once, naming the minimum.
+    spec = "builtin:qwen3"
+    estimate = estimate_weights(spec)
+    assert estimate is not None
+    fixed = estimate.nbytes + worker_overhead(serve_cache_limit(estimate.nbytes))
+    fp_block, q_block = kv_block_bytes(spec, BLOCK), kv_block_bytes(spec, BLOCK, 4, 32)
+    assert fp_block is not None and q_block is not None
+    kv_min = sequence_bytes(1024, BLOCK, fp_block, q_block, SequenceQuantization(0, 512))
+    assert kv_min == 32 * fp_block + 32 * q_block
+    budget = fixed + (kv_min + 64 * q_block) // 2
+    config = f"""
+[serve]
+budget = {budget}
+load_kv_tokens = 1024
+
+[models."q"]
+path = "{spec}"
+kv_bits = 4
+kv_group_size = 32
+prefill_step_size = 512
+"""
+    with FrontDoor(config=config) as front:
+        reply = front.complete("q")
+        assert reply.status == 400, reply.body
+        message = reply.body["error"]["message"]
+        assert f"and {format_bytes(kv_min)} of KV" in message and "never fit" in message, message
+        assert front.row("q")["kv_holding"] == {"start": 0, "first_pass_slots": 512}
