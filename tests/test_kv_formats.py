@@ -1,6 +1,7 @@
 """KV block formats (shared/kv_formats.py): tags, the bytes of a token of each format against
 what ``mx.quantize`` really holds, and the hello's ``bytes_per_format`` (checked and bounded:
-a bad map is refused and opens no session)."""
+a bad map is refused and opens no session); what a sequence of a quantizing worker needs at its
+smallest (shared/kv_sequence.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vqpool.shared.kv_formats import (
     quantized_format,
     token_bytes,
 )
+from vqpool.shared.kv_sequence import SequenceQuantization, sequence_bytes
 from vqpool.shared.kv_size import kv_block_bytes, kv_token_bytes
 from vqpool.shared.protocol import MAX_BYTES_PER_BLOCK
 from vqpool.shared.protocol.checks import check_bytes_per_format
@@ -123,3 +125,29 @@ def test_hello_refuses_a_bad_bytes_per_format_and_opens_no_session(daemon: Daemo
         assert daemon.admin("stats")["sessions"] == 1
     finally:
         client.close()
+
+
+def test_a_sequence_is_priced_as_its_worker_holds_it() -> None:
+    # Blocks of 16 tokens, 100 bytes in full precision, 30 quantized.
+    def price(n_tokens: int, holding: SequenceQuantization | None) -> int:
+        return sequence_bytes(n_tokens, 16, 100, 30, holding)
+
+    assert price(100, None) == 7 * 100  # full precision
+    assert price(100, SequenceQuantization()) == 7 * 30  # every block quantized
+    first_pass = SequenceQuantization.of(0, 32)  # start 0: the first chunk in fp
+    assert first_pass == SequenceQuantization(0, 32)
+    assert price(100, first_pass) == 2 * 100 + 5 * 30
+    assert price(20, first_pass) == 2 * 100  # all of it its first pass
+    late = SequenceQuantization.of(64, 32)  # start 64: no first-pass slots
+    assert late == SequenceQuantization(64, 0)
+    assert price(50, late) == 4 * 100  # below the start: full precision
+    assert price(70, late) == 4 * 100  # 64 fp tokens before it is quantized: more than 5 x 30
+    assert price(300, late) == 19 * 30
+    assert sequence_bytes(100, 16, 100, None, first_pass) == 7 * 100  # no quantized format
+    for bad in ((0, 16), (5, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            sequence_bytes(*bad, 100)
+    with pytest.raises(ValueError, match=">= 0"):
+        SequenceQuantization(-1)
+    with pytest.raises(ValueError, match="only with a quantized KV start of 0"):
+        SequenceQuantization(8, 16)
