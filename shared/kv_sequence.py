@@ -13,7 +13,9 @@ tokens after a forward pass (``vqpool-worker --quantized-kv-start``):
   holds its first-pass blocks in full precision and the rest quantized, at once;
 - with start T > 0 the sequence holds full-precision blocks for at least T tokens before it is
   quantized, then quantized blocks for all N (the full-precision ones go back before the
-  quantized ones are taken): it needs the larger of the two.
+  quantized ones are taken): it needs the larger of the two. That is its smallest: a prompt
+  longer than T is admitted with full-precision blocks for all of it (its admission reserves
+  them before its first pass), which the fit of N tokens, knowing no prompt, cannot count.
 """
 
 from __future__ import annotations
