@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Growth on demand against whole reservations on the demo's load: ``scripts/demo.py`` run in
-rounds that alternate the workers' ``--reserve`` (ABAB..., the first mode of each round
-alternating too), so that the noise of a shared machine falls on both.
+rounds, each running every mode once (the workers' ``--reserve``), in an order that rotates
+from round to round and reverses every other cycle, so that each mode runs first, middle and
+last as often and the noise of a shared machine falls on all.
 
 Per mode: medians over the rounds, with the spread (lowest-highest), of tokens generated (both
 models), tokens per second of load, preemptions per second, p99 TTFT per model, and where the
 workers' time went (``GET /v1/stats``: mean batch, busy seconds in growth calls, tokens
-prefilled again after preemptions, admission wait). Then each mode against full: the ratio of
-the medians, the rounds' ratios (median, lowest-highest) and the ratio of the sums.
+prefilled again after preemptions, admission wait, requests started on average over the
+load, seconds requests waited with ``--max-concurrent`` started and with fewer, i.e. for
+memory) and the CPU seconds per second of load of each process. Then each mode against full:
+the ratio of the medians, the rounds' ratios (median, lowest-highest: a round's modes ran
+back to back, so its ratio sees one machine load) and the ratio of the sums. Each round's
+line and the summary give the one-minute load average.
 
     .venv/bin/python scripts/bench_reserve.py --rounds 4 --duration 25
 """
@@ -50,9 +55,16 @@ def derived(run: dict[str, Any]) -> dict[str, float]:
         "preemptions/s": run["preemptions"] / seconds,
     }
     row["tokens/s"] = row["tokens"] / seconds
+    for role, cpu in run.get("cpu_seconds", {}).items():
+        row[f"cpu/s {role.split(':')[-1]}"] = cpu / seconds
     for name, m in models.items():
         s = m["stats"]
         short = name.split(":")[-1]
+        row[f"tokens/s {short}"] = s["completion_tokens"] / seconds
+        row[f"decode steps/s {short}"] = s["decode_steps"] / seconds
+        row[f"mean started {short}"] = s["row_seconds"] / seconds
+        row[f"queued at cap s {short}"] = s["queued_at_most_seconds"]
+        row[f"queued below cap s {short}"] = s["queued_below_most_seconds"]
         row[f"p99 TTFT {short} s"] = m["p99_ttft"] if m["p99_ttft"] is not None else float("nan")
         row[f"mean batch {short}"] = s["decode_rows"] / max(1, s["decode_steps"])
         row[f"grow s {short}"] = s["grow_seconds"]
@@ -63,6 +75,14 @@ def derived(run: dict[str, Any]) -> dict[str, float]:
             1, s["ended_length"] + s["ended_stop"]
         )
     return row
+
+
+def round_order(modes: list[str], i: int) -> list[str]:
+    """The order of round ``i``'s modes: rotated by one each round, reversed every other
+    cycle of rotations."""
+    n = len(modes)
+    rotated = modes[i % n :] + modes[: i % n]
+    return rotated[::-1] if (i // n) % 2 else rotated
 
 
 def spread(values: list[float]) -> str:
@@ -81,22 +101,24 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     modes = args.modes.split(",")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    loads: list[float] = []
     for i in range(args.rounds):
-        order = modes if i % 2 == 0 else modes[::-1]
-        for mode in order:
+        for mode in round_order(modes, i):
             run = one_round(mode, args.duration, extra)
             runs[mode].append(run)
             row = derived(run)
+            loads.append(run["load_average"])
             print(
                 f"round {i + 1} {mode:<9} tokens {row['tokens']:,.0f} ({row['tokens/s']:,.0f}/s) "
-                f"preemptions {row['preemptions/s']:.1f}/s",
+                f"preemptions {row['preemptions/s']:.1f}/s  load average "
+                f"{run['load_average']:.1f}",
                 flush=True,
             )
     table = {m: [derived(r) for r in runs[m]] for m in modes}
     keys = list(table[modes[0]][0])
     print(
         f"\nmedians over {args.rounds} rounds (lowest-highest), demo.py --duration "
-        f"{args.duration:g}:"
+        f"{args.duration:g} {' '.join(extra)}; load average {spread(loads)}:"
     )
     for key in keys:
         cells = "  ".join(f"{m}: {spread([r[key] for r in table[m]]):<28}" for m in modes)
@@ -108,13 +130,15 @@ def main() -> int:
                 continue
             rows = table[mode]
             ratios = [a["tokens"] / b["tokens"] for a, b in zip(rows, full, strict=True)]
+            rates = [a["tokens/s"] / b["tokens/s"] for a, b in zip(rows, full, strict=True)]
             medians = statistics.median(r["tokens"] for r in rows) / statistics.median(
                 r["tokens"] for r in full
             )
             summed = sum(r["tokens"] for r in rows) / sum(r["tokens"] for r in full)
             print(
                 f"{mode} / full tokens: {medians:.3f} (ratio of medians); rounds' ratios "
-                f"{spread(ratios)}; summed {summed:.3f}"
+                f"{spread(ratios)}; summed {summed:.3f}; rounds' ratios of tokens/s "
+                f"{spread(rates)}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))

@@ -477,6 +477,24 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
 # -- main ------------------------------------------------------------------------------------------
 
 
+def cpu_seconds(serve: ServeProcess) -> dict[str, float]:
+    """CPU seconds (user + system) each process of the demo used so far, by role: the front
+    door, vqpoold, each model's worker, and this process (the clients)."""
+    roles: dict[str, psutil.Process] = {"front door": psutil.Process(serve.pid)}
+    workers = {row["pid"]: name for name, row in serve.rows().items() if row["pid"]}
+    for child in roles["front door"].children():
+        if child.pid in workers:
+            roles[f"worker {workers[child.pid]}"] = child
+        elif "vqpool.daemon" in " ".join(child.cmdline()):
+            roles["vqpoold"] = child
+    roles["clients"] = psutil.Process()
+    out = {}
+    for role, process in roles.items():
+        times = process.cpu_times()
+        out[role] = times.user + times.system
+    return out
+
+
 def drop_prompt_caches(admin: AdminClient, timeout: float = 10.0) -> int:
     """Make every model's workers drop their prompt caches (what ``vqpoolctl cache drop``
     does) and wait until the pool holds no block; the cached bytes they last reported."""
@@ -646,6 +664,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
 
             view = threading.Thread(target=live_view, args=(sample, stop_view, duration))
             reclaim_before = admin.call("budget")["reclaim"]
+            cpu_before = cpu_seconds(serve)
             started = time.monotonic()
             view.start()
             for client in clients:
@@ -656,6 +675,10 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             view.join()
             reclaim = admin.call("budget")["reclaim"]
             loaded = time.monotonic() - started
+            cpu = {
+                role: seconds - cpu_before.get(role, 0.0)
+                for role, seconds in cpu_seconds(serve).items()
+            }
 
             failures = [f"{m}: {f}" for m, t in tallies.items() for f in t.failed]
             # Ended requests' KV stays in the workers' prompt caches until memory is wanted:
@@ -688,6 +711,8 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                     "seconds": loaded,
                     "preemptions": preempted,
                     "reclaim_asks": asked,
+                    "cpu_seconds": cpu,
+                    "load_average": psutil.getloadavg()[0],
                     "models": {
                         m: {
                             "stats": all_stats[m],

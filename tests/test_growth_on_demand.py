@@ -74,9 +74,12 @@ def run(
     *,
     max_concurrent: int,
     cache_bytes: int = 0,
+    reserve: str = "on-demand",
 ) -> tuple[list[tuple[list[ScoredToken], JobEnd]], list[GenerationJob], dict[str, Any]]:
     """Submit the jobs (prompt, max_tokens) at once, with logprobs, to a started scheduler."""
-    scheduler = scheduler_on(source, max_concurrent=max_concurrent, cache_bytes=cache_bytes)
+    scheduler = scheduler_on(
+        source, max_concurrent=max_concurrent, cache_bytes=cache_bytes, reserve=reserve
+    )
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
     # Queued before the generation thread starts: it admits them together (none waits for
     # the look-ahead of a row already decoding).
@@ -316,3 +319,19 @@ def test_the_share_of_max_tokens_used_is_a_moving_average() -> None:
     assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING)
     forecast.request_ended(30, 10)  # never more than all of it
     assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING + USED_SMOOTHING**2)
+
+
+def test_stats_say_whether_the_cap_or_the_pool_kept_requests_waiting(pooled: Any) -> None:
+    # Two whole reservations of 5 blocks per stream each, submitted together. With room for
+    # both and one allowed to run, the second waits for --max-concurrent; with two allowed and
+    # room for one, it waits for memory.
+    specs = [(SHORT, 60), (SHORT, 60)]
+    source, _ = pooled(256)
+    _, _, capped = run(source, specs, max_concurrent=1, reserve="full")
+    assert capped["queued_at_most_seconds"] > 0 and capped["queued_below_most_seconds"] == 0
+    assert capped["row_seconds"] > 0
+    source, daemon = pooled(16)  # 8 blocks per stream
+    _, _, short = run(source, specs, max_concurrent=2, reserve="full")
+    assert short["queued_below_most_seconds"] > 0 and short["queued_at_most_seconds"] == 0
+    assert short["waits"] == 1 and short["preemptions"] == 0
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0

@@ -334,6 +334,8 @@ class Scheduler:
                 preemption=self._preemption,
             )
         self._n_steps = 0
+        self._tallied = (0, False)  # (started, queued) as the last round left them
+        self._tallied_at = time.monotonic()
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
         self._owner_numbers = itertools.count(1)
@@ -413,9 +415,11 @@ class Scheduler:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self._tally_time()
                 self._expire_waiting()
                 self._answer_reclaims()
                 self._admit()
+                self._tallied = (len(self._active), bool(self._waiting))
                 if self._active:
                     self._step()
                 else:
@@ -443,6 +447,22 @@ class Scheduler:
             # MLX wants each thread that evaluated to destroy its streams before it ends: left
             # to the interpreter's exit, the clean-up may abort the process (std::terminate).
             mx.clear_streams()
+
+    def _tally_time(self) -> None:
+        """Count the seconds since the last round as the last round left the scheduler:
+        requests started, and whether some waited with all ``max_concurrent`` started (the
+        cap binds) or with fewer (memory binds: the pool, the look-ahead, the preemption
+        window)."""
+        now = time.monotonic()
+        elapsed, self._tallied_at = now - self._tallied_at, now
+        started, queued = self._tallied
+        waited: dict[str, float] = {}
+        if queued:
+            at_most = started >= self.max_concurrent
+            waited = {
+                "queued_at_most_seconds" if at_most else "queued_below_most_seconds": elapsed
+            }
+        self.stats.add(row_seconds=started * elapsed, **waited)
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
