@@ -32,10 +32,14 @@ DEMO = Path(__file__).with_name("demo.py")
 
 
 def one_round(mode: str, duration: float, extra: list[str]) -> dict[str, Any]:
-    """One demo run with ``--reserve mode``: its ``--json`` figures."""
+    """One demo run of ``mode`` (``RESERVE`` or ``RESERVE:GROWTH_WAIT``, the workers'
+    ``--reserve`` and ``--growth-wait``): its ``--json`` figures."""
+    reserve, _, growth_wait = mode.partition(":")
     with tempfile.TemporaryDirectory(prefix="vqreserve-") as tmp:
         out = Path(tmp) / "figures.json"
-        command = [sys.executable, str(DEMO), "--duration", str(duration), "--reserve", mode]
+        command = [sys.executable, str(DEMO), "--duration", str(duration), "--reserve", reserve]
+        if growth_wait:
+            command += ["--growth-wait", growth_wait]
         done = subprocess.run(
             [*command, "--json", str(out), *extra], capture_output=True, text=True, check=False
         )
@@ -63,6 +67,7 @@ def derived(run: dict[str, Any]) -> dict[str, float]:
         row[f"tokens/s {short}"] = s["completion_tokens"] / seconds
         row[f"decode steps/s {short}"] = s["decode_steps"] / seconds
         row[f"mean started {short}"] = s["row_seconds"] / seconds
+        row[f"blocks per started {short}"] = s["block_seconds"] / max(1e-9, s["row_seconds"])
         row[f"queued at cap s {short}"] = s["queued_at_most_seconds"]
         row[f"queued below cap s {short}"] = s["queued_below_most_seconds"]
         row[f"p99 TTFT {short} s"] = m["p99_ttft"] if m["p99_ttft"] is not None else float("nan")
@@ -95,7 +100,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--duration", type=float, default=25.0, help="demo.py --duration")
     parser.add_argument(
-        "--modes", default="auto,full,on-demand", help="the --reserve modes to alternate"
+        "--modes",
+        default="auto,full,on-demand",
+        help="the modes to alternate: --reserve values, each maybe with :GROWTH_WAIT (seconds)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures there")
     args, extra = parser.parse_known_args()

@@ -107,6 +107,7 @@ max_concurrent = 3
 queue_timeout = 60
 reserve_mode = "{reserve_mode}"
 """
+GROWTH_WAIT_OPTION = "growth_wait = {growth_wait}\n"
 EARLY_STOP = "{"
 """The stop string of ``--stop-early``: about one token in 40 the built-in models sample at the
 demo's temperature (15 and 17 of 600 tokens sampled from llama and qwen3)."""
@@ -137,6 +138,12 @@ def parse_args() -> argparse.Namespace:
         help="the workers' --reserve (default auto, the worker's own default: requests are "
         "reserved whole once they are seen to run to max_tokens, as here unless --stop-early, "
         "and grow block by block otherwise, their growth waiting in the budget's fair queue)",
+    )
+    parser.add_argument(
+        "--growth-wait",
+        type=float,
+        metavar="SECONDS",
+        help="the workers' --growth-wait (default: the worker's own)",
     )
     parser.add_argument(
         "--stop-early",
@@ -604,7 +611,12 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             first=first,
             second=second,
             load_timeout=load_timeout,
-            worker_options=WORKER_OPTIONS.format(reserve_mode=args.reserve),
+            worker_options=WORKER_OPTIONS.format(reserve_mode=args.reserve)
+            + (
+                ""
+                if args.growth_wait is None
+                else GROWTH_WAIT_OPTION.format(growth_wait=args.growth_wait)
+            ),
         )
     )
     serve = ServeProcess(run_dir, base / "serve.log", ["--config", str(config)])

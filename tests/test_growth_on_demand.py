@@ -329,7 +329,7 @@ def test_stats_say_whether_the_cap_or_the_pool_kept_requests_waiting(pooled: Any
     source, _ = pooled(256)
     _, _, capped = run(source, specs, max_concurrent=1, reserve="full")
     assert capped["queued_at_most_seconds"] > 0 and capped["queued_below_most_seconds"] == 0
-    assert capped["row_seconds"] > 0
+    assert capped["row_seconds"] > 0 and capped["block_seconds"] > 0
     source, daemon = pooled(16)  # 8 blocks per stream
     _, _, short = run(source, specs, max_concurrent=2, reserve="full")
     assert short["queued_below_most_seconds"] > 0 and short["queued_at_most_seconds"] == 0

@@ -334,7 +334,7 @@ class Scheduler:
                 preemption=self._preemption,
             )
         self._n_steps = 0
-        self._tallied = (0, False)  # (started, queued) as the last round left them
+        self._tallied = (0, False, 0)  # (started, queued, blocks) as the last round left them
         self._tallied_at = time.monotonic()
         self._stopping = False  # guarded by _cond
         self._failed = False  # the generation thread died: stopping, and why
@@ -419,7 +419,7 @@ class Scheduler:
                 self._expire_waiting()
                 self._answer_reclaims()
                 self._admit()
-                self._tallied = (len(self._active), bool(self._waiting))
+                self._tallied = (len(self._active), bool(self._waiting), self.source.n_blocks())
                 if self._active:
                     self._step()
                 else:
@@ -450,19 +450,17 @@ class Scheduler:
 
     def _tally_time(self) -> None:
         """Count the seconds since the last round as the last round left the scheduler:
-        requests started, and whether some waited with all ``max_concurrent`` started (the
-        cap binds) or with fewer (memory binds: the pool, the look-ahead, the preemption
-        window)."""
+        requests started, blocks they held, and whether some waited with all
+        ``max_concurrent`` started (the cap binds) or with fewer (memory binds: the pool, the
+        look-ahead, the preemption window)."""
         now = time.monotonic()
         elapsed, self._tallied_at = now - self._tallied_at, now
-        started, queued = self._tallied
+        started, queued, blocks = self._tallied
         waited: dict[str, float] = {}
         if queued:
             at_most = started >= self.max_concurrent
-            waited = {
-                "queued_at_most_seconds" if at_most else "queued_below_most_seconds": elapsed
-            }
-        self.stats.add(row_seconds=started * elapsed, **waited)
+            waited = {"queued_at_most_seconds" if at_most else "queued_below_most_seconds": elapsed}
+        self.stats.add(row_seconds=started * elapsed, block_seconds=blocks * elapsed, **waited)
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
