@@ -2,7 +2,10 @@
 """Growth on demand against whole reservations on the demo's load: ``scripts/demo.py`` run in
 rounds, each running every mode once (the workers' ``--reserve``), in an order that rotates
 from round to round and reverses every other cycle, so that each mode runs first, middle and
-last as often and the noise of a shared machine falls on all.
+last as often and the noise of a shared machine falls on all. With ``--together`` a round's
+modes run at once instead, their loads starting at the same second: on a machine whose load
+from others moves a run's tokens by 10-40%, runs one after the other see different machines,
+runs together the same one (each also takes part of the CPU from the others, alike).
 
 Per mode: medians over the rounds, with the spread (lowest-highest), of tokens generated (both
 models), tokens per second of load, preemptions per second, p99 TTFT per model, and where the
@@ -14,7 +17,7 @@ the ratio of the medians, the rounds' ratios (median, lowest-highest: a round's 
 back to back, so its ratio sees one machine load) and the ratio of the sums. Each round's
 line and the summary give the one-minute load average.
 
-    .venv/bin/python scripts/bench_reserve.py --rounds 4 --duration 25
+    .venv/bin/python scripts/bench_reserve.py --rounds 4 --duration 25 [--together]
 """
 
 from __future__ import annotations
@@ -25,29 +28,55 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 DEMO = Path(__file__).with_name("demo.py")
+START_SECONDS = 45.0
+"""With ``--together``, the runs' loads start this long after they are launched: time for
+every run's front door, vqpoold and workers to start on a busy machine."""
 
 
-def one_round(mode: str, duration: float, extra: list[str]) -> dict[str, Any]:
-    """One demo run of ``mode`` (``RESERVE`` or ``RESERVE:GROWTH_WAIT``, the workers'
-    ``--reserve`` and ``--growth-wait``): its ``--json`` figures."""
+def demo_command(mode: str, duration: float, out: Path, extra: list[str]) -> list[str]:
+    """The demo run of ``mode`` (``RESERVE`` or ``RESERVE:GROWTH_WAIT``, the workers'
+    ``--reserve`` and ``--growth-wait``), writing its ``--json`` figures to ``out``."""
     reserve, _, growth_wait = mode.partition(":")
+    command = [sys.executable, str(DEMO), "--duration", str(duration), "--reserve", reserve]
+    if growth_wait:
+        command += ["--growth-wait", growth_wait]
+    return [*command, "--json", str(out), *extra]
+
+
+def run_round(
+    modes: list[str], duration: float, extra: list[str], together: bool
+) -> dict[str, dict[str, Any]]:
+    """Each mode's demo figures: one run after the other, or all at once with their loads
+    starting at the same second (``together``)."""
+    figures: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="vqreserve-") as tmp:
-        out = Path(tmp) / "figures.json"
-        command = [sys.executable, str(DEMO), "--duration", str(duration), "--reserve", reserve]
-        if growth_wait:
-            command += ["--growth-wait", growth_wait]
-        done = subprocess.run(
-            [*command, "--json", str(out), *extra], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0 or not out.exists():
-            sys.stderr.write(done.stdout[-4000:] + done.stderr[-2000:])
-            raise SystemExit(f"demo.py --reserve {mode} failed (exit status {done.returncode})")
-        figures: dict[str, Any] = json.loads(out.read_text())
-        return figures
+        outs = {mode: Path(tmp) / f"{i}.json" for i, mode in enumerate(modes)}
+        batches = [modes] if together else [[mode] for mode in modes]
+        for batch in batches:
+            start = ["--load-at", str(time.time() + START_SECONDS)] if together else []
+            running = {
+                mode: subprocess.Popen(
+                    demo_command(mode, duration, outs[mode], [*extra, *start]),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for mode in batch
+            }
+            for mode, process in running.items():
+                output, _ = process.communicate()
+                if process.returncode != 0 or not outs[mode].exists():
+                    sys.stderr.write(output[-4000:])
+                    raise SystemExit(
+                        f"demo.py --reserve {mode} failed (exit status {process.returncode})"
+                    )
+                figures[mode] = json.loads(outs[mode].read_text())
+    return figures
 
 
 def derived(run: dict[str, Any]) -> dict[str, float]:
@@ -104,14 +133,26 @@ def main() -> int:
         default="auto,full,on-demand",
         help="the modes to alternate: --reserve values, each maybe with :GROWTH_WAIT (seconds)",
     )
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="run a round's modes at once, their loads starting at the same second, so that "
+        "they share the machine's load (each takes part of the CPU from the others: read "
+        "their ratios, not their tokens, against separate runs)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures there")
     args, extra = parser.parse_known_args()
     modes = args.modes.split(",")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     loads: list[float] = []
     for i in range(args.rounds):
-        for mode in round_order(modes, i):
-            run = one_round(mode, args.duration, extra)
+        order = round_order(modes, i)
+        figures = run_round(order, args.duration, extra, args.together)
+        starts = [figures[mode]["load_started"] for mode in order]
+        if args.together:
+            print(f"round {i + 1}: loads started within {max(starts) - min(starts):.1f} s")
+        for mode in order:
+            run = figures[mode]
             runs[mode].append(run)
             row = derived(run)
             loads.append(run["load_average"])

@@ -136,14 +136,23 @@ def parse_args() -> argparse.Namespace:
         choices=["on-demand", "auto", "full"],
         default="auto",
         help="the workers' --reserve (default auto, the worker's own default: requests are "
-        "reserved whole once they are seen to run to max_tokens, as here unless --stop-early, "
-        "and grow block by block otherwise, their growth waiting in the budget's fair queue)",
+        "reserved whole while they are seen to run to max_tokens, as here unless --stop-early, "
+        "and none waits for memory, and grow block by block otherwise, as here where the "
+        "pool binds, their growth waiting in the budget's fair queue)",
     )
     parser.add_argument(
         "--growth-wait",
         type=float,
         metavar="SECONDS",
         help="the workers' --growth-wait (default: the worker's own)",
+    )
+    parser.add_argument(
+        "--load-at",
+        type=float,
+        metavar="UNIX_TIME",
+        help="start the load at this wall-clock time (once the models are loaded; at once if "
+        "later): runs started together load the machine together (scripts/bench_reserve.py "
+        "--together)",
     )
     parser.add_argument(
         "--stop-early",
@@ -461,9 +470,9 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
             else f"more than this demo usually shows (up to {USUAL_PREEMPTIONS_PER_S:.0f}/s)"
         )
         how = (
-            "With --reserve auto a request is reserved whole once requests are seen to run to\n"
-            "max_tokens (the built-in models have no EOS: all do here, unless --stop-early) and\n"
-            "grows its memory on demand otherwise"
+            "With --reserve auto a request is reserved whole while requests are seen to run to\n"
+            "max_tokens and none waits for memory, and grows its memory on demand otherwise\n"
+            "(here the pool binds: requests wait for memory, so they grow)"
             if reserve == "auto"
             else "A request grows its memory on demand"
         )
@@ -645,6 +654,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
 
         with AdminClient(run_dir) as admin:
             tallies = {m: ClientTally() for m in models}
+            if args.load_at is not None:
+                time.sleep(max(0.0, args.load_at - time.time()))
+            load_started = time.time()
             until = time.monotonic() + duration
             clients = [
                 threading.Thread(
@@ -724,6 +736,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                     "preemptions": preempted,
                     "reclaim_asks": asked,
                     "cpu_seconds": cpu,
+                    "load_started": load_started,
                     "load_average": psutil.getloadavg()[0],
                     "models": {
                         m: {

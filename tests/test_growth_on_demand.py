@@ -19,6 +19,7 @@ from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.sched.growth_forecast import (
+    MEMORY_BINDS_ENDS,
     MOST_LOOK_AHEAD_BLOCKS,
     USED_SMOOTHING,
     GrowthForecast,
@@ -246,6 +247,50 @@ def test_auto_reserves_whole_once_requests_use_their_max_tokens(pooled: Any) -> 
     assert stats["reserved_whole"] == 1 and stats["admitted"] == 3
     assert_same([drain(job) for job in jobs], reference)
     assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_auto_grows_requests_that_use_their_max_tokens_while_memory_binds(pooled: Any) -> None:
+    # Requests are measured to run to their max_tokens, so the next reserves whole; the one
+    # after it cannot start beside it (8 blocks per stream hold one whole reservation of 5):
+    # memory binds, and the requests that start from then on grow on demand, even though
+    # they too run to their max_tokens.
+    specs = [(SHORT, 40), (SHORT, 60), (SHORT[:4], 60), (SHORT[:3], 60)]
+    reference = alone(pooled, specs)
+    source, daemon = pooled(16)
+    scheduler = scheduler_on(source, max_concurrent=2, reserve="auto")
+    jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+
+    def finish() -> None:
+        while scheduler._active or scheduler._waiting:
+            scheduler._admit()
+            if scheduler._active:
+                scheduler._step()
+
+    scheduler.submit(jobs[0])
+    finish()
+    assert scheduler._forecast.used == 1.0 and not scheduler._forecast.memory_binds()
+    for job in jobs[1:]:
+        scheduler.submit(job)
+    scheduler._admit()
+    assert jobs[1].whole and jobs[1] in scheduler._active
+    assert jobs[2] not in scheduler._active and scheduler.stats.snapshot()["waits"] == 1
+    assert scheduler._forecast.memory_binds()
+    finish()
+    scheduler.stop()
+    assert not jobs[3].whole and jobs[3].admission_slots < len(SHORT[:3]) + 60
+    assert_same([drain(job) for job in jobs], reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_memory_binds_until_a_few_rows_ended_after_a_wait() -> None:
+    forecast = GrowthForecast(BLOCK)
+    assert not forecast.memory_binds()  # nothing waited yet
+    for waited in (forecast.memory_waited, forecast.refused, lambda: forecast.hold(running=1)):
+        waited()
+        for _ in range(MEMORY_BINDS_ENDS):
+            assert forecast.memory_binds()
+            forecast.row_ended()
+        assert not forecast.memory_binds()
 
 
 def test_auto_grows_a_request_whose_whole_need_the_pool_could_never_hold(pooled: Any) -> None:
