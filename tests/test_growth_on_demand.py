@@ -380,3 +380,40 @@ def test_stats_say_whether_the_cap_or_the_pool_kept_requests_waiting(pooled: Any
     assert short["queued_below_most_seconds"] > 0 and short["queued_at_most_seconds"] == 0
     assert short["waits"] == 1 and short["preemptions"] == 0
     assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_a_refused_look_ahead_is_not_asked_again_at_the_next_block(pooled: Any) -> None:
+    # A lone row decodes with two blocks per stream left free: at its next block boundary the
+    # look-ahead (the most blocks: no row ended yet) is refused and the row grows one block; at
+    # the boundary after it the look-ahead is not asked again (it would be refused the same
+    # way, a pool call), and the row grows its one block directly.
+    spec = (LONG, 60)
+    reference = alone(pooled, [spec])
+    source, daemon = pooled(64)  # 32 blocks per stream
+    scheduler = scheduler_on(source, max_concurrent=1, headroom=1)
+    job = GenerationJob(spec[0], spec[1], logprobs=True, top_logprobs=2)
+    scheduler.submit(job)
+    scheduler._admit()
+    while job.events.empty():  # its prefill, then it joins the batch
+        scheduler._step()
+    with PoolClient(daemon.run_dir, name="hog") as hog:
+        for stream in ("k", "v"):
+            hog.allocate(stream, (hog.n_free(stream) - 2) * BLOCK, "hog-request")
+        refused_before = hog.stats.n_exhausted
+        # Through its next block boundary (the batch's length starts below 2 blocks), then
+        # the one after it.
+        while scheduler._batch.used_slots() < 2 * BLOCK + 1:
+            scheduler._step()
+        refused = hog.stats.n_exhausted - refused_before  # a pool call's K and V requests
+        assert refused > 0
+        while scheduler._batch.used_slots() < 3 * BLOCK + 1:
+            scheduler._step()
+        assert hog.stats.n_exhausted - refused_before == refused
+        assert all(hog.n_free(stream) == 0 for stream in ("k", "v"))
+        assert scheduler.stats.snapshot()["preemptions"] == 0
+        hog.free_all("hog-request")
+    while scheduler._active:
+        scheduler._step()
+    scheduler.stop()
+    assert_same([drain(job)], reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
