@@ -107,6 +107,7 @@ max_concurrent = 3
 queue_timeout = 60
 reserve_mode = "{reserve_mode}"
 """
+GROWTH_WAIT_OPTION = "growth_wait = {growth_wait}\n"
 EARLY_STOP = "{"
 """The stop string of ``--stop-early``: about one token in 40 the built-in models sample at the
 demo's temperature (15 and 17 of 600 tokens sampled from llama and qwen3)."""
@@ -135,8 +136,23 @@ def parse_args() -> argparse.Namespace:
         choices=["on-demand", "auto", "full"],
         default="auto",
         help="the workers' --reserve (default auto, the worker's own default: requests are "
-        "reserved whole once they are seen to run to max_tokens, as here unless --stop-early, "
-        "and grow block by block otherwise, their growth waiting in the budget's fair queue)",
+        "reserved whole while they are seen to run to max_tokens, as here unless --stop-early, "
+        "and none waits for memory, and grow block by block otherwise, as here where the "
+        "pool binds, their growth waiting in the budget's fair queue)",
+    )
+    parser.add_argument(
+        "--growth-wait",
+        type=float,
+        metavar="SECONDS",
+        help="the workers' --growth-wait (default: the worker's own)",
+    )
+    parser.add_argument(
+        "--load-at",
+        type=float,
+        metavar="UNIX_TIME",
+        help="start the load at this wall-clock time (once the models are loaded; at once if "
+        "later): runs started together load the machine together (scripts/bench_reserve.py "
+        "--together)",
     )
     parser.add_argument(
         "--stop-early",
@@ -454,9 +470,9 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
             else f"more than this demo usually shows (up to {USUAL_PREEMPTIONS_PER_S:.0f}/s)"
         )
         how = (
-            "With --reserve auto a request is reserved whole once requests are seen to run to\n"
-            "max_tokens (the built-in models have no EOS: all do here, unless --stop-early) and\n"
-            "grows its memory on demand otherwise"
+            "With --reserve auto a request is reserved whole while requests are seen to run to\n"
+            "max_tokens and none waits for memory, and grows its memory on demand otherwise\n"
+            "(here the pool binds: requests wait for memory, so they grow)"
             if reserve == "auto"
             else "A request grows its memory on demand"
         )
@@ -475,6 +491,24 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
 
 
 # -- main ------------------------------------------------------------------------------------------
+
+
+def cpu_seconds(serve: ServeProcess) -> dict[str, float]:
+    """CPU seconds (user + system) each process of the demo used so far, by role: the front
+    door, vqpoold, each model's worker, and this process (the clients)."""
+    roles: dict[str, psutil.Process] = {"front door": psutil.Process(serve.pid)}
+    workers = {row["pid"]: name for name, row in serve.rows().items() if row["pid"]}
+    for child in roles["front door"].children():
+        if child.pid in workers:
+            roles[f"worker {workers[child.pid]}"] = child
+        elif "vqpool.daemon" in " ".join(child.cmdline()):
+            roles["vqpoold"] = child
+    roles["clients"] = psutil.Process()
+    out = {}
+    for role, process in roles.items():
+        times = process.cpu_times()
+        out[role] = times.user + times.system
+    return out
 
 
 def drop_prompt_caches(admin: AdminClient, timeout: float = 10.0) -> int:
@@ -586,7 +620,12 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             first=first,
             second=second,
             load_timeout=load_timeout,
-            worker_options=WORKER_OPTIONS.format(reserve_mode=args.reserve),
+            worker_options=WORKER_OPTIONS.format(reserve_mode=args.reserve)
+            + (
+                ""
+                if args.growth_wait is None
+                else GROWTH_WAIT_OPTION.format(growth_wait=args.growth_wait)
+            ),
         )
     )
     serve = ServeProcess(run_dir, base / "serve.log", ["--config", str(config)])
@@ -615,6 +654,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
 
         with AdminClient(run_dir) as admin:
             tallies = {m: ClientTally() for m in models}
+            if args.load_at is not None:
+                time.sleep(max(0.0, args.load_at - time.time()))
+            load_started = time.time()
             until = time.monotonic() + duration
             clients = [
                 threading.Thread(
@@ -646,6 +688,7 @@ def run(args: argparse.Namespace, base: Path) -> bool:
 
             view = threading.Thread(target=live_view, args=(sample, stop_view, duration))
             reclaim_before = admin.call("budget")["reclaim"]
+            cpu_before = cpu_seconds(serve)
             started = time.monotonic()
             view.start()
             for client in clients:
@@ -656,6 +699,10 @@ def run(args: argparse.Namespace, base: Path) -> bool:
             view.join()
             reclaim = admin.call("budget")["reclaim"]
             loaded = time.monotonic() - started
+            cpu = {
+                role: seconds - cpu_before.get(role, 0.0)
+                for role, seconds in cpu_seconds(serve).items()
+            }
 
             failures = [f"{m}: {f}" for m, t in tallies.items() for f in t.failed]
             # Ended requests' KV stays in the workers' prompt caches until memory is wanted:
@@ -688,6 +735,9 @@ def run(args: argparse.Namespace, base: Path) -> bool:
                     "seconds": loaded,
                     "preemptions": preempted,
                     "reclaim_asks": asked,
+                    "cpu_seconds": cpu,
+                    "load_started": load_started,
+                    "load_average": psutil.getloadavg()[0],
                     "models": {
                         m: {
                             "stats": all_stats[m],

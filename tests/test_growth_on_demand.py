@@ -19,6 +19,7 @@ from vqpool.worker.kv.cache_source import PooledCacheSource
 from vqpool.worker.models.loading import load_model
 from vqpool.worker.pool.client import PoolClient
 from vqpool.worker.sched.growth_forecast import (
+    MEMORY_BINDS_ENDS,
     MOST_LOOK_AHEAD_BLOCKS,
     USED_SMOOTHING,
     GrowthForecast,
@@ -74,9 +75,12 @@ def run(
     *,
     max_concurrent: int,
     cache_bytes: int = 0,
+    reserve: str = "on-demand",
 ) -> tuple[list[tuple[list[ScoredToken], JobEnd]], list[GenerationJob], dict[str, Any]]:
     """Submit the jobs (prompt, max_tokens) at once, with logprobs, to a started scheduler."""
-    scheduler = scheduler_on(source, max_concurrent=max_concurrent, cache_bytes=cache_bytes)
+    scheduler = scheduler_on(
+        source, max_concurrent=max_concurrent, cache_bytes=cache_bytes, reserve=reserve
+    )
     jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
     # Queued before the generation thread starts: it admits them together (none waits for
     # the look-ahead of a row already decoding).
@@ -245,6 +249,50 @@ def test_auto_reserves_whole_once_requests_use_their_max_tokens(pooled: Any) -> 
     assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
 
 
+def test_auto_grows_requests_that_use_their_max_tokens_while_memory_binds(pooled: Any) -> None:
+    # Requests are measured to run to their max_tokens, so the next reserves whole; the one
+    # after it cannot start beside it (8 blocks per stream hold one whole reservation of 5):
+    # memory binds, and the requests that start from then on grow on demand, even though
+    # they too run to their max_tokens.
+    specs = [(SHORT, 40), (SHORT, 60), (SHORT[:4], 60), (SHORT[:3], 60)]
+    reference = alone(pooled, specs)
+    source, daemon = pooled(16)
+    scheduler = scheduler_on(source, max_concurrent=2, reserve="auto")
+    jobs = [GenerationJob(prompt, n, logprobs=True, top_logprobs=2) for prompt, n in specs]
+
+    def finish() -> None:
+        while scheduler._active or scheduler._waiting:
+            scheduler._admit()
+            if scheduler._active:
+                scheduler._step()
+
+    scheduler.submit(jobs[0])
+    finish()
+    assert scheduler._forecast.used == 1.0 and not scheduler._forecast.memory_binds()
+    for job in jobs[1:]:
+        scheduler.submit(job)
+    scheduler._admit()
+    assert jobs[1].whole and jobs[1] in scheduler._active
+    assert jobs[2] not in scheduler._active and scheduler.stats.snapshot()["waits"] == 1
+    assert scheduler._forecast.memory_binds()
+    finish()
+    scheduler.stop()
+    assert not jobs[3].whole and jobs[3].admission_slots < len(SHORT[:3]) + 60
+    assert_same([drain(job) for job in jobs], reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_memory_binds_until_a_few_rows_ended_after_a_wait() -> None:
+    forecast = GrowthForecast(BLOCK)
+    assert not forecast.memory_binds()  # nothing waited yet
+    for waited in (forecast.memory_waited, forecast.refused, lambda: forecast.hold(running=1)):
+        waited()
+        for _ in range(MEMORY_BINDS_ENDS):
+            assert forecast.memory_binds()
+            forecast.row_ended()
+        assert not forecast.memory_binds()
+
+
 def test_auto_grows_a_request_whose_whole_need_the_pool_could_never_hold(pooled: Any) -> None:
     # Requests are measured to run to their max_tokens, but one asks for more than the pool's
     # 128 slots per stream: reserved whole it would wait until its queue timeout; it starts on
@@ -316,3 +364,56 @@ def test_the_share_of_max_tokens_used_is_a_moving_average() -> None:
     assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING)
     forecast.request_ended(30, 10)  # never more than all of it
     assert forecast.used == pytest.approx(1.0 - USED_SMOOTHING + USED_SMOOTHING**2)
+
+
+def test_stats_say_whether_the_cap_or_the_pool_kept_requests_waiting(pooled: Any) -> None:
+    # Two whole reservations of 5 blocks per stream each, submitted together. With room for
+    # both and one allowed to run, the second waits for --max-concurrent; with two allowed and
+    # room for one, it waits for memory.
+    specs = [(SHORT, 60), (SHORT, 60)]
+    source, _ = pooled(256)
+    _, _, capped = run(source, specs, max_concurrent=1, reserve="full")
+    assert capped["queued_at_most_seconds"] > 0 and capped["queued_below_most_seconds"] == 0
+    assert capped["row_seconds"] > 0 and capped["block_seconds"] > 0
+    source, daemon = pooled(16)  # 8 blocks per stream
+    _, _, short = run(source, specs, max_concurrent=2, reserve="full")
+    assert short["queued_below_most_seconds"] > 0 and short["queued_at_most_seconds"] == 0
+    assert short["waits"] == 1 and short["preemptions"] == 0
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0
+
+
+def test_a_refused_look_ahead_is_not_asked_again_at_the_next_block(pooled: Any) -> None:
+    # A lone row decodes with two blocks per stream left free: at its next block boundary the
+    # look-ahead (the most blocks: no row ended yet) is refused and the row grows one block; at
+    # the boundary after it the look-ahead is not asked again (it would be refused the same
+    # way, a pool call), and the row grows its one block directly.
+    spec = (LONG, 60)
+    reference = alone(pooled, [spec])
+    source, daemon = pooled(64)  # 32 blocks per stream
+    scheduler = scheduler_on(source, max_concurrent=1, headroom=1)
+    job = GenerationJob(spec[0], spec[1], logprobs=True, top_logprobs=2)
+    scheduler.submit(job)
+    scheduler._admit()
+    while job.events.empty():  # its prefill, then it joins the batch
+        scheduler._step()
+    with PoolClient(daemon.run_dir, name="hog") as hog:
+        for stream in ("k", "v"):
+            hog.allocate(stream, (hog.n_free(stream) - 2) * BLOCK, "hog-request")
+        refused_before = hog.stats.n_exhausted
+        # Through its next block boundary (the batch's length starts below 2 blocks), then
+        # the one after it.
+        while scheduler._batch.used_slots() < 2 * BLOCK + 1:
+            scheduler._step()
+        refused = hog.stats.n_exhausted - refused_before  # a pool call's K and V requests
+        assert refused > 0
+        while scheduler._batch.used_slots() < 3 * BLOCK + 1:
+            scheduler._step()
+        assert hog.stats.n_exhausted - refused_before == refused
+        assert all(hog.n_free(stream) == 0 for stream in ("k", "v"))
+        assert scheduler.stats.snapshot()["preemptions"] == 0
+        hog.free_all("hog-request")
+    while scheduler._active:
+        scheduler._step()
+    scheduler.stop()
+    assert_same([drain(job)], reference)
+    assert source.n_blocks() == 0 and daemon.audit()["blocks_in_use"] == 0

@@ -27,7 +27,8 @@ are those of mlx-lm's ``batch_generate`` with stock caches, and at batch 1 those
   a decode step whose next slot crosses the rows' blocks first asks for that many slots ahead
   from free memory (one pool call per row for several blocks instead of one per block: each
   is a round trip to the daemon on the generation thread); refused, it grows by one slot as
-  before.
+  before, and asks ahead again only once the batch reached the slots it asked for or a row left
+  (asked at every block meanwhile, it would be refused the same way, a round trip each).
 * **Resuming.** A preempted job starts again like a new one, its generated tokens (``job.
   generated``) appended to its prompt: all but the last are prefilled, the last is the next
   input, and it may make ``max_tokens - len(generated)`` more tokens. With a quantizing source
@@ -170,6 +171,9 @@ class ContinuousBatch:
         self._by_uid: dict[int, Any] = {}  # the jobs of the batch's rows
         self._next_uid = 0
         self._grow_deadline: float | None = None  # until when this step's growths may wait
+        # A refused look-ahead is not asked again before the batch reaches the slots it asked
+        # for, or a row leaves (a pool call each, refused the same way while nothing is freed).
+        self._no_ahead_until = 0
 
     def start(self, job: Any) -> None:
         """Queue ``job`` (its cache backed for its prompt) for its prefill. A cache that holds
@@ -240,6 +244,7 @@ class ContinuousBatch:
             if self._by_uid[uid] is job:
                 del self._by_uid[uid]
                 batch.filter([k for k in range(len(batch.uids)) if k != i])
+                self._no_ahead_until = 0
                 return
         for pending in self._prefilling:
             if pending.job is job:
@@ -270,9 +275,11 @@ class ContinuousBatch:
         if ahead > 0:
             next_slot = batch.prompt_cache[0].size() + 1
             pooled = batch_of(batch.prompt_cache)
-            if pooled is not None and pooled.length < next_slot:
+            due = next_slot >= self._no_ahead_until
+            if pooled is not None and pooled.length < next_slot and due:
                 started = time.perf_counter()
-                self.back_ahead(next_slot + ahead)
+                if not self.back_ahead(next_slot + ahead):
+                    self._no_ahead_until = next_slot + ahead
                 outcome.grow_seconds += time.perf_counter() - started
         if not self._grow(
             lambda: batch.prompt_cache, lambda: batch.prompt_cache[0].size() + 1, outcome
@@ -297,6 +304,7 @@ class ContinuousBatch:
             if response.finish_reason is not None:
                 # GenerationBatch took the row out (a pooled batch gave its blocks back).
                 del self._by_uid[response.uid]
+                self._no_ahead_until = 0
                 reason = "stop" if response.finish_reason == "stop" else "length"
                 outcome.finished.append((job, reason, response))
 

@@ -35,6 +35,10 @@ _COUNTERS = (
     "decode_slots",  # slots the steps' buffers held (rows x batch length, padding included)
     "token_slots",  # of those, slots the rows' own tokens fill (the rest is left padding)
     "grow_seconds",  # of busy_seconds, in pool calls growing caches (daemon waits included)
+    "row_seconds",  # requests started (running or prefilling) x wall seconds: / uptime the mean
+    "block_seconds",  # blocks the requests hold (K and V apart) x wall seconds
+    "queued_at_most_seconds",  # seconds a request waited with --max-concurrent started
+    "queued_below_most_seconds",  # seconds one waited with fewer started: memory, not the cap
     "prefill_seconds",  # of busy_seconds, in prefill chunks (their growth included)
     "ended_stop",
     "ended_length",
