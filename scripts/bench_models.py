@@ -70,6 +70,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_front_door import spread, start_front_door
+from vqpool.daemon.front.load_wait import (
+    LOAD_WAIT_HEADER,
+    MEMORY_WAIT_HEADER,
+    RESIDENCY_WAIT_HEADER,
+)
 from vqpool.shared.admin_client import AdminClient
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.errors import VqpoolError
@@ -347,9 +352,24 @@ def make_trace(duration: float, seed: int) -> list[Chat]:
 
 @dataclass
 class Outcome:
+    """One request: its TTFT or error, and where its TTFT went: the front door's wait for its
+    model's load (its headers: of that, the load's wait for memory, and of that, the time only
+    models inside ``--min-residency`` could have made room), the rest being the worker's
+    (its queue, the prefill of the ``prompt_tokens`` less the ``cached_tokens`` its prompt
+    cache gave)."""
+
     model: str
     ttft: float | None = None
     error: str | None = None
+    load_wait: float = 0.0
+    memory_wait: float = 0.0
+    residency_wait: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def worker_time(self) -> float:
+        return max(0.0, (self.ttft or 0.0) - self.load_wait)
 
 
 def stream_chat(url: str, body: dict[str, Any], outcome: Outcome) -> str:
@@ -357,10 +377,20 @@ def stream_chat(url: str, body: dict[str, Any], outcome: Outcome) -> str:
     of content, else the end) or its error."""
     sent = time.perf_counter()
     pieces: list[str] = []
+    headers: dict[str, str] = {}
+    body = {**body, "stream_options": {"include_usage": True}}
     try:
-        for event in stream_events(url, "/v1/chat/completions", body, timeout=REQUEST_TIMEOUT):
+        events = stream_events(
+            url, "/v1/chat/completions", body, timeout=REQUEST_TIMEOUT, headers_out=headers
+        )
+        for event in events:
             if "error" in event:
                 raise RuntimeError(f"the stream ended with an error: {event['error']}")
+            usage = event.get("usage")
+            if usage:
+                outcome.prompt_tokens = usage.get("prompt_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                outcome.cached_tokens = details.get("cached_tokens", 0)
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:
@@ -369,6 +399,9 @@ def stream_chat(url: str, body: dict[str, Any], outcome: Outcome) -> str:
                     pieces.append(text)
         if outcome.ttft is None:
             outcome.ttft = time.perf_counter() - sent
+        outcome.load_wait = float(headers.get(LOAD_WAIT_HEADER.lower(), 0.0))
+        outcome.memory_wait = float(headers.get(MEMORY_WAIT_HEADER.lower(), 0.0))
+        outcome.residency_wait = float(headers.get(RESIDENCY_WAIT_HEADER.lower(), 0.0))
     except (HttpStatusError, RuntimeError, OSError) as exc:
         outcome.ttft = None
         outcome.error = str(exc)[:300]
@@ -619,6 +652,7 @@ def summarize(rounds: Sequence[RoundResult], budget: int) -> dict[str, Any]:
     ]
     all_ttfts = [o.ttft for o in outcomes if o.ttft is not None]
     return {
+        "breakdown": breakdown(outcomes),
         "rounds": len(rounds),
         "requests": len(outcomes),
         "completed": sum(1 for o in outcomes if o.error is None),
@@ -639,6 +673,39 @@ def summarize(rounds: Sequence[RoundResult], budget: int) -> dict[str, Any]:
         "budget": budget,
         "seconds": [round(r.seconds, 1) for r in rounds],
         "exit_statuses": [r.exit_status for r in rounds],
+    }
+
+
+TAIL = 5
+"""The slowest requests of a policy whose TTFT the report splits one by one."""
+
+
+def breakdown(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Where a policy's TTFTs went: how many requests waited for a load, the seconds of all
+    of them spent waiting for loads (for memory, of that for models inside their residency)
+    and in the workers, the p99 of the workers' part alone, and the slowest requests split."""
+    done = [o for o in outcomes if o.ttft is not None]
+    slowest = sorted(done, key=lambda o: o.ttft or 0.0, reverse=True)[:TAIL]
+    return {
+        "waited_for_load": sum(1 for o in done if o.load_wait > 0),
+        "load_wait_s": sum(o.load_wait for o in done),
+        "memory_wait_s": sum(o.memory_wait for o in done),
+        "residency_wait_s": sum(o.residency_wait for o in done),
+        "worker_s": sum(o.worker_time for o in done),
+        "worker_p99_s": percentile([o.worker_time for o in done], 0.99),
+        "slowest": [
+            {
+                "model": o.model,
+                "ttft_s": o.ttft,
+                "load_wait_s": o.load_wait,
+                "memory_wait_s": o.memory_wait,
+                "residency_wait_s": o.residency_wait,
+                "worker_s": o.worker_time,
+                "prompt_tokens": o.prompt_tokens,
+                "cached_tokens": o.cached_tokens,
+            }
+            for o in slowest
+        ],
     }
 
 
@@ -898,6 +965,32 @@ def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
             for v in p["models"].values()
         ]
         print(f"| {POLICY_LABELS[name]} | " + " | ".join(cells) + " |")
+    print(
+        "\nWhere TTFT went: requests that waited for a load; seconds, summed over all "
+        "requests, waiting for loads (of that for memory, of that only models inside "
+        "--min-residency could have made room) and in the workers (queue + prefill); the "
+        "workers' part alone at p99:\n"
+    )
+    print("| policy | waited for a load | load wait s | memory s | residency s | worker s "
+          "| worker p99 s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, p in policies.items():
+        b = p["breakdown"]
+        print(
+            f"| {POLICY_LABELS[name]} | {b['waited_for_load']}/{p['requests']} "
+            f"| {b['load_wait_s']:.1f} | {b['memory_wait_s']:.1f} | {b['residency_wait_s']:.1f} "
+            f"| {b['worker_s']:.1f} | {_s(b['worker_p99_s'])} |"
+        )
+    print(f"\nThe {TAIL} slowest requests per policy: TTFT = load wait (memory, residency) + "
+          "worker; prompt tokens (cached):\n")  # fmt: skip
+    for name, p in policies.items():
+        cells = [
+            f"{r['model']} {r['ttft_s']:.1f} = {r['load_wait_s']:.1f} ({r['memory_wait_s']:.1f}, "
+            f"{r['residency_wait_s']:.1f}) + {r['worker_s']:.1f}; {r['prompt_tokens']} "
+            f"({r['cached_tokens']})"
+            for r in p["breakdown"]["slowest"]
+        ]
+        print(f"- {POLICY_LABELS[name]}: " + "; ".join(cells))
     for name, p in policies.items():
         for failure in p["failures"]:
             print(f"{name} FAILED: {failure}")

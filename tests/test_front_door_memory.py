@@ -24,6 +24,12 @@ from daemon_harness import remove_tree, short_tmpdir, wait_until
 from front_harness import FrontDoor
 from test_front_door_swaps import Stream, gone, open_stream
 from vqpool.daemon.ctl.exits import Exit
+from vqpool.daemon.front.load_wait import (
+    LOAD_WAIT_HEADER,
+    MEMORY_WAIT_HEADER,
+    RESIDENCY_WAIT_HEADER,
+    LoadWait,
+)
 from vqpool.shared.byte_sizes import format_bytes
 from vqpool.shared.kv_size import kv_token_bytes
 from vqpool.shared.model_weights import estimate_weights, serve_cache_limit, worker_overhead
@@ -99,7 +105,12 @@ def held_stream_kv(path: Path) -> int:
     return kv_bytes(path, PROMPT_TOKENS + HELD_TOKENS + DEFAULT_BLOCK_SIZE)
 
 
-def config_for(models: dict[str, Path], budget: int, queue_timeout: float = 120) -> str:
+def config_for(
+    models: dict[str, Path],
+    budget: int,
+    queue_timeout: float = 120,
+    conversation_gap: float | None = None,
+) -> str:
     """A settings file serving ``models`` under ``budget``; an idle model may be unloaded for
     bytes as soon as it is loaded (no minimum residency)."""
     tables = "".join(f'[models."{name}"]\npath = "{path}"\n\n' for name, path in models.items())
@@ -107,6 +118,8 @@ def config_for(models: dict[str, Path], budget: int, queue_timeout: float = 120)
         f"budget = {budget}\nmin_residency = 0\nqueue_timeout = {queue_timeout}\n"
         f"load_kv_tokens = {LOAD_KV_TOKENS}\n"
     )
+    if conversation_gap is not None:
+        serve += f"conversation_gap = {conversation_gap}\n"
     return f"[serve]\n{serve}\n{tables}"
 
 
@@ -273,6 +286,37 @@ def test_a_load_unloads_the_least_asked_for_idle_model_not_the_least_recently_us
         assert rows["medium"]["state"] == "not_loaded"
         assert rows["medium"]["unloads"] == {"memory": 1}
         assert rows["small"]["state"] == "loaded" and rows["small"]["unloads"] == {}
+
+
+def test_a_load_unloads_an_idle_model_out_of_conversation_before_one_mid_conversation(
+    models: dict[str, Path],
+) -> None:
+    """A model whose last request ended within ``conversation_gap`` (its chat's next turn is
+    likely soon) stays loaded over one idle for longer, though it is the less asked for."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = load_need(large) + max(load_need(small), load_need(medium)) + SLACK
+    gap = 15.0
+    with FrontDoor(config=config_for(models, budget, conversation_gap=gap)) as front:
+        for _ in range(3):
+            assert front.complete("small").status == 200  # the more asked for
+        wait_until(lambda: (front.row("small")["idle_s"] or 0.0) >= gap, timeout=60)
+        assert front.complete("medium").status == 200  # mid-conversation from here
+        reply = front.complete("large")
+        assert reply.status == 200, reply.body
+        rows = front.models()
+        # It waited for its load, and before its worker started for an unload (no model was
+        # inside a residency: there is none).
+        waited = {h: float(reply.headers[h.lower()]) for h in LoadWait().headers()}
+        assert waited[LOAD_WAIT_HEADER] >= waited[MEMORY_WAIT_HEADER] > 0, waited
+        assert waited[RESIDENCY_WAIT_HEADER] == 0, waited
+        loaded = front.complete("large")
+        assert all(loaded.headers[h.lower()] == "0.000" for h in waited), loaded.headers
+        # The premise: the unload for the large model was chosen within the gap after the
+        # medium model's request ended (the unload starts after the choice).
+        assert rows["small"]["unloaded_at"] - rows["medium"]["last_used"] < gap, rows
+        assert rows["small"]["state"] == "not_loaded"
+        assert rows["small"]["unloads"] == {"memory": 1}
+        assert rows["medium"]["state"] == "loaded" and rows["medium"]["unloads"] == {}
 
 
 def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(

@@ -49,6 +49,7 @@ from vqpool.daemon.front.ledger_calls import DEFAULT_LOAD_KV_TOKENS, MAX_LOAD_KV
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.public_api import build_public_app
 from vqpool.daemon.front.supervisor import (
+    DEFAULT_CONVERSATION_GAP,
     DEFAULT_MIN_RESIDENCY,
     DEFAULT_SWAP_GRACE,
     Supervisor,
@@ -89,6 +90,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "load_timeout": 600.0,
     "swap_grace": DEFAULT_SWAP_GRACE,
     "min_residency": DEFAULT_MIN_RESIDENCY,
+    "conversation_gap": DEFAULT_CONVERSATION_GAP,
     "load_kv_tokens": DEFAULT_LOAD_KV_TOKENS,
     "kv_disk_bytes": None,
     "budget": None,
@@ -111,6 +113,7 @@ _SERVE_TYPES: dict[str, tuple[type, ...]] = {
     "load_timeout": (int, float),
     "swap_grace": (int, float),
     "min_residency": (int, float),
+    "conversation_gap": (int, float),
     "load_kv_tokens": (int,),
     "kv_disk_bytes": (int, str),
     "budget": (int, str),
@@ -181,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a model stays loaded at least before a load short of memory may unload "
         f"it, so two models do not unload each other in turn (default: {DEFAULT_MIN_RESIDENCY:g})",
+    )
+    serve.add_argument(
+        "--conversation-gap",
+        type=float,
+        metavar="S",
+        help="seconds after its last request during which a model counts as mid-conversation "
+        "(its chat's next turn likely soon): a load short of memory unloads such a model only "
+        "when no other idle model makes room (default: "
+        f"{DEFAULT_CONVERSATION_GAP:g})",
     )
     serve.add_argument(
         "--load-kv-tokens",
@@ -271,6 +283,8 @@ def serve_options(args: argparse.Namespace, file_table: dict[str, Any]) -> dict[
             raise UsageError(f"--{key.replace('_', '-')} must be > 0")
     if not 0 <= options["min_residency"] <= MAX_MIN_RESIDENCY:
         raise UsageError(f"--min-residency must be 0..{MAX_MIN_RESIDENCY:g} seconds")
+    if not 0 <= options["conversation_gap"] <= MAX_MIN_RESIDENCY:
+        raise UsageError(f"--conversation-gap must be 0..{MAX_MIN_RESIDENCY:g} seconds")
     if not 1 <= options["load_kv_tokens"] <= MAX_LOAD_KV_TOKENS:
         raise UsageError(f"--load-kv-tokens must be 1..{MAX_LOAD_KV_TOKENS}")
     if not 0 <= options["swap_grace"] <= MAX_SWAP_GRACE:
@@ -401,6 +415,7 @@ async def serve(
         load_timeout=options["load_timeout"],
         swap_grace=options["swap_grace"],
         min_residency=options["min_residency"],
+        conversation_gap=options["conversation_gap"],
         load_kv_tokens=options["load_kv_tokens"],
         metrics=metrics,
     )

@@ -77,6 +77,9 @@ class ModelSlot:
     memory_wait: str = ""
     """While it waits for memory: what its load needs and what is free (the ledger's numbers)."""
     last_load_seconds: float | None = None
+    residency_wait: float = 0.0
+    """Seconds its last (or current) load waited for memory while only models loaded less
+    than ``min_residency`` seconds ago could have made room."""
     last_error: str = ""
     failure_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     retry_at: float = 0.0
@@ -130,6 +133,11 @@ class ModelSlot:
         ``min_residency`` seconds (so two models do not unload each other in turn)."""
         loaded_at = self.loaded_at or 0.0
         return self.evictable and now - loaded_at >= min_residency
+
+    def in_conversation(self, now: float, gap: float) -> bool:
+        """Whether its last request ended less than ``gap`` seconds before monotonic time
+        ``now`` (its chat's next turn is likely soon)."""
+        return self.last_used is not None and now - self.last_used < gap
 
     @property
     def failures(self) -> int:

@@ -45,8 +45,10 @@ async def forward(
     worker: WorkerProcess,
     body: bytes,
     write_timeout: float,
+    extra_headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    """Send ``body`` to ``worker`` on the request's path; its answer as the response."""
+    """Send ``body`` to ``worker`` on the request's path; its answer as the response, with
+    ``extra_headers`` (the front door's own: what the request waited for its model)."""
     headers = {"Content-Type": "application/json"}
     if "Accept" in request.headers:
         headers["Accept"] = request.headers["Accept"]
@@ -56,6 +58,7 @@ async def forward(
         raise bad_gateway(await supervisor.exit_reason(worker, exc)) from None
     try:
         passed = {h: upstream.headers[h] for h in PASSED_HEADERS if h in upstream.headers}
+        passed.update(extra_headers or {})
         if upstream.content_type != EVENT_STREAM:
             try:
                 data = await upstream.read()

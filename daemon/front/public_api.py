@@ -205,9 +205,15 @@ async def completion(request: web.Request) -> web.StreamResponse:
     slot = supervisor.slots[entry.name]
     status = 500
     try:
-        async with supervisor.lease(slot, keep_alive, app[QUEUE_TIMEOUT]) as worker:
+        async with supervisor.lease(slot, keep_alive, app[QUEUE_TIMEOUT]) as (worker, waited):
             response = await forward(
-                request, app[SESSION], supervisor, worker, data, app[WRITE_TIMEOUT]
+                request,
+                app[SESSION],
+                supervisor,
+                worker,
+                data,
+                app[WRITE_TIMEOUT],
+                waited.headers(),
             )
             status = response.status
             return response

@@ -44,6 +44,7 @@ from typing import Any
 from vqpool.daemon.front.catalog import Catalog, ModelEntry
 from vqpool.daemon.front.errors import bad_gateway, bad_request, overloaded
 from vqpool.daemon.front.ledger_calls import DEFAULT_LOAD_KV_TOKENS, LedgerCalls
+from vqpool.daemon.front.load_wait import LoadWait
 from vqpool.daemon.front.metrics import FrontMetrics
 from vqpool.daemon.front.model_slot import (
     LOADED,
@@ -77,6 +78,11 @@ EXIT_REASON_WAIT = 2.0
 """Seconds a failed proxied request waits for its worker's exit, to name the crash."""
 DEFAULT_MIN_RESIDENCY = 5.0
 """Seconds a model stays loaded at least before a load short of bytes may unload it."""
+DEFAULT_CONVERSATION_GAP = 10.0
+"""Seconds after its last request during which a model counts as mid-conversation: its chat's
+next turn is likely to come soon (a person's reply, an agent's next step), and unloaded now it
+would be reloaded for it (scripts/bench_models.py measured such reloads in the slowest
+requests)."""
 MEMORY_RECHECK = 1.0
 """Seconds between two asks of a load waiting for memory, and between two looks at the budget
 for a live change (bytes also come back where the front door does not see it: another
@@ -155,6 +161,9 @@ class Supervisor:
             room for another.
         min_residency: Seconds a model stays loaded at least before a load short of bytes may
             unload it.
+        conversation_gap: Seconds after its last request during which a model counts as
+            mid-conversation: it is unloaded for bytes only when no other idle model makes
+            room.
         load_kv_tokens: Tokens of KV a load asks room for beside its weights (unless the
             model's reserve is larger).
         metrics: Where loads, unloads and waits are counted.
@@ -170,6 +179,7 @@ class Supervisor:
         load_timeout: float,
         swap_grace: float = DEFAULT_SWAP_GRACE,
         min_residency: float = DEFAULT_MIN_RESIDENCY,
+        conversation_gap: float = DEFAULT_CONVERSATION_GAP,
         load_kv_tokens: int = DEFAULT_LOAD_KV_TOKENS,
         metrics: FrontMetrics,
     ) -> None:
@@ -180,6 +190,7 @@ class Supervisor:
         self.load_timeout = load_timeout
         self.swap_grace = swap_grace
         self.min_residency = min_residency
+        self.conversation_gap = conversation_gap
         self.load_kv_tokens = load_kv_tokens
         self.ledger = LedgerCalls(run_dir)
         self._grace_timer: asyncio.TimerHandle | None = None
@@ -198,29 +209,29 @@ class Supervisor:
     @contextlib.asynccontextmanager
     async def lease(
         self, slot: ModelSlot, keep_alive: float | None, timeout: float
-    ) -> AsyncIterator[WorkerProcess]:
-        """The model's worker for one request, loading the model first if needed; the request
-        counts as running until the block ends. ``keep_alive`` (seconds) replaces the model's
-        for the idle time after it.
+    ) -> AsyncIterator[tuple[WorkerProcess, LoadWait]]:
+        """The model's worker for one request, loading the model first if needed, and what the
+        request waited for that; the request counts as running until the block ends.
+        ``keep_alive`` (seconds) replaces the model's for the idle time after it.
 
         Raises:
             ApiError: 503 when the wait for the load outlasts ``timeout`` or the queue is
                 full, 502 when the load fails.
         """
-        worker = await self._admit(slot, timeout)
+        admitted = await self._admit(slot, timeout)
         try:
-            yield worker
+            yield admitted
         finally:
             self._release(slot, keep_alive)
 
-    async def _admit(self, slot: ModelSlot, timeout: float) -> WorkerProcess:
+    async def _admit(self, slot: ModelSlot, timeout: float) -> tuple[WorkerProcess, LoadWait]:
         if self._closing:
             raise overloaded("the server is shutting down")
         slot.note_request(asyncio.get_running_loop().time())
         if slot.state == LOADED and slot.worker is not None:
             slot.running += 1
             self._touch(slot)
-            return slot.worker
+            return slot.worker, LoadWait()
         if slot.queued >= self.max_queue:
             raise overloaded(f"{slot.queued} requests already wait for {slot.name} to load")
         loop = asyncio.get_running_loop()
@@ -258,8 +269,11 @@ class Supervisor:
                     )
                 await self._wait_for_change(deadline - now)
             slot.running += 1
-            self.metrics.queue_wait(slot.name, loop.time() - started)
-            return slot.worker
+            waited = loop.time() - started
+            self.metrics.queue_wait(slot.name, waited)
+            return slot.worker, LoadWait.split(
+                waited, slot.last_load_seconds or 0.0, slot.residency_wait
+            )
         finally:
             slot.queued -= 1
             if slot.answers != answers_seen and slot.answered > 0:
@@ -444,6 +458,8 @@ class Supervisor:
             slot.entry.kv_quantization(),
             slot.entry.sequence_quantization(),
         )
+        slot.residency_wait = 0.0
+        loop = asyncio.get_running_loop()
         while True:
             if self._closing or slot.queued <= slot.answered:
                 return False, None
@@ -477,7 +493,8 @@ class Supervisor:
             if short.cached >= short.short:
                 await self.ledger.cache_released()
                 continue
-            victim = self._memory_victim(short.short, await self._unload_frees())
+            frees = await self._unload_frees()
+            victim = self._memory_victim(short.short, frees)
             if victim is not None:
                 log.info(
                     "unloading idle %s to load %s (%s)", victim.name, slot.name, slot.memory_wait
@@ -490,28 +507,45 @@ class Supervisor:
             if short.cached > 0:
                 await self.ledger.cache_released()
                 continue
+            held_by_residency = self._memory_victim(short.short, frees, min_residency=0.0)
+            waited_from = loop.time()
             await self._wait_for_change(MEMORY_RECHECK)
+            if held_by_residency is not None:
+                slot.residency_wait += loop.time() - waited_from
 
     def _memory_victim(
-        self, short: int = 0, frees: dict[str, int] | None = None
+        self,
+        short: int = 0,
+        frees: dict[str, int] | None = None,
+        min_residency: float | None = None,
     ) -> ModelSlot | None:
         """The model to unload for bytes: an idle one, not pinned, loaded at least
-        ``min_residency`` seconds, the least asked for (:attr:`ModelSlot.demand`, then the
-        least recently used) of those whose unload alone frees ``short`` bytes if any does,
-        else the least asked for; None while another unload is under way (one at a time, each
-        verified before the next), or when unloading every one of them would still leave
-        ``short`` uncovered (then an unload frees nothing the load can use now: the model
-        unloaded is likely asked again, and its reload takes the bytes back while the load
-        waits on). ``frees``: what each model's unload frees (:meth:`_unload_frees`); a model
-        it does not name counts as freeing enough."""
+        ``min_residency`` seconds; of those whose unload alone frees ``short`` bytes if any
+        does, else of all, one not mid-conversation (its last request ended at least
+        ``conversation_gap`` seconds ago) before one that is, then the least asked for
+        (:attr:`ModelSlot.demand`), then the least recently used. None while another unload
+        is under way (one at a time, each verified before the next), or when unloading every
+        one of them would still leave ``short`` uncovered (then an unload frees nothing the
+        load can use now: the model unloaded is likely asked again, and its reload takes the
+        bytes back while the load waits on). ``frees``: what each model's unload frees
+        (:meth:`_unload_frees`); a model it does not name counts as freeing enough.
+        ``min_residency``: the residency to respect (None: ``--min-residency``)."""
         if any(s.state == UNLOADING for s in self.slots.values()):
             return None
+        if min_residency is None:
+            min_residency = self.min_residency
         now = asyncio.get_running_loop().time()
         # NOTE: by demand, not recency alone: a hot model idle between two bursts is the least
         # recently used for a moment, and its unload costs a reload under its next burst.
+        # NOTE: a model mid-conversation goes last: unloaded while its chat thinks, it is asked
+        # again within seconds, and its reload is among the slowest waits of all.
         victims = sorted(
-            (s for s in self.slots.values() if s.evictable_for_memory(now, self.min_residency)),
-            key=lambda s: (round(s.demand_now(now), 1), s.last_used or 0.0),
+            (s for s in self.slots.values() if s.evictable_for_memory(now, min_residency)),
+            key=lambda s: (
+                s.in_conversation(now, self.conversation_gap),
+                round(s.demand_now(now), 1),
+                s.last_used or 0.0,
+            ),
         )
         freed = {s.name: (frees or {}).get(s.name, math.inf) for s in victims}
         covering = [s for s in victims if freed[s.name] >= short]

@@ -61,11 +61,17 @@ def request_json(
 
 
 def stream_events(
-    base_url: str, path: str, body: dict[str, Any], timeout: float = 120.0
+    base_url: str,
+    path: str,
+    body: dict[str, Any],
+    timeout: float = 120.0,
+    headers_out: dict[str, str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """POST a ``stream: true`` request and yield each server-sent event's JSON until [DONE].
 
     Closing the iterator early closes the connection (the worker then cancels the request).
+    ``headers_out``, when given, receives the response's headers (lower-case names) before
+    the first event.
 
     Raises:
         HttpStatusError: The worker answered with another status than 200.
@@ -81,6 +87,8 @@ def stream_events(
         response = conn.getresponse()
         if response.status != 200:
             raise HttpStatusError(_reply(response))
+        if headers_out is not None:
+            headers_out.update((k.lower(), v) for k, v in response.getheaders())
         for line in response:
             if not line.startswith(b"data: "):
                 continue
