@@ -319,6 +319,32 @@ def test_a_load_unloads_an_idle_model_out_of_conversation_before_one_mid_convers
         assert rows["medium"]["state"] == "loaded" and rows["medium"]["unloads"] == {}
 
 
+def test_a_load_spares_a_model_mid_conversation_for_as_long_as_its_reload_would_take(
+    models: dict[str, Path],
+) -> None:
+    """While another loaded model may go idle instead (here a running stream), a load waits
+    before unloading an idle model mid-conversation, at most as long as that model's last load
+    took (what its chat's next turn would wait for its reload); then it unloads it, and never
+    the model with the running request."""
+    large, medium, small = models["large"], models["medium"], models["small"]
+    budget = load_need(small) + held_stream_kv(small) + load_need(large) + SLACK
+    assert budget < load_need(small) + load_need(medium) + load_need(large)
+    config = config_for(models, budget, conversation_gap=3600)  # always mid-conversation
+    with FrontDoor(config=config) as front:
+        stream = hold(front, "small")
+        assert front.complete("medium").status == 200
+        reload_seconds = front.row("medium")["last_load_s"]
+        reply = front.complete("large")
+        assert reply.status == 200, reply.body
+        assert float(reply.headers[MEMORY_WAIT_HEADER.lower()]) >= reload_seconds
+        read_on(stream, 20)  # the running stream kept going
+        rows = front.models()
+        assert rows["medium"]["state"] == "not_loaded"
+        assert rows["medium"]["unloads"] == {"memory": 1}
+        assert rows["small"]["running"] == 1 and rows["small"]["unloads"] == {}
+        close(stream)
+
+
 def test_three_concurrent_loads_under_a_budget_for_two_load_two_and_queue_one(
     models: dict[str, Path],
 ) -> None:

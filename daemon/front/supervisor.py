@@ -460,6 +460,7 @@ class Supervisor:
         )
         slot.residency_wait = 0.0
         loop = asyncio.get_running_loop()
+        began = loop.time()
         while True:
             if self._closing or slot.queued <= slot.answered:
                 return False, None
@@ -494,7 +495,8 @@ class Supervisor:
                 await self.ledger.cache_released()
                 continue
             frees = await self._unload_frees()
-            victim = self._memory_victim(short.short, frees)
+            spared = self._spared(loop.time() - began)
+            victim = self._memory_victim(short.short, frees, spared=spared)
             if victim is not None:
                 log.info(
                     "unloading idle %s to load %s (%s)", victim.name, slot.name, slot.memory_wait
@@ -507,7 +509,9 @@ class Supervisor:
             if short.cached > 0:
                 await self.ledger.cache_released()
                 continue
-            held_by_residency = self._memory_victim(short.short, frees, min_residency=0.0)
+            held_by_residency = self._memory_victim(
+                short.short, frees, min_residency=0.0, spared=spared
+            )
             waited_from = loop.time()
             await self._wait_for_change(MEMORY_RECHECK)
             if held_by_residency is not None:
@@ -518,6 +522,7 @@ class Supervisor:
         short: int = 0,
         frees: dict[str, int] | None = None,
         min_residency: float | None = None,
+        spared: frozenset[str] = frozenset(),
     ) -> ModelSlot | None:
         """The model to unload for bytes: an idle one, not pinned, loaded at least
         ``min_residency`` seconds; of those whose unload alone frees ``short`` bytes if any
@@ -529,7 +534,8 @@ class Supervisor:
         load can use now: the model unloaded is likely asked again, and its reload takes the
         bytes back while the load waits on). ``frees``: what each model's unload frees
         (:meth:`_unload_frees`); a model it does not name counts as freeing enough.
-        ``min_residency``: the residency to respect (None: ``--min-residency``)."""
+        ``min_residency``: the residency to respect (None: ``--min-residency``); ``spared``:
+        models not to unload now (:meth:`_spared`)."""
         if any(s.state == UNLOADING for s in self.slots.values()):
             return None
         if min_residency is None:
@@ -540,7 +546,11 @@ class Supervisor:
         # NOTE: a model mid-conversation goes last: unloaded while its chat thinks, it is asked
         # again within seconds, and its reload is among the slowest waits of all.
         victims = sorted(
-            (s for s in self.slots.values() if s.evictable_for_memory(now, min_residency)),
+            (
+                s
+                for s in self.slots.values()
+                if s.evictable_for_memory(now, min_residency) and s.name not in spared
+            ),
             key=lambda s: (
                 s.in_conversation(now, self.conversation_gap),
                 round(s.demand_now(now), 1),
@@ -554,6 +564,37 @@ class Supervisor:
         if victims and sum(freed.values()) >= short:
             return victims[0]
         return None
+
+    def _spared(self, waited: float) -> frozenset[str]:
+        """The idle models a load that has waited ``waited`` seconds for memory leaves loaded
+        for now: each one mid-conversation whose reload would take longer than that (its last
+        load's seconds), while another model is loaded or loading that may become idle and go
+        instead (running or queued requests, loading, or inside its residency). Unloaded, a
+        model mid-conversation is asked again within seconds and its chat waits for its
+        reload; the load waiting at most that long instead is no slower at the tail, and the
+        wait often ends sooner, when the other model goes idle. With no such other model,
+        nothing is spared (two models swapped by one user: the load goes at once)."""
+        now = asyncio.get_running_loop().time()
+        idle_in_conversation = [
+            s
+            for s in self.slots.values()
+            if s.evictable and s.in_conversation(now, self.conversation_gap)
+        ]
+        others = [
+            s
+            for s in self.slots.values()
+            if not s.entry.pinned
+            and (
+                s.state == LOADING
+                or (s.state == LOADED and not s.idle)
+                or (s.idle and not s.evictable_for_memory(now, self.min_residency))
+            )
+        ]
+        if not others:
+            return frozenset()
+        return frozenset(
+            s.name for s in idle_in_conversation if (s.last_load_seconds or 0.0) > waited
+        )
 
     async def _unload_frees(self) -> dict[str, int] | None:
         """What unloading each model frees at vqpoold: its weights, its workers' overhead and
