@@ -16,9 +16,11 @@ can look, and an idle timer that fires finds the model busy again if a request c
   (``load_reserve``; the worker's hello takes the reservation over).
   When bytes are short they are freed in one order, re-asking after each step: the prompt
   caches the daemon asked to release, then an idle model that is not pinned and was loaded at
-  least ``min_residency`` seconds, the least asked for of those that cover what is short
-  (:meth:`Supervisor._memory_victim`; its exit and its session's end verified first, and the
-  bytes it frees go to that load first); then the load waits for a change. A load that can
+  least ``min_residency`` seconds, of those that cover what is short one not mid-conversation
+  first, then the least asked for (:meth:`Supervisor._memory_victim`; a model mid-conversation
+  is spared for as long as its reload would take while another may go idle instead,
+  :meth:`Supervisor._spared`; its exit and its session's end verified first, and the bytes it
+  frees go to that load first); then the load waits for a change. A load that can
   never fit is refused at once: every request waiting for it gets a 400 naming the numbers.
 - When the daemon shows more held than its budget (lowered live), or a loaded model's requests
   waiting for KV the loaded weights leave no room for, idle models are unloaded in the same order.
