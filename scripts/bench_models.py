@@ -28,7 +28,10 @@ memory: the resident set of every process of the ``vqpool serve`` tree (the fron
 vqpoold, the workers) sampled every 100 ms, against the budget; also that peak less the
 runtime's own floor (each process's RSS with no model in it: Python, MLX, the libraries,
 measured at the start), which is what the budget is meant to bound; and the ledger's
-declared peak (KV held, plus the weights it charges).
+declared peak (KV held, plus the weights it charges). And where the TTFTs went: each
+response's ``X-Vqpool-Load-Wait`` (of that ``-Memory-Wait``, of that ``-Residency-Wait``) split
+from the worker's part (queue and prefill), summed per policy, and the slowest requests one by
+one with their prompt and cached tokens.
 
 Noisy neighbour: a batch job on one model (64 clients, each sending a long request again as
 soon as its last one ends: unbounded demand, KV growing on demand) beside an interactive chat
@@ -183,8 +186,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--policies", default=None,
-        help="comma-separated, of ledger, count, swap (default: all three when the front "
-        "door loads by bytes, else count and swap)",
+        help="comma-separated, of ledger, count, swap, ledger-no-gap (default: ledger, count "
+        "and swap when the front door loads by bytes, else count and swap)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="rounds per policy (default: 2)")
     parser.add_argument(
@@ -216,9 +219,9 @@ def parse_args() -> argparse.Namespace:
         args.policies = ["ledger", "count", "swap"] if LOADS_BY_BYTES else ["count", "swap"]
     else:
         args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        unknown = sorted(set(args.policies) - {"ledger", "count", "swap"})
+        unknown = sorted(set(args.policies) - set(POLICY_LABELS))
         if unknown or not args.policies:
-            parser.error(f"--policies: unknown {unknown}; choose of ledger, count, swap")
+            parser.error(f"--policies: unknown {unknown}; choose of {', '.join(POLICY_LABELS)}")
     return args
 
 
@@ -540,12 +543,15 @@ def measure_floors(base: Path) -> Floors:
 
 def policy_config(policy: str, models: Sequence[Model], budget: int) -> tuple[str, list[str]]:
     """The settings file and the options of ``vqpool serve`` for ``policy``."""
-    lines = ['[serve]\nkeep_alive = "5m"\n']
+    lines = ['[serve]\nkeep_alive = "5m"']
+    if policy == "ledger-no-gap":  # the ledger without its conversation rules, to weigh them
+        lines.append("conversation_gap = 0")
+    lines.append("")
     for model in models:
         lines.append(f'[models."{model.name}"]')
         lines.append(f'path = "{model.path}"')
         lines.append(f"max_concurrent = {SLOTS}")
-        if policy == "ledger":
+        if policy.startswith("ledger"):
             lines.append('reserve_mode = "on-demand"')
         else:
             lines.append('reserve_mode = "full"')
@@ -919,6 +925,7 @@ def _mib(n: int) -> str:
 
 POLICY_LABELS = {
     "ledger": "(a) ledger, by bytes",
+    "ledger-no-gap": "(a') ledger, conversation gap 0",
     "count": "(b) count cap 2, fixed KV",
     "swap": "(c) one at a time",
 }
