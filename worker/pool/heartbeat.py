@@ -41,8 +41,10 @@ class LoadReport:
         self.load: tuple[int, int, int | None] | None = None
         """(running, queued, preemptions or None) as last given to report_load()."""
         self.preemptions_base = 0
-        """The preemption count reported when the current session opened: the daemon counts
-        per session, so a new session (re-sync, reopen) is sent the count since then."""
+        """The preemption count the daemon had been sent when the current session opened: it
+        counts per session, so a new session (re-sync, reopen) is sent the count since then."""
+        self._preemptions_sent = 0
+        """The running count of preemptions the last ping carried (absolute, not per session)."""
         self.prompt_cache: dict[str, int] | None = None
         """The prompt cache's counters as last given to report_prompt_cache(); sent until a
         daemon older than the argument refuses it."""
@@ -57,9 +59,10 @@ class LoadReport:
         self._memory_taken = 0.0
 
     def session_opened(self) -> None:
-        """A new session opened: its preemptions count from the ones reported now."""
-        load = self.load
-        self.preemptions_base = (load[2] or 0) if load is not None else 0
+        """A new session opened: its preemptions count from the ones the daemon was last sent.
+        NOTE: not from the count reported now: preemptions reported while the session was
+        being reopened were never sent, and would be folded into the base and lost."""
+        self.preemptions_base = self._preemptions_sent
 
     def ping_args(self) -> dict[str, Any]:
         """The arguments of the next ping."""
@@ -69,6 +72,7 @@ class LoadReport:
             args = {"running": load[0], "queued": load[1]}
             if load[2] is not None:
                 args["preemptions"] = max(0, load[2] - self.preemptions_base)
+                self._preemptions_sent = max(load[2], self.preemptions_base)
         cached = self.prompt_cache
         if cached is not None and not self.prompt_cache_refused:
             args["prompt_cache"] = cached
