@@ -43,8 +43,7 @@ from vqpool.shared.protocol import (
     REGISTER_OWNER,
     WORKER_ARGS,
     WORKER_OPS,
-    decode_request,
-    encode_result,
+    SocketCodec,
     parse_args,
     parse_envelope,
     request_id_of,
@@ -76,6 +75,7 @@ class WorkerRequestHandler:
         self.last_op = ""
         self.last_code = 0
         self._stale_boot_logged = False
+        self._codec = SocketCodec(self._coord.boot_id)
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | Parked:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
@@ -86,10 +86,11 @@ class WorkerRequestHandler:
         coord.n_requests += 1
         boot = coord.boot_id
         message: Any = None
+        encode_result = self._codec.result
         self.last_op = ""
         self.last_code = 0
         try:
-            message = decode_request(payload)
+            message = self._codec.decode(payload)
             request = parse_envelope(message)
             op = self.last_op = request.op
             if op not in WORKER_OPS:

@@ -58,6 +58,7 @@ from vqpool.shared.protocol.codec import (
     encode_result,
     item_message,
     parse_envelope,
+    SocketCodec,
     request_id_of,
 )
 from vqpool.shared.protocol.counters import (
@@ -229,6 +230,7 @@ __all__ = [
     "measured_bytes",
     "parse_args",
     "parse_envelope",
+    "SocketCodec",
     "request_id_of",
     "session_label",
     "stats_from_wire",
