@@ -64,6 +64,8 @@ class Request:
 
 
 _ENVELOPE_KEYS = frozenset({"v", "id", "op", "sid", "boot", "args"})
+_is_envelope_key_set = _ENVELOPE_KEYS.issuperset
+"""Whether a map's keys are all envelope fields (cheaper than comparing its keys view)."""
 
 
 def decode_request(payload: bytes) -> Any:
@@ -141,7 +143,7 @@ def parse_envelope(message: Any) -> Request:
     """
     if type(message) is not dict:
         raise BadRequestError(f"a request must be a map, got {type(message).__name__}")
-    if not message.keys() <= _ENVELOPE_KEYS:
+    if not _is_envelope_key_set(message):
         unknown = sorted(str(k) for k in message.keys() - _ENVELOPE_KEYS)
         raise BadRequestError(f"unknown envelope field(s) {unknown}")
     get = message.get

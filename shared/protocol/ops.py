@@ -92,7 +92,9 @@ def parse_args(op: str, args: Any, schema: tuple[Field, ...]) -> dict[str, Any]:
         raise BadRequestError(f"{op}: args must be a map, got {short_repr(args)}")
     parsed: dict[str, Any] = {}
     n_known = 0
-    for name, check, required, default, label in _steps(op, schema):
+    kept = _kept_steps.get(op)  # _steps(), its common case inlined
+    steps = kept[1] if kept is not None and kept[0] is schema else _steps(op, schema)
+    for name, check, required, default, label in steps:
         if name in args:
             parsed[name] = check(args[name], label)
             n_known += 1
