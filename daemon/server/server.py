@@ -444,7 +444,7 @@ class Server:
         more may wait (it stopped at the limit), False once the socket said none waits."""
         peer = self._peers[name]  # given each request's routing-id frame while it is handled
         recv = sock.recv
-        getsockopt = sock.getsockopt
+        getsockopt = cast(Callable[[int], int], sock.getsockopt)  # ZMQ_EVENTS: an int
         send = _send
         monotonic = time.monotonic
         for _ in range(MAX_MESSAGES_PER_WAKE):

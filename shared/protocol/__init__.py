@@ -50,6 +50,7 @@ from vqpool.shared.protocol.codec import (
     PROTOCOL_VERSION,
     ItemErrors,
     Request,
+    SocketCodec,
     compact_message,
     decode_reply,
     decode_request,
@@ -58,7 +59,6 @@ from vqpool.shared.protocol.codec import (
     encode_result,
     item_message,
     parse_envelope,
-    SocketCodec,
     request_id_of,
 )
 from vqpool.shared.protocol.counters import (
@@ -212,6 +212,7 @@ __all__ = [
     "OpSpec",
     "ReportedFigure",
     "Request",
+    "SocketCodec",
     "block_rows",
     "check_bool",
     "check_int",
@@ -230,7 +231,6 @@ __all__ = [
     "measured_bytes",
     "parse_args",
     "parse_envelope",
-    "SocketCodec",
     "request_id_of",
     "session_label",
     "stats_from_wire",

@@ -155,10 +155,10 @@ def parse_envelope(message: Any) -> Request:
         )
     # Each field's check inlined (every request passes here): the check itself is called only
     # to raise its error.
-    rid = get("id")
+    rid: Any = get("id")
     if type(rid) is not int or not 0 <= rid <= INT64_MAX:
         check_int(rid, "id", 0)
-    op = get("op")
+    op: Any = get("op")
     if type(op) is not str or not 0 < len(op) <= MAX_TAG_LEN:
         check_tag(op, "op")
     sid = get("sid")
