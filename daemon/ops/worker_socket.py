@@ -64,6 +64,11 @@ class WorkerRequestHandler:
     handled last, for the metrics (``daemon/server/metrics.py``); a cached reply counts as 0.
     ``peer`` is the connection of the request being handled (set by the server loop): hello
     checks the pid it declares against the connected process's.
+
+    The reply of a mutating request goes into the reply cache in :meth:`settle`, which the
+    server loop calls right after sending it (nothing runs in between), so that the client does
+    not wait for the cache's bookkeeping; the next request's handling settles first if a caller
+    did not.
     """
 
     def __init__(self, state: DaemonState) -> None:
@@ -76,12 +81,15 @@ class WorkerRequestHandler:
         self.last_code = 0
         self._stale_boot_logged = False
         self._codec = SocketCodec(self._coord.boot_id)
+        self._unsettled: tuple[int, int, bytes] | None = None  # (sid, rid, reply) to keep
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | Parked:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
         for an allocation that waits for memory or a ``reclaim_poll`` with no ask yet, its
         :class:`~vqpool.daemon.budget.parking.Parked` request (no reply now: the server loop
         keeps the envelope in it and sends the reply once there is one)."""
+        if self._unsettled is not None:
+            self.settle()
         coord = self._coord
         coord.n_requests += 1
         boot = coord.boot_id
@@ -167,8 +175,16 @@ class WorkerRequestHandler:
             self.last_code = error_code_for(exc)
             reply = error_reply(rid, boot, exc)
         if mutating:
-            coord.replies.remember(session.sid, rid, reply)
+            self._unsettled = (session.sid, rid, reply)
         return reply
+
+    def settle(self) -> None:
+        """Keep the reply of the request handled last in the reply cache, if it is a mutating
+        request's (see the class)."""
+        unsettled = self._unsettled
+        if unsettled is not None:
+            self._unsettled = None
+            self._coord.replies.remember(*unsettled)
 
     def _note_stale_boot(self, stale: object, peer: bytes) -> None:
         """Log the first request of a previous daemon lifetime at INFO, later ones at DEBUG."""

@@ -141,6 +141,8 @@ class Server:
         self._bad_frames = PeerLogLimiter()
         self._metrics: MetricsExporter | None = None
         self._peers: dict[str, RequestPeer] = {}
+        # Called right after each reply is sent (the worker handler keeps it in its reply cache)
+        self._settles: dict[str, Callable[[], None] | None] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only record it: the self-pipe written by Python's C-level handler wakes the loop.
@@ -209,6 +211,7 @@ class Server:
         try:
             worker_handler, admin_handler = WorkerRequestHandler(state), AdminRequestHandler(state)
             self._peers = {"worker": worker_handler.peer, "admin": RequestPeer()}
+            self._settles = {"worker": worker_handler.settle, "admin": None}
             handle_worker: Handle = worker_handler.handle
             handle_admin: Handle = admin_handler.handle
             # Before binding: a port in use must fail start-up with no socket to close.
@@ -443,6 +446,7 @@ class Server:
         """Answer up to MAX_MESSAGES_PER_WAKE requests waiting on ``sock``. Returns whether
         more may wait (it stopped at the limit), False once the socket said none waits."""
         peer = self._peers[name]  # given each request's routing-id frame while it is handled
+        settle = self._settles[name]
         recv = sock.recv
         getsockopt = cast(Callable[[int], int], sock.getsockopt)  # ZMQ_EVENTS: an int
         send = _send
@@ -481,6 +485,8 @@ class Server:
                     send(sock, reply, _NOBLOCK)
                 except zmq.ZMQError:  # EAGAIN: peer's queue full; EHOSTUNREACH: peer gone
                     coord.n_replies_dropped += 1
+            if settle is not None:  # after the send: the client does not wait for it
+                settle()
             # Whether another request waits, as the socket's state says: cheaper than a recv
             # that fails (its exception), and as good a promise that the fd signals the next.
             if not getsockopt(_EVENTS) & _POLLIN:
