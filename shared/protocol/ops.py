@@ -65,17 +65,15 @@ def args_of(ops: Iterable[OpSpec]) -> dict[str, tuple[Field, ...]]:
 _Step = tuple[str, Callable[[Any, str], Any], bool, Any, str]
 
 MAX_KEPT_STEPS = 256
-"""Ops whose steps :func:`_steps` keeps (far more than the protocol has)."""
+"""Ops whose steps :func:`_make_steps` keeps (far more than the protocol has)."""
 
 _kept_steps: dict[str, tuple[tuple[Field, ...], tuple[_Step, ...]]] = {}
+"""By op: the schema and its steps (parse_args uses them while it is given that schema)."""
 
 
-def _steps(op: str, schema: tuple[Field, ...]) -> tuple[_Step, ...]:
-    """``schema`` as (name, check, required, default, name in errors) tuples, made once per op:
-    every request's arguments are checked with them."""
-    kept = _kept_steps.get(op)
-    if kept is not None and kept[0] is schema:
-        return kept[1]
+def _make_steps(op: str, schema: tuple[Field, ...]) -> tuple[_Step, ...]:
+    """``schema`` as (name, check, required, default, name in errors) tuples, kept for the next
+    request of ``op``: every request's arguments are checked with them."""
     steps = tuple((f.name, f.check, f.required, f.default, f"{op}.{f.name}") for f in schema)
     if len(_kept_steps) < MAX_KEPT_STEPS:
         _kept_steps[op] = (schema, steps)
@@ -92,8 +90,8 @@ def parse_args(op: str, args: Any, schema: tuple[Field, ...]) -> dict[str, Any]:
         raise BadRequestError(f"{op}: args must be a map, got {short_repr(args)}")
     parsed: dict[str, Any] = {}
     n_known = 0
-    kept = _kept_steps.get(op)  # _steps(), its common case inlined
-    steps = kept[1] if kept is not None and kept[0] is schema else _steps(op, schema)
+    kept = _kept_steps.get(op)
+    steps = kept[1] if kept is not None and kept[0] is schema else _make_steps(op, schema)
     for name, check, required, default, label in steps:
         if name in args:
             parsed[name] = check(args[name], label)
