@@ -310,8 +310,8 @@ class Coordinator:
                 done, [o for o in dict.fromkeys(o for o, _ in done) if o in unbound]
             )
             raise
-        # Bind what was allocated for, and note shortages, as the items came.
-        bind = self._bind
+        # Bind what was allocated for (_bind(), inlined), and note shortages, as the items came.
+        add_owner = session.owners.add
         results: list[list[int] | dict[str, Any]] = []
         outcomes = iter(got)
         for index, (stream, n_tokens, owner, _) in enumerate(items):
@@ -321,7 +321,8 @@ class Coordinator:
             outcome = next(outcomes)
             if isinstance(outcome, tuple):
                 if owner in unbound and owner not in holder:
-                    bind(owner, session)
+                    holder[owner] = session
+                    add_owner(owner)
                 if self._id_shortages:
                     self._note_ids_served(self._one_stream or stream, len(outcome))
                 results.append(list(outcome))

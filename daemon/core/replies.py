@@ -95,14 +95,16 @@ class ReplyCache:
             entry = self._sessions[sid] = _SessionReplies()
         elif (rid <= entry.floor and not late) or rid in entry.replies:
             return  # a refused stale id, or a reply already kept
-        entry.replies[rid] = reply
-        entry.n_bytes += len(reply)
-        entry.latest = rid
-        self.n_bytes += len(reply)
-        self._order[(sid, rid)] = None
         replies = entry.replies
+        size = len(reply)
+        replies[rid] = reply
+        entry.n_bytes += size
+        entry.latest = rid
+        self.n_bytes += size
+        self._order[(sid, rid)] = None
+        per_session, bytes_per_session = self.per_session, self.bytes_per_session
         while len(replies) > 1 and (
-            len(replies) > self.per_session or entry.n_bytes - len(reply) > self.bytes_per_session
+            len(replies) > per_session or entry.n_bytes - size > bytes_per_session
         ):
             self._evict(sid, entry, next(iter(replies)))
         if self.n_bytes > self.bytes_total:
@@ -118,10 +120,10 @@ class ReplyCache:
         self.n_bytes -= entry.n_bytes
 
     def _evict(self, sid: int, entry: _SessionReplies, rid: int) -> None:
-        reply = entry.replies.pop(rid)
+        size = len(entry.replies.pop(rid))
         del self._order[(sid, rid)]
-        entry.n_bytes -= len(reply)
-        self.n_bytes -= len(reply)
+        entry.n_bytes -= size
+        self.n_bytes -= size
         self.n_evicted += 1
         if rid > entry.floor:
             entry.floor = rid

@@ -43,8 +43,7 @@ from vqpool.shared.protocol import (
     REGISTER_OWNER,
     WORKER_ARGS,
     WORKER_OPS,
-    decode_request,
-    encode_result,
+    SocketCodec,
     parse_args,
     parse_envelope,
     request_id_of,
@@ -65,6 +64,11 @@ class WorkerRequestHandler:
     handled last, for the metrics (``daemon/server/metrics.py``); a cached reply counts as 0.
     ``peer`` is the connection of the request being handled (set by the server loop): hello
     checks the pid it declares against the connected process's.
+
+    The reply of a mutating request goes into the reply cache in :meth:`settle`, which the
+    server loop calls right after sending it (nothing runs in between), so that the client does
+    not wait for the cache's bookkeeping; the next request's handling settles first if a caller
+    did not.
     """
 
     def __init__(self, state: DaemonState) -> None:
@@ -76,20 +80,25 @@ class WorkerRequestHandler:
         self.last_op = ""
         self.last_code = 0
         self._stale_boot_logged = False
+        self._codec = SocketCodec(self._coord.boot_id)
+        self._unsettled: tuple[int, int, bytes] | None = None  # (sid, rid, reply) to keep
 
     def handle(self, payload: bytes, peer: bytes, now: float) -> bytes | Parked:
         """The reply to ``payload`` from connection ``peer``, at monotonic time ``now``; or,
         for an allocation that waits for memory or a ``reclaim_poll`` with no ask yet, its
         :class:`~vqpool.daemon.budget.parking.Parked` request (no reply now: the server loop
         keeps the envelope in it and sends the reply once there is one)."""
+        if self._unsettled is not None:
+            self.settle()
         coord = self._coord
         coord.n_requests += 1
         boot = coord.boot_id
         message: Any = None
+        encode_result = self._codec.result
         self.last_op = ""
         self.last_code = 0
         try:
-            message = decode_request(payload)
+            message = self._codec.decode(payload)
             request = parse_envelope(message)
             op = self.last_op = request.op
             if op not in WORKER_OPS:
@@ -166,8 +175,16 @@ class WorkerRequestHandler:
             self.last_code = error_code_for(exc)
             reply = error_reply(rid, boot, exc)
         if mutating:
-            coord.replies.remember(session.sid, rid, reply)
+            self._unsettled = (session.sid, rid, reply)
         return reply
+
+    def settle(self) -> None:
+        """Keep the reply of the request handled last in the reply cache, if it is a mutating
+        request's (see the class)."""
+        unsettled = self._unsettled
+        if unsettled is not None:
+            self._unsettled = None
+            self._coord.replies.remember(*unsettled)
 
     def _note_stale_boot(self, stale: object, peer: bytes) -> None:
         """Log the first request of a previous daemon lifetime at INFO, later ones at DEBUG."""

@@ -62,6 +62,24 @@ def args_of(ops: Iterable[OpSpec]) -> dict[str, tuple[Field, ...]]:
     return {op.name: op.params for op in ops}
 
 
+_Step = tuple[str, Callable[[Any, str], Any], bool, Any, str]
+
+MAX_KEPT_STEPS = 256
+"""Ops whose steps :func:`_make_steps` keeps (far more than the protocol has)."""
+
+_kept_steps: dict[str, tuple[tuple[Field, ...], tuple[_Step, ...]]] = {}
+"""By op: the schema and its steps (parse_args uses them while it is given that schema)."""
+
+
+def _make_steps(op: str, schema: tuple[Field, ...]) -> tuple[_Step, ...]:
+    """``schema`` as (name, check, required, default, name in errors) tuples, kept for the next
+    request of ``op``: every request's arguments are checked with them."""
+    steps = tuple((f.name, f.check, f.required, f.default, f"{op}.{f.name}") for f in schema)
+    if len(_kept_steps) < MAX_KEPT_STEPS:
+        _kept_steps[op] = (schema, steps)
+    return steps
+
+
 def parse_args(op: str, args: Any, schema: tuple[Field, ...]) -> dict[str, Any]:
     """``args`` checked against ``schema``: every required field present, no unknown field.
 
@@ -72,14 +90,16 @@ def parse_args(op: str, args: Any, schema: tuple[Field, ...]) -> dict[str, Any]:
         raise BadRequestError(f"{op}: args must be a map, got {short_repr(args)}")
     parsed: dict[str, Any] = {}
     n_known = 0
-    for field in schema:
-        if field.name in args:
-            parsed[field.name] = field.check(args[field.name], f"{op}.{field.name}")
+    kept = _kept_steps.get(op)
+    steps = kept[1] if kept is not None and kept[0] is schema else _make_steps(op, schema)
+    for name, check, required, default, label in steps:
+        if name in args:
+            parsed[name] = check(args[name], label)
             n_known += 1
-        elif field.required:
-            raise BadRequestError(f"{op}: missing argument {field.name!r}")
+        elif required:
+            raise BadRequestError(f"{op}: missing argument {name!r}")
         else:
-            parsed[field.name] = field.default
+            parsed[name] = default
     if len(args) != n_known:
         unknown = sorted(str(k) for k in args.keys() - {f.name for f in schema})
         raise BadRequestError(f"{op}: unknown argument(s) {unknown}")
