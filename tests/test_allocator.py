@@ -25,6 +25,7 @@ from vqpool.shared import (
     PoolConfig,
 )
 from vqpool.shared.allocator import BlockList
+from vqpool.shared.errors import VqpoolError
 
 
 def pool_of(**kwargs: object) -> BlockPoolAllocator:
@@ -851,6 +852,47 @@ def test_every_block_of_an_allocation_is_found_by_id() -> None:
     pool.free([Block(block_id=last)])
     assert ids_of(pool.blocks_for(1)) == ids_of(blocks[:-1])
     pool.check_invariants()
+
+
+def test_allocate_ids_each_matches_one_call_per_item() -> None:
+    """A batch folds its logged counts once at its end (not at each free list's mark it
+    passes): its ids, errors, counters and history rows are those of one allocate_ids() per
+    item, across batches longer than the history, marks passed, both streams, items of several
+    blocks and refused items in between."""
+    rng = random.Random(11)
+    single, batched = (BlockPoolAllocator(PoolConfig(n_blocks=2048)) for _ in range(2))
+    held: list[tuple[int, ...]] = []
+    for round_no in range(60):
+        # Rounds of one stream, then of the other, then of both: the free lists' recycled ids
+        # together exceed the peak in use, which batches of one-block items then raise.
+        streams = (("k",), ("v",), ("k", "v"))[round_no % 3]
+        items = [
+            (
+                rng.choice(streams),
+                rng.choice((5, 16) * 30 + (40, 0)),  # rarely several blocks, or refused
+                rng.randrange(300),
+                "fp16",
+            )
+            for _ in range(rng.choice((1, 64, 300, 700)))
+        ]
+        want: list[object] = []
+        for stream, n_tokens, owner, fmt in items:
+            try:
+                want.append(single.allocate_ids(stream, n_tokens, owner, fmt))
+            except (ValueError, VqpoolError) as exc:
+                want.append(type(exc))
+        got: list[object] = []
+        batched.allocate_ids_each(items, got, set())  # type: ignore[arg-type]
+        assert [r if type(r) is tuple else type(r) for r in got] == want
+        held += [r for r in got if type(r) is tuple]
+        rng.shuffle(held)
+        while len(held) > (200 if round_no % 5 else 0):  # frees: the marks move
+            ids = held.pop()
+            single.free_ids(ids)
+            batched.free_ids(ids)
+        assert batched.stats == single.stats
+        assert list(batched.history) == list(single.history)
+    batched.check_invariants()
 
 
 def test_whole_allocations_freed_leave_nothing_behind() -> None:

@@ -16,6 +16,7 @@ from vqpool.shared.allocator.free_list import FreeList
 from vqpool.shared.allocator.state import (
     ALLOC_ONE,
     ALLOC_ONE_PARTIAL,
+    DEFAULT_HISTORY_SIZE,
     FOLD_AT,
     FRAGMENT,
     FRAGMENTED,
@@ -160,40 +161,82 @@ class BlockPoolAllocator(RestartClaims):
         one_stream = None if self._separate_kv else "kv"
         free_lists = self._free
         active = self._active_owners
-        file_one = self._file_one_locked
+        chunk_of = self._chunk_of
+        holdings = self._holdings
+        events = self._events
         allocate_chunk = self._allocate_chunk_locked
         append = results.append
         served: set[Owner] = set()  # owners of ``unbound`` allocated for by an earlier item
+        # A free list went below its mark (see _fold_locked): the logged codes are folded once,
+        # at the end, instead of at each mark an item passes, as long as they stay few enough to
+        # each get their history row (then the peak in use comes out the same).
+        fold_due = False
         self._lock.acquire()  # not "with": see _allocate_chunk()
         try:
             for stream, n_tokens, owner, format in items:
-                try:
-                    # allocate_ids(), inlined: one recycled id, nothing claimed or never used
-                    if one_stream:
-                        stream = one_stream
-                    free = free_lists.get(stream)
-                    if (
-                        free is not None
-                        and 0 < n_tokens <= block_size
-                        and free.recycled
-                        and not free.claimed
-                        and not free.never_used
-                    ):
-                        block_id = free.recycled[-1]
-                        chunk = new_record((block_id,), stream, format, owner)
-                        if n_tokens < block_size:
-                            chunk.fill = {block_id: n_tokens}
-                        file_one(chunk, block_id, owner, free, n_tokens < block_size)
-                    else:
+                if one_stream:
+                    stream = one_stream
+                free = free_lists.get(stream)
+                if (
+                    free is None
+                    or not 0 < n_tokens <= block_size
+                    or not free.recycled
+                    or free.claimed
+                    or free.never_used
+                ):
+                    try:
                         chunk = allocate_chunk(stream, n_tokens, owner, format, False)
-                except (ValueError, VqpoolError) as exc:
-                    if owner in unbound and owner not in served:
-                        active.discard(owner)
-                    append(exc.with_traceback(None))  # (a flood's thousands keep no frames)
+                    except (ValueError, VqpoolError) as exc:
+                        if owner in unbound and owner not in served:
+                            active.discard(owner)
+                        append(exc.with_traceback(None))  # (a flood's thousands keep no frames)
+                        continue
+                    if unbound:
+                        served.add(owner)
+                    append(chunk.block_ids)
                     continue
+                # One recycled id, nothing claimed or never used: allocate_ids(), new_record()
+                # and _file_one_locked() inlined (two calls cost as much as the rest per item).
+                recycled = free.recycled
+                block_id = recycled[-1]
+                chunk = BlockList()
+                chunk.block_ids = (block_id,)
+                chunk.stream = stream
+                chunk.format = format
+                chunk.owner = owner
+                chunk.n_freed = 0
+                chunk.dead = False
+                chunk._blocks = None
+                if n_tokens < block_size:
+                    chunk.fill = {block_id: n_tokens}
+                    code = ALLOC_ONE_PARTIAL
+                else:
+                    chunk.fill = None
+                    code = ALLOC_ONE
+                was_active = owner in active
+                logged = False
+                try:
+                    chunk_of[block_id] = chunk
+                    if holdings.setdefault(owner, chunk) is not chunk:
+                        self._hold_locked(owner, chunk)  # it holds others
+                    active.add(owner)
+                    recycled.pop()
+                    events.append(code)
+                    logged = True
+                    if fold_due or len(recycled) < free.low:
+                        if len(events) < DEFAULT_HISTORY_SIZE:
+                            fold_due = True
+                        else:
+                            self._fold_locked()  # (all or nothing)
+                            fold_due = False
+                except BaseException:
+                    self._undo_file_one_locked(chunk, block_id, free, was_active, logged)
+                    raise
                 if unbound:
                     served.add(owner)
                 append(chunk.block_ids)
+            if fold_due:
+                self._fold_locked()
         finally:
             self._lock.release()
 
@@ -219,12 +262,20 @@ class BlockPoolAllocator(RestartClaims):
             if len(recycled) < free.low:  # past its mark: it may raise the peak
                 self._fold_locked()  # (all or nothing)
         except BaseException:
-            if logged:
-                events.pop()
-            self._undo_allocate_locked(chunk, was_active)
-            if not recycled or recycled[-1] != block_id:
-                recycled.append(block_id)
+            self._undo_file_one_locked(chunk, block_id, free, was_active, logged)
             raise
+
+    def _undo_file_one_locked(
+        self, chunk: BlockList, block_id: int, free: FreeList, was_active: bool, logged: bool
+    ) -> None:
+        """Undo an interrupted :meth:`_file_one_locked` (or its inlined copy): its allocation
+        dropped, its code unlogged if ``logged``, ``block_id`` back on top of ``free``."""
+        if logged:
+            self._events.pop()
+        self._undo_allocate_locked(chunk, was_active)
+        recycled = free.recycled
+        if not recycled or recycled[-1] != block_id:
+            recycled.append(block_id)
 
     def _allocate_chunk(
         self, stream: str, n_tokens: int, owner: Owner, format: str, with_blocks: bool
