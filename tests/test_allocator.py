@@ -855,10 +855,10 @@ def test_every_block_of_an_allocation_is_found_by_id() -> None:
 
 
 def test_allocate_ids_each_matches_one_call_per_item() -> None:
-    """A batch folds its logged counts once at its end (not at each free list's mark it
-    passes): its ids, errors, counters and history rows are those of one allocate_ids() per
-    item, across batches longer than the history, marks passed, both streams, items of several
-    blocks and refused items in between."""
+    """A batch folds its logged counts once, after it (not at each free list's mark it passes):
+    its ids, errors, counters and history rows are those of one allocate_ids() per item, across
+    batches longer than the history, marks passed, both streams, items of several blocks and
+    refused items in between, and frees before the counters are read."""
     rng = random.Random(11)
     single, batched = (BlockPoolAllocator(PoolConfig(n_blocks=2048)) for _ in range(2))
     held: list[tuple[int, ...]] = []
@@ -890,9 +890,35 @@ def test_allocate_ids_each_matches_one_call_per_item() -> None:
             ids = held.pop()
             single.free_ids(ids)
             batched.free_ids(ids)
-        assert batched.stats == single.stats
-        assert list(batched.history) == list(single.history)
+        if round_no % 3 == 2:  # (a read folds the log: not every round)
+            assert batched.stats == single.stats
+            assert list(batched.history) == list(single.history)
+    assert batched.stats == single.stats
+    assert list(batched.history) == list(single.history)
     batched.check_invariants()
+
+
+def test_a_batch_raising_the_peak_keeps_it_through_frees_before_any_read() -> None:
+    # Recycled ids of both streams beyond the peak (each stream's own peak came alone): a
+    # batch of one-block items from them raises the peak past DEFAULT_HISTORY_SIZE items, and
+    # more frees than the history holds follow before the counters are read.
+    single, batched = (BlockPoolAllocator(PoolConfig(n_blocks=2048)) for _ in range(2))
+    for pool in (single, batched):
+        for stream in ("k", "v"):
+            ids = [pool.allocate_ids(stream, 16, owner) for owner in range(200)]
+            for one in ids:
+                pool.free_ids(one)
+    items = [("k" if i % 2 else "v", 16, i, "fp16") for i in range(300)]
+    got: list[object] = []
+    batched.allocate_ids_each(items, got, set())  # type: ignore[arg-type]
+    want = [single.allocate_ids(*item) for item in items]
+    assert got == want
+    for ids in want:
+        single.free_ids(ids)
+        batched.free_ids(ids)  # type: ignore[arg-type]
+    assert single.stats.peak_blocks_in_use == 300
+    assert batched.stats == single.stats
+    assert list(batched.history) == list(single.history)
 
 
 def test_whole_allocations_freed_leave_nothing_behind() -> None:

@@ -13,8 +13,10 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import is_, itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from vqpool.daemon.core.claims import ClaimPeriod, read_roll, write_roll
 from vqpool.daemon.core.replies import ReplyCache
@@ -55,6 +57,11 @@ ClaimAdmission = Callable[[Session, Owner, FormatCounts], Callable[[], None]]
 them), called
 before its blocks are taken: raises to refuse it, else has charged it and returns the undo,
 called if the blocks are not taken after all."""
+
+
+_N_TOKENS_OF = itemgetter(1)
+_OWNER_OF = itemgetter(2)
+"""The n_tokens and owner of an allocate_many item (stream, n_tokens, owner, format)."""
 
 
 class SessionEnd(NamedTuple):
@@ -274,34 +281,42 @@ class Coordinator:
             ValueError: The items ask for more than MAX_BLOCKS_PER_REQUEST blocks in all.
         """
         block_size = self.allocator.config.block_size
-        n_blocks = sum(-(-n_tokens // block_size) for _, n_tokens, _, _ in items if n_tokens > 0)
-        if n_blocks > MAX_BLOCKS_PER_REQUEST:
-            raise ValueError(
-                f"allocate_many: the items ask for {n_blocks} blocks in all; at most "
-                f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
-            )
-        # The checks that need no pool (check_allocate(), inlined) first: an item failing them
-        # never reaches the allocator. Another session's owner cannot change hands meanwhile.
         holder = self._holder
         max_tokens = self._max_tokens
-        unbound: set[Owner] = set()  # owners bound to no session: bound once allocated for
+        # The item columns the checks read, and each owner's holder, made in C (no per-item
+        # Python code while every item is well within the bounds, the common batch).
+        tokens = list(map(_N_TOKENS_OF, items))
+        owners = list(map(_OWNER_OF, items))
+        held = list(map(holder.get, owners))
+        largest = max(tokens, default=0)
+        # Blocks asked in all: counted only when every item as large as the largest could
+        # exceed the bound.
+        if len(items) * -(-largest // block_size) > MAX_BLOCKS_PER_REQUEST:
+            n_blocks = sum(-(-n // block_size) for n in tokens if n > 0)
+            if n_blocks > MAX_BLOCKS_PER_REQUEST:
+                raise ValueError(
+                    f"allocate_many: the items ask for {n_blocks} blocks in all; at most "
+                    f"{MAX_BLOCKS_PER_REQUEST} per request: send several"
+                )
+        # Owners bound to no session (bound once allocated for), and the checks that need no
+        # pool (check_allocate()) of items that may fail them: such an item never reaches the
+        # allocator. Another session's owner cannot change hands meanwhile.
+        unbound: set[Owner] = set(compress(owners, map(is_, held, repeat(None))))
         errors = ItemErrors()
         refused: dict[int, dict[str, Any]] = {}  # item index: its error entry
-        for index, (_, n_tokens, owner, _) in enumerate(items):
-            held_by = holder.get(owner)
-            if (held_by is not session and held_by is not None) or n_tokens > max_tokens:
-                try:
-                    self.check_allocate(session, n_tokens, owner)
-                except (ValueError, VqpoolError) as exc:
-                    refused[index] = errors.entry(index, exc)
-            elif held_by is None:
-                unbound.add(owner)
+        if largest > max_tokens or held.count(None) + held.count(session) != len(held):
+            for index, (held_by, n, owner) in enumerate(zip(held, tokens, owners, strict=True)):
+                if (held_by is not session and held_by is not None) or n > max_tokens:
+                    try:
+                        self.check_allocate(session, n, owner)
+                    except (ValueError, VqpoolError) as exc:
+                        refused[index] = errors.entry(index, exc)
         asked = items
         if refused:
             asked = [item for index, item in enumerate(items) if index not in refused]
         got: list[tuple[int, ...] | ValueError | VqpoolError] = []
         try:
-            self.allocator.allocate_ids_each(asked, got, unbound)
+            n_failed = self.allocator.allocate_ids_each(asked, got, unbound)
         except BaseException:
             done = [
                 (item[2], ids) for item, ids in zip(asked, got, strict=False) if type(ids) is tuple
@@ -310,6 +325,15 @@ class Coordinator:
                 done, [o for o in dict.fromkeys(o for o, _ in done) if o in unbound]
             )
             raise
+        if not refused and not n_failed:  # every item allocated: every unbound owner is bound
+            if unbound:
+                holder.update(dict.fromkeys(unbound, session))
+                session.owners.update(unbound)
+            allocated = cast("list[tuple[int, ...]]", got)
+            if self._id_shortages:
+                for (stream, _, _, _), ids in zip(items, allocated, strict=True):
+                    self._note_ids_served(self._one_stream or stream, len(ids))
+            return list(map(list, allocated))
         # Bind what was allocated for (_bind(), inlined), and note shortages, as the items came.
         add_owner = session.owners.add
         results: list[list[int] | dict[str, Any]] = []

@@ -17,7 +17,6 @@ from vqpool.shared.allocator.state import (
     ALLOC_ONE,
     ALLOC_ONE_PARTIAL,
     DEFAULT_HISTORY_SIZE,
-    FOLD_AT,
     FRAGMENT,
     FRAGMENTED,
     FREE_ONE,
@@ -149,14 +148,15 @@ class BlockPoolAllocator(RestartClaims):
         items: Sequence[tuple[str, int, Owner, str]],
         results: list[tuple[int, ...] | ValueError | VqpoolError],
         unbound: set[Owner],
-    ) -> None:
+    ) -> int:
         """allocate_ids() per ``(stream, n_tokens, owner, format)`` item, in order, under one
         lock (a decode step's batch): each item allocates or fails on its own, as the call would.
 
         Appends to ``results``, as each item is done, its ids or the error its call raised, so
         a caller interrupted by anything else raised knows what was allocated (it undoes it).
         The owner of a failed item that is in ``unbound`` and for which no earlier item of this
-        call allocated is released, as release_owner() would (the caller's all or nothing)."""
+        call allocated is released, as release_owner() would (the caller's all or nothing).
+        Returns how many items failed."""
         block_size = self._block_size
         one_stream = None if self._separate_kv else "kv"
         free_lists = self._free
@@ -167,9 +167,10 @@ class BlockPoolAllocator(RestartClaims):
         allocate_chunk = self._allocate_chunk_locked
         append = results.append
         served: set[Owner] = set()  # owners of ``unbound`` allocated for by an earlier item
+        n_failed = 0
         # A free list went below its mark (see _fold_locked): the logged codes are folded once,
-        # at the end, instead of at each mark an item passes, as long as they stay few enough to
-        # each get their history row (then the peak in use comes out the same).
+        # after the batch (_defer_fold_locked), instead of at each mark an item passes, as long
+        # as they stay few enough to each get their history row (the peak comes out the same).
         fold_due = False
         self._lock.acquire()  # not "with": see _allocate_chunk()
         try:
@@ -190,6 +191,7 @@ class BlockPoolAllocator(RestartClaims):
                         if owner in unbound and owner not in served:
                             active.discard(owner)
                         append(exc.with_traceback(None))  # (a flood's thousands keep no frames)
+                        n_failed += 1
                         continue
                     if unbound:
                         served.add(owner)
@@ -236,9 +238,10 @@ class BlockPoolAllocator(RestartClaims):
                     served.add(owner)
                 append(chunk.block_ids)
             if fold_due:
-                self._fold_locked()
+                self._defer_fold_locked()
         finally:
             self._lock.release()
+        return n_failed
 
     def _file_one_locked(
         self, chunk: BlockList, block_id: int, owner: Owner, free: FreeList, partial: bool
@@ -513,7 +516,7 @@ class BlockPoolAllocator(RestartClaims):
                 events = self._events
                 if len(ids) == 1:  # its counters and history row, logged
                     events.append(FREE_ONE_PARTIAL if blocks.fill else FREE_ONE)
-                    if len(events) >= FOLD_AT:
+                    if len(events) >= self._fold_at:
                         self._fold_locked()
                     return
                 self._settle_locked()
@@ -714,7 +717,7 @@ class BlockPoolAllocator(RestartClaims):
             return
         events = self._events  # the count, logged as allocate() logs its own
         events.append(code)
-        if len(events) >= FOLD_AT:
+        if len(events) >= self._fold_at:
             self._fold_locked()
 
     def __repr__(self) -> str:

@@ -126,6 +126,9 @@ class AllocatorState:
         # Codes of the calls whose counter changes are not applied yet (see ALLOC_ONE): every
         # path that reads or changes the counters or the history folds them first.
         self._events: list[int] = []
+        # How long the log may grow before a free() or mark_used() folds it: FOLD_AT, or
+        # DEFAULT_HISTORY_SIZE while a fold is due (see _defer_fold_locked).
+        self._fold_at = FOLD_AT
 
     # -- history -------------------------------------------------------------------------------
 
@@ -141,7 +144,8 @@ class AllocatorState:
         applied as their sum (in C). The peak in use needs no scan of them: while logged one-block
         allocations take no more recycled ids from the free lists than the headroom below the
         peak (each list's ``low`` mark, their shares summing to it), none of them can raise it;
-        the one that takes more folds at once, so it is always among the last rows.
+        the one that takes more folds at once (or, in a batch, before the log holds more codes
+        than rows kept: :meth:`_defer_fold_locked`), so it is always among the last rows.
         """
         events = self._events
         counts = self._counts[:]  # applied to a copy, committed at the end: all or nothing
@@ -208,6 +212,7 @@ class AllocatorState:
         self._history.extend(rows)
         self._counts[:] = counts
         events.clear()
+        self._fold_at = FOLD_AT
         if not mark:
             return
         # Until the next fold, blocks in use change only by logged calls, each a recycled id
@@ -219,6 +224,19 @@ class AllocatorState:
         for free in free_lists:
             free.low = len(free.recycled) - share
         free_lists[0].low -= headroom - share * len(free_lists)
+
+    def _defer_fold_locked(self) -> None:
+        """Leave a fold that is due (a free list past its mark) to the next call that logs a
+        code or reads the counters, instead of doing it now: the next logged allocation folds
+        at once (every mark cleared), and a free() or mark_used() once the log holds
+        DEFAULT_HISTORY_SIZE codes, so every code logged since the fold fell due still gets its
+        own row (the peak in use comes out the same). For a batch's caller that answers before
+        anything reads the counters (the daemon folds them after its reply is sent). Needs
+        fewer than DEFAULT_HISTORY_SIZE codes logged."""
+        assert len(self._events) < DEFAULT_HISTORY_SIZE
+        self._fold_at = DEFAULT_HISTORY_SIZE
+        for free in self._free.values():
+            free.low = NO_MARK
 
     def _settle_locked(self) -> None:
         """Fold the logged codes before a path that changes the counters itself, and clear the
