@@ -85,6 +85,7 @@ class AllocatorState:
         self._free: dict[str, FreeList] = {
             s: FreeList(i * per_stream, (i + 1) * per_stream) for i, s in enumerate(streams)
         }
+        self._free_lists = tuple(self._free.values())  # (the streams never change)
         # The first id never part of this pool: ids are unique across streams.
         self._next_block_id = per_stream * len(streams)
         # The *gap*: ids a restart's claims made part of the id space without a stream listing
@@ -148,7 +149,12 @@ class AllocatorState:
         than rows kept: :meth:`_defer_fold_locked`), so it is always among the last rows.
         """
         events = self._events
-        counts = self._counts[:]  # applied to a copy, committed at the end: all or nothing
+        # The counters as locals while the codes are applied (a list item's += costs three
+        # times a local's), committed at the end (all or nothing); each row built from them, in
+        # AllocationStats' field order (see N_BLOCKS).
+        n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown, n_retired, peak, frag = (
+            self._counts
+        )
         start = 0
         if len(events) > DEFAULT_HISTORY_SIZE:
             n_rows = 0
@@ -160,18 +166,13 @@ class AllocatorState:
             for lo in range(0, start, _DIGIT_MASK):  # sums of at most 127 codes
                 total = sum(events[lo : min(start, lo + _DIGIT_MASK)])
                 allocated = total & _DIGIT_MASK
-                counts[N_ALLOCATIONS] += allocated
-                counts[N_REUSED] += allocated
-                counts[N_FREES] += (total >> _DIGIT) & _DIGIT_MASK
-                counts[FRAGMENTED] += ((total >> 2 * _DIGIT) & _DIGIT_MASK) - (total >> 3 * _DIGIT)
+                n_allocations += allocated
+                n_reused += allocated
+                n_frees += (total >> _DIGIT) & _DIGIT_MASK
+                frag += ((total >> 2 * _DIGIT) & _DIGIT_MASK) - (total >> 3 * _DIGIT)
         rows: list[tuple[int, ...]] = []
         append = rows.append
         changes = _CHANGES
-        # The counters as locals while each code is applied (a list item's += costs three times
-        # a local's), each row built from them; in AllocationStats' field order (see N_BLOCKS).
-        n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown, n_retired, peak, frag = (
-            counts
-        )
         for code in events[start:] if start else events:
             allocated, freed, fragmented = changes[code]
             if fragmented:
@@ -198,7 +199,8 @@ class AllocatorState:
                     frag,
                 )
             )
-        counts = [
+        self._history.extend(rows)
+        self._counts[:] = (
             n_blocks,
             n_allocations,
             n_frees,
@@ -208,9 +210,7 @@ class AllocatorState:
             n_retired,
             peak,
             frag,
-        ]
-        self._history.extend(rows)
-        self._counts[:] = counts
+        )
         events.clear()
         self._fold_at = FOLD_AT
         if not mark:
@@ -218,8 +218,8 @@ class AllocatorState:
         # Until the next fold, blocks in use change only by logged calls, each a recycled id
         # taken or given back (a free that gives back a claimed id lists nothing: the count
         # errs high, safe), so each list may lose its share of the headroom before a fold.
-        headroom = counts[PEAK_IN_USE] - (counts[N_ALLOCATIONS] - counts[N_FREES])
-        free_lists = list(self._free.values())
+        headroom = peak - (n_allocations - n_frees)
+        free_lists = self._free_lists
         share = headroom // len(free_lists)
         for free in free_lists:
             free.low = len(free.recycled) - share
