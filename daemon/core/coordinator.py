@@ -189,35 +189,10 @@ class Coordinator:
     def allocate(
         self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
     ) -> list[int]:
-        """allocate() for ``session``: the new blocks' ids (their stream and fill are implied)."""
-        return list(self._allocate(session, stream, n_tokens, owner, fmt))
-
-    def check_allocate(self, session: Session, n_tokens: int, owner: Owner) -> Session | None:
-        """The checks of an allocate that need no pool: the owner is free or ``session``'s (its
-        holder is returned) and ``n_tokens`` within one allocation. The budget asks them before
-        its ledger, so such a request is refused as what it is, never parked.
-
-        Raises:
-            OwnerAlreadyActiveError: Another session holds ``owner``.
-            ValueError: ``n_tokens`` needs more than MAX_BLOCKS_PER_ALLOCATE blocks.
-        """
-        holder = self._holder.get(owner)
-        if holder is not session and holder is not None:
-            raise self._owner_taken(owner, holder)
-        if n_tokens > self._max_tokens:
-            raise ValueError(
-                f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
-                "allocate in steps"
-            )
-        return holder
-
-    def _allocate(
-        self, session: Session, stream: str, n_tokens: int, owner: Owner, fmt: str
-    ) -> tuple[int, ...]:
-        """allocate() for ``session``, all or nothing whatever is raised: a failed allocation
-        (an exhausted pool included, unlike the local allocator) leaves no owner bound or
-        registered that was not before."""
-        # check_allocate() and _bind(), inlined for the common case: once per allocate_many item
+        """allocate() for ``session``: the new blocks' ids (their stream and fill are implied).
+        All or nothing whatever is raised: a failed allocation (an exhausted pool included,
+        unlike the local allocator) leaves no owner bound or registered that was not before."""
+        # check_allocate() and _bind(), inlined for the common case
         holder = self._holder.get(owner)
         if (holder is not session and holder is not None) or n_tokens > self._max_tokens:
             self.check_allocate(session, n_tokens, owner)  # raises what is wrong
@@ -242,7 +217,26 @@ class Coordinator:
             raise
         if self._id_shortages:  # one test on the hot path while no allocation is short
             self._note_ids_served(self._one_stream or stream, len(ids))
-        return ids
+        return list(ids)
+
+    def check_allocate(self, session: Session, n_tokens: int, owner: Owner) -> Session | None:
+        """The checks of an allocate that need no pool: the owner is free or ``session``'s (its
+        holder is returned) and ``n_tokens`` within one allocation. The budget asks them before
+        its ledger, so such a request is refused as what it is, never parked.
+
+        Raises:
+            OwnerAlreadyActiveError: Another session holds ``owner``.
+            ValueError: ``n_tokens`` needs more than MAX_BLOCKS_PER_ALLOCATE blocks.
+        """
+        holder = self._holder.get(owner)
+        if holder is not session and holder is not None:
+            raise self._owner_taken(owner, holder)
+        if n_tokens > self._max_tokens:
+            raise ValueError(
+                f"allocate: n_tokens {n_tokens} needs more than {MAX_BLOCKS_PER_ALLOCATE} blocks; "
+                "allocate in steps"
+            )
+        return holder
 
     def _note_id_shortage(self, stream: str, n_tokens: int) -> None:
         """An allocation of ``n_tokens`` in ``stream`` was refused for lack of ids."""

@@ -101,7 +101,9 @@ def check_list(value: Any, name: str, max_len: int = MAX_ITEMS) -> list[Any]:
 
 def check_block_ids(value: Any, name: str = "block_ids") -> list[int]:
     """An array of block ids (non-negative ints)."""
-    ids = check_list(value, name)
+    if type(value) is not list or len(value) > MAX_ITEMS:  # (every free: check_list inlined)
+        check_list(value, name)
+    ids: list[int] = value
     for block_id in ids:
         if type(block_id) is not int or not 0 <= block_id <= INT64_MAX:
             raise BadRequestError(

@@ -22,8 +22,7 @@ checked against its op's declaration later (:func:`vqpool.shared.protocol.ops.pa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 from vqpool.shared.errors import BadRequestError, UnsupportedVersionError, error_code_for
@@ -52,9 +51,11 @@ _UNPACK_LIMITS: dict[str, Any] = {
 }
 
 
-@dataclass(slots=True)
-class Request:
-    """A request whose envelope is valid (its args are checked by the op's schema later)."""
+class Request(NamedTuple):
+    """A request whose envelope is valid (its args are checked by the op's schema later).
+
+    A named tuple, made by parse_envelope with ``tuple.__new__`` (in C: a dataclass's
+    ``__init__`` is one more Python call per request)."""
 
     id: int
     op: str
@@ -62,6 +63,8 @@ class Request:
     boot: str | None
     args: Any
 
+
+_new_tuple = tuple.__new__
 
 _ENVELOPE_KEYS = frozenset({"v", "id", "op", "sid", "boot", "args"})
 _is_envelope_key_set = _ENVELOPE_KEYS.issuperset
@@ -167,7 +170,7 @@ def parse_envelope(message: Any) -> Request:
     boot = get("boot")
     if boot is not None and (type(boot) is not str or len(boot) > MAX_TEXT_LEN):
         check_str(boot, "boot")
-    return Request(rid, op, sid, boot, get("args", {}))
+    return _new_tuple(Request, (rid, op, sid, boot, get("args", {})))
 
 
 def encode_request(
