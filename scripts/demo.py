@@ -137,8 +137,7 @@ def parse_args() -> argparse.Namespace:
         default="auto",
         help="the workers' --reserve (default auto, the worker's own default: requests are "
         "reserved whole while they are seen to run to max_tokens, as here unless --stop-early, "
-        "and none waits for memory, and grow block by block otherwise, as here where the "
-        "pool binds, their growth waiting in the budget's fair queue)",
+        "and grow block by block otherwise, their growth waiting in the budget's fair queue)",
     )
     parser.add_argument(
         "--growth-wait",
@@ -471,8 +470,8 @@ def what_it_showed(preemptions_per_s: float, reserve: str) -> str:
         )
         how = (
             "With --reserve auto a request is reserved whole while requests are seen to run to\n"
-            "max_tokens and none waits for memory, and grows its memory on demand otherwise\n"
-            "(here the pool binds: requests wait for memory, so they grow)"
+            "max_tokens (here they do, unless --stop-early), and grows its memory on demand\n"
+            "otherwise"
             if reserve == "auto"
             else "A request grows its memory on demand"
         )

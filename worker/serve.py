@@ -141,9 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(RESERVE_MODES),
         default=DEFAULT_RESERVE,
         help="blocks reserved when a request starts: per request (auto: as full while the "
-        "worker's requests are measured to use at least 90%% of their max_tokens and none "
-        "waits for memory, else as on-demand), its prompt's plus one block (on-demand), plus "
-        "one token (prompt), or for "
+        "worker's requests are measured to use at least 90%% of their max_tokens, else as "
+        "on-demand), its prompt's plus one block (on-demand), plus one token (prompt), or for "
         "prompt + max_tokens (full); requests grow at block boundaries, and when the pool "
         "refuses, the request cheapest to recompute is preempted and resumed later with its "
         "tokens recomputed, never ended (default: %(default)s)",

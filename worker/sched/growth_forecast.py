@@ -20,15 +20,10 @@ look-ahead in the manner of vLLM's watermark, but sized from what this worker me
   ends, none runs, or a block's worth of steps passed (memory another model frees is seen then).
 
 It also measures how much of their ``max_tokens`` requests use (:attr:`GrowthForecast.used`, a
-moving average over requests that ended by EOS, a stop string or ``max_tokens``) and whether
-memory binds (:meth:`GrowthForecast.memory_binds`: a request waited for memory, with fewer than
-``max_concurrent`` started, or gave way, within the last :data:`MEMORY_BINDS_ENDS` row ends).
-With ``--reserve auto`` a worker whose requests use nearly all of it reserves them whole while
-memory does not bind: growth would then save nothing anyone waits for, and it costs a round
-trip to vqpoold per growth on the generation thread, and preemptions. While memory binds,
-requests grow even when they run to ``max_tokens``: a whole reservation holds from its start
-what the request holds only at its end, and the difference (half its ``max_tokens`` on
-average) is room for more rows.
+moving average over requests that ended by EOS, a stop string or ``max_tokens``): with
+``--reserve auto`` a worker whose requests use nearly all of it reserves them whole, since
+growth would save nothing of what they hold at their end and costs a round trip to vqpoold per
+growth on the generation thread, and preemptions.
 
 Generation-thread only.
 """
@@ -46,11 +41,6 @@ SMOOTHING = 0.2
 
 USED_SMOOTHING = 0.1
 """Weight of the newest request in the moving average of the share of ``max_tokens`` used."""
-
-MEMORY_BINDS_ENDS = 4
-"""Memory binds until this many rows ended since a request last waited for memory or gave
-way (a few requests' lifetimes: a whole reservation that starts meanwhile holds its
-``max_tokens`` for one lifetime, so flipping back costs at most that)."""
 
 
 class GrowthForecast:
@@ -70,7 +60,6 @@ class GrowthForecast:
         self._refused_at: int | None = None
         self._held: tuple[int, int] | None = None  # (running then, step it expires at)
         self._used: float | None = None  # not measured yet
-        self._ends_since_memory_wait: int | None = None  # None: memory never waited for
 
     @property
     def steps_between_ends(self) -> float | None:
@@ -92,26 +81,12 @@ class GrowthForecast:
         else:
             self._used += USED_SMOOTHING * (share - self._used)
 
-    def memory_waited(self) -> None:
-        """A request could not start for memory (the pool, the budget or the look-ahead)
-        with fewer than ``max_concurrent`` started, or one gave way (a refused growth, a
-        reclaim ask)."""
-        self._ends_since_memory_wait = 0
-
-    def memory_binds(self) -> bool:
-        """Whether a request waited for memory or gave way within the last
-        :data:`MEMORY_BINDS_ENDS` row ends."""
-        ends = self._ends_since_memory_wait
-        return ends is not None and ends < MEMORY_BINDS_ENDS
-
     def stepped(self) -> None:
         """A decode step of the batch ran."""
         self._steps += 1
 
     def row_ended(self) -> None:
         """A running row ended (not preempted): its memory is back."""
-        if self._ends_since_memory_wait is not None:
-            self._ends_since_memory_wait += 1
         if self._last_end is not None:
             gap = self._steps - self._last_end
             if self._steps_between_ends is None:
@@ -123,7 +98,6 @@ class GrowthForecast:
     def refused(self) -> None:
         """A growth of this worker was refused, or the daemon asked bytes back."""
         self._refused_at = self._steps
-        self.memory_waited()
 
     def look_ahead_slots(self) -> int:
         """Slots each running row must be able to grow by before another request starts."""
@@ -138,7 +112,6 @@ class GrowthForecast:
     def hold(self, running: int) -> None:
         """The look-ahead was refused with ``running`` requests running: hold admissions."""
         self._held = (running, self._steps + self.block_size)
-        self.memory_waited()
 
     def holds(self, running: int) -> bool:
         """Whether admissions are held with ``running`` requests running (module docstring)."""

@@ -13,12 +13,12 @@ read its token ids from the job's event queue. One generation thread does the re
   (see Preemption). With "on-demand", a job starts beside running rows only once those rows are
   backed for their next growth, a look-ahead sized from measured steps between rows ending
   (:mod:`vqpool.worker.sched.growth_forecast`): else admissions are held (``held_for_growth``)
-  rather than set up a preemption a few steps later. With "auto", per request: as "full" while this
-  worker's requests are measured to use nearly all their ``max_tokens`` (at least
-  ``WHOLE_WHEN_USED``, a moving average of the requests that ended) and memory does not bind (no
-  request waited for memory or gave way within the last few row ends: growth would free nothing
-  anyone waits for, and costs growth calls and preemptions), else as "on-demand" (and so a request
-  whose whole need could never fit the pool alone). If the pool has too few free blocks, the head
+  rather than set up a preemption a few steps later. With "auto", per request: as "on-demand"
+  until this worker's requests are measured to use nearly all their ``max_tokens`` (at least
+  ``WHOLE_WHEN_USED``, a moving average of the requests that ended), then as "full" (growth would
+  free nothing they hold at their end, and costs growth calls and preemptions), and back to
+  "on-demand" when they stop early again (and as "on-demand" a request whose whole need could
+  never fit the pool alone). If the pool has too few free blocks, the head
   waits (and the jobs behind it too: a long prompt is not starved by short ones); admission is
   retried every ``retry_interval`` seconds, since blocks may be freed by another worker, and at once
   when one of this worker's jobs ends. With the daemon's pool (``source.waits``) the head instead
@@ -529,7 +529,6 @@ class Scheduler:
             if job.parked:
                 # Granted blocks are picked up even after a preemption: they are this job's.
                 if not self._collect(job):
-                    self._forecast.memory_waited()  # it still waits at the daemon
                     return
                 continue
             if not self._preemption.admits(len(self._active)):
@@ -544,7 +543,6 @@ class Scheduler:
                 self._fail_start(job, exc)
                 continue
             if not started:
-                self._forecast.memory_waited()
                 if not job.waited_for_blocks:
                     job.waited_for_blocks = True
                     self.stats.add(waits=1)
@@ -695,18 +693,13 @@ class Scheduler:
     def _whole_by_measure(self) -> bool:
         """With ``reserve`` "auto": whether requests reserve their whole need (prompt +
         ``max_tokens``), as with "full" (no look-ahead either), rather than grow on demand:
-        they do while this worker's requests use at least :data:`WHOLE_WHEN_USED` of their
+        they do once this worker's requests use at least :data:`WHOLE_WHEN_USED` of their
         ``max_tokens`` (measured, :attr:`GrowthForecast.used
-        <vqpool.worker.sched.growth_forecast.GrowthForecast.used>`) and memory does not bind
-        (:meth:`GrowthForecast.memory_binds
-        <vqpool.worker.sched.growth_forecast.GrowthForecast.memory_binds>`). Growth would then
-        free nothing anyone waits for, and it costs growth calls (each a round trip to vqpoold
-        on the generation thread) and preemptions. While memory binds requests grow: a whole
-        reservation holds from its start what a request holds only at its end."""
-        if self.reserve != "auto" or self._forecast.memory_binds():
-            return False
+        <vqpool.worker.sched.growth_forecast.GrowthForecast.used>`). Growth would then free
+        nothing they hold at their end, and it costs growth calls (each a round trip to
+        vqpoold on the generation thread) and preemptions."""
         used = self._forecast.used
-        return used is not None and used >= WHOLE_WHEN_USED
+        return self.reserve == "auto" and used is not None and used >= WHOLE_WHEN_USED
 
     def _look_ahead(self) -> int:
         """Slots a decode step's growth asks for ahead (0: none, requests reserve whole)."""
